@@ -1,0 +1,339 @@
+"""Live ranks: ipyparallel engines holding one torch.distributed process group.
+
+Rank = engine order. The group forms over a TCP store on 127.0.0.1 with a free port.
+Every call collects per-rank outcomes under a deadline, so a stuck collective or a dead
+engine becomes a per-rank failure the caller can show, never a hung notebook kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from workbench.errors import ClusterError, RankErrors, RankFailure
+
+if TYPE_CHECKING:
+    from workbench.session import Session
+
+DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def resolve_backend(backend: str, ranks: int) -> str:
+    """'auto' means NCCL with one GPU per rank when there are enough GPUs, else gloo."""
+    if ranks < 1:
+        raise ClusterError(f"ranks must be >= 1, got {ranks}")
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ClusterError(f"unknown backend {backend!r}; valid: auto, gloo, nccl")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < ranks:
+        raise ClusterError(f"backend 'nccl' needs one GPU per rank: {ranks} ranks asked, {gpus} GPU(s) visible")
+    if backend == "auto":
+        return "nccl" if gpus >= ranks else "gloo"
+    return backend
+
+
+@dataclass
+class Outcome:
+    """Per-rank values and failures of one call."""
+
+    values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, RankFailure] = field(default_factory=dict)
+
+    def raise_for_failures(self) -> None:
+        if self.failures:
+            raise RankErrors(self.failures, self.values)
+
+
+class Cluster:
+    """N engines, one rank each, and the process group among them."""
+
+    def __init__(self, ranks: int = 2, backend: str = "auto", timeout: float = 60.0,
+                 port: int | None = None, env: dict[str, str] | None = None):
+        self.backend = resolve_backend(backend, ranks)
+        self.world_size = ranks
+        self.timeout = float(timeout)
+        self._port_wish = port
+        self.port: int | None = None
+        self.env = dict(env or {})
+        self._ipp = None
+        self._client = None
+        self._ids: list[int] = []
+        self.pids: dict[int, int] = {}
+        self.devices: dict[int, str] = {}
+        self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
+        self._dead: set[int] = set()
+        self.dirty = False  # a step failed: the group may hold mispaired messages
+        self.start_s: float | None = None
+        self.group_s: float | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> Cluster:
+        import ipyparallel as ipp
+
+        t0 = time.perf_counter()
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.WARNING)
+            self._client = self._ipp.start_and_connect_sync()
+            self._client.wait_for_engines(self.world_size, timeout=120)
+        except Exception as exc:
+            self.stop()
+            raise ClusterError(f"could not start {self.world_size} engines: {exc}") from exc
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._ids = sorted(self._client.ids)[: self.world_size]
+        self._client[self._ids].use_cloudpickle()
+        self.pids = dict(enumerate(self._client[self._ids].apply_sync(os.getpid)))
+        self.start_s = time.perf_counter() - t0
+        self.form_group()
+        return self
+
+    def form_group(self) -> None:
+        """(Re-)form the process group on every engine with a fresh loopback port."""
+        from workbench.rank.context import destroy_rank, init_rank
+
+        if self.dirty or self.port is not None:
+            self.call(destroy_rank, timeout=self.timeout + 10)
+        port = self._pick_port()
+        t0 = time.perf_counter()
+        pending = {r: self._view(r).apply_async(init_rank, r, self.world_size, self.backend, port, self.timeout)
+                   for r in range(self.world_size)}
+        outcome = self._collect(pending, self.timeout + 30)
+        if outcome.failures:
+            raise ClusterError("process group did not form:\n  " +
+                               "\n  ".join(f.line() for f in outcome.failures.values()))
+        self.port = port
+        self.dirty = False
+        self.group_s = time.perf_counter() - t0
+        self.devices = {r: v["device"] for r, v in outcome.values.items()}
+        self._set_threads()
+
+    def _set_threads(self) -> None:
+        # Two engines on two cores must not each spin up two intra-op threads.
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        self.run(_set_num_threads, threads)
+
+    def _pick_port(self) -> int:
+        wish = self._port_wish
+        if wish is not None and not port_is_free(wish):
+            port = free_port()
+            warnings.warn(f"port {wish} is in use; the process group uses free port {port} instead", stacklevel=3)
+            self._port_wish = None
+            return port
+        return wish or free_port()
+
+    def stop(self) -> None:
+        """Stop every engine; none outlives this call, stuck or not."""
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not mask the stop
+                pass
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception:  # noqa: BLE001
+                pass
+        _kill(self.pids.values())
+        self._ipp = self._client = None
+        self._busy.clear()
+        self._dead.clear()
+
+    def restart(self) -> Cluster:
+        """Fresh engines and a fresh group: the way out of a dead or stuck rank."""
+        self.stop()
+        self.pids = {}
+        return self.start()
+
+    def __enter__(self) -> Cluster:
+        return self if self._client is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._client is not None
+
+    def __repr__(self) -> str:
+        state = "stopped" if not self.alive else ("needs restart" if self._dead else "busy" if self._busy else "ready")
+        return f"<Cluster ranks={self.world_size} backend={self.backend} timeout={self.timeout:g}s {state}>"
+
+    # -- running ----------------------------------------------------------------------
+    def _view(self, rank: int):
+        return self._client[self._ids[rank]]
+
+    def submit(self, fn: Callable, *args: Any, ranks: list[int] | None = None, **kwargs: Any) -> dict[int, Any]:
+        """Start ``fn`` on the ranks without waiting; returns rank -> AsyncResult."""
+        self._check_usable()
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        for r in ranks:
+            if not 0 <= r < self.world_size:
+                raise ClusterError(f"rank {r} does not exist; ranks are 0..{self.world_size - 1}")
+        return {r: self._view(r).apply_async(fn, *args, **kwargs) for r in ranks}
+
+    def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
+             timeout: float | None = None, **kwargs: Any) -> Outcome:
+        """Run ``fn`` on the ranks; every rank's value or failure, never an exception."""
+        pending = self.submit(fn, *args, ranks=ranks, **kwargs)
+        return self._collect(pending, self.deadline if timeout is None else timeout)
+
+    def run(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
+            timeout: float | None = None, **kwargs: Any) -> dict[int, Any]:
+        """Run ``fn`` on the ranks and return rank -> value; raise naming every failing rank."""
+        outcome = self.call(fn, *args, ranks=ranks, timeout=timeout, **kwargs)
+        outcome.raise_for_failures()
+        return outcome.values
+
+    @property
+    def deadline(self) -> float:
+        """A call's default deadline: past the collective timeout, so gloo's own error wins."""
+        return self.timeout * 1.5 + 10
+
+    def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Session:
+        from workbench.session import Session
+
+        return Session(self, scenario, fix=fix, poison=poison, params=params)
+
+    # -- health -----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._client is None:
+            raise ClusterError("the cluster is stopped; call start() or restart()")
+        if self._dead:
+            raise ClusterError(f"rank(s) {sorted(self._dead)} died; call cluster.restart() for fresh engines")
+        for r, ar in list(self._busy.items()):
+            if ar.ready():
+                del self._busy[r]
+        if self._busy:
+            raise ClusterError(
+                f"rank(s) {sorted(self._busy)} are still inside an earlier call past its deadline; "
+                "wait for the collective timeout to release them (cluster.wait_idle()) or call cluster.restart()")
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait for ranks stuck past a deadline to come back; True when all did."""
+        end = time.monotonic() + (self.timeout + 10 if timeout is None else timeout)
+        while self._busy and time.monotonic() < end:
+            for r, ar in list(self._busy.items()):
+                if ar.ready():
+                    del self._busy[r]
+            time.sleep(0.05)
+        return not self._busy
+
+    def dead_ranks(self) -> list[int]:
+        dead = []
+        for r, pid in self.pids.items():
+            try:
+                if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    dead.append(r)
+            except psutil.NoSuchProcess:
+                dead.append(r)
+        return dead
+
+    def _collect(self, pending: dict[int, Any], timeout: float) -> Outcome:
+        out = Outcome()
+        end = time.monotonic() + timeout
+        death_seen: float | None = None
+        last_check = 0.0
+        while True:
+            open_ = [r for r, ar in pending.items() if not ar.ready()]
+            if not open_:
+                break
+            now = time.monotonic()
+            if now - last_check > 0.5:
+                last_check = now
+                for r in self.dead_ranks():
+                    if r in pending and r not in out.failures:
+                        self._dead.add(r)
+                        death_seen = death_seen or now
+                        out.failures[r] = RankFailure(r, "died", "EngineDied",
+                                                      f"engine process {self.pids[r]} exited; call cluster.restart()")
+            open_ = [r for r in open_ if r not in out.failures]
+            if not open_:
+                break
+            if now > end or (death_seen is not None and now - death_seen > DEATH_GRACE_S):
+                for r in open_:
+                    self._busy[r] = pending[r]
+                    why = "after a peer died" if death_seen else f"past the {timeout:g}s deadline"
+                    out.failures[r] = RankFailure(r, "timeout", "Timeout", f"still running {why}")
+                break
+            pending[open_[0]].wait(0.05)
+        for r, ar in pending.items():
+            if r in out.failures:
+                continue
+            try:
+                out.values[r] = ar.get(0)
+            except Exception as exc:  # noqa: BLE001 - a remote failure is data
+                out.failures[r] = _failure_from(r, exc)
+                if type(exc).__name__ == "EngineError":
+                    self._dead.add(r)
+        return out
+
+
+def _failure_from(rank: int, exc: BaseException) -> RankFailure:
+    ename = getattr(exc, "ename", None)
+    if ename:
+        tb = "\n".join(getattr(exc, "traceback", "") or []) if isinstance(getattr(exc, "traceback", ""), list) \
+            else str(getattr(exc, "traceback", "") or "")
+        return RankFailure(rank, "error", ename, str(getattr(exc, "evalue", "")), tb)
+    if type(exc).__name__ == "EngineError":
+        return RankFailure(rank, "died", "EngineDied", str(exc))
+    return RankFailure(rank, "error", type(exc).__name__, str(exc))
+
+
+def _kill(pids: Any) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        procs.append(p)
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _set_num_threads(n: int) -> int:
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
+def start(ranks: int = 2, backend: str = "auto", timeout: float = 60.0, port: int | None = None,
+          env: dict[str, str] | None = None) -> Cluster:
+    """Start ``ranks`` engines and form their process group (the notebook's first cell)."""
+    return Cluster(ranks=ranks, backend=backend, timeout=timeout, port=port, env=env).start()

@@ -1,0 +1,106 @@
+"""Frames: what every rank held after one step, as pandas tables.
+
+One vocabulary for notebooks, the CLI's JSON and bundles: the probe's column names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from workbench.errors import RankFailure
+from workbench.rank.probe import COLUMNS
+
+EVENT_COLUMNS = ["rank", "kind", "error", "message", "traceback"]
+OUTPUT_COLUMNS = COLUMNS + ["ref_max_abs_diff"]
+INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    for c in columns:
+        if c not in df.columns:
+            df[c] = None
+    for c in INT_COLUMNS:
+        if c in df.columns:
+            df[c] = df[c].astype("Int64")  # counts stay integers; meta rows get <NA>, not NaN
+    extra = [c for c in df.columns if c not in columns]
+    return df[columns + extra]
+
+
+@dataclass
+class Frame:
+    """One step on every rank: tensors, outputs, per-rank failures, timings and notes."""
+
+    step: str
+    index: int
+    scenario: str
+    fix: str | None
+    tensors: pd.DataFrame
+    outputs: pd.DataFrame
+    events: pd.DataFrame
+    elapsed: dict[int, float] = field(default_factory=dict)
+    notes: dict[int, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, step: str, index: int, scenario: str, fix: str | None,
+              values: dict[int, dict[str, Any]], failures: dict[int, RankFailure]) -> Frame:
+        tensors, outputs, events = [], [], []
+        elapsed, notes = {}, {}
+        for rank in sorted(values):
+            v = values[rank]
+            tensors += v["tensors"]
+            outputs += v["outputs"]
+            elapsed[rank] = v["elapsed"]
+            if v["notes"]:
+                notes[rank] = v["notes"]
+            if v["error"]:
+                events.append({"rank": rank, "kind": "error", **v["error"]})
+        for rank, f in sorted(failures.items()):
+            events.append({"rank": rank, "kind": f.kind, "error": f.error, "message": f.message,
+                           "traceback": f.traceback})
+        return cls(step, index, scenario, fix, table(tensors, COLUMNS), table(outputs, OUTPUT_COLUMNS),
+                   table(events, EVENT_COLUMNS).sort_values("rank", ignore_index=True), elapsed, notes)
+
+    @property
+    def rank_errors(self) -> dict[int, str]:
+        """rank -> 'kind Error: message' for every rank that failed this step."""
+        return {int(r.rank): f"{r.kind} {r.error}: {r.message}" for r in self.events.itertuples()}
+
+    @property
+    def ok(self) -> bool:
+        return self.events.empty
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "index": self.index, "fix": self.fix,
+            "rank_errors": {str(k): v for k, v in self.rank_errors.items()},
+            "elapsed": {str(k): v for k, v in self.elapsed.items()},
+            "notes": {str(k): v for k, v in self.notes.items()},
+            "tensors": records(self.tensors), "outputs": records(self.outputs), "events": records(self.events),
+        }
+
+    def __repr__(self) -> str:
+        ranks = sorted({int(r) for r in self.tensors["rank"]}) if len(self.tensors) else []
+        errs = "; ".join(f"rank {r}: {m[:80]}" for r, m in self.rank_errors.items()) or "no errors"
+        return f"<Frame {self.index}:{self.step} fix={self.fix} ranks={ranks} {len(self.tensors)} tensor rows, {errs}>"
+
+
+def jsonable(v: Any) -> Any:
+    """Strict-JSON value: non-finite floats become the strings 'nan', 'inf', '-inf'."""
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+        return jsonable(v.item())
+    return v
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: jsonable(v) for k, v in row.items()} for row in df.to_dict(orient="records")]

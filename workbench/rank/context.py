@@ -1,0 +1,127 @@
+"""The per-rank context a scenario step receives, and the engine's registry of them.
+
+One engine process holds one rank of the process group for the life of the cluster, and
+one context per session: steps put what they build (model, wrapper, outputs) on it so
+the next step and the probe can find it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RESERVED = frozenset(
+    {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
+     "output_extras", "notes"}
+)
+
+
+@dataclass
+class RankContext:
+    """What a step knows about where it runs; anything else a step sets is the step's own."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    fix: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    poison: bool = True
+    workdir: str = ""
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    output_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def output(self, name: str, tensor: torch.Tensor, **extra: Any) -> None:
+        """Record an output (logits, loss) to be probed after the step, with scalar extras."""
+        self.outputs[name] = tensor.detach()
+        self.output_extras[name] = extra
+
+    def note(self, message: str) -> None:
+        """A line for the frame: what this rank did that the tables cannot show."""
+        self.notes.append(message)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    def user_objects(self) -> dict[str, Any]:
+        """Everything the steps attached, in the order they attached it."""
+        return {k: v for k, v in vars(self).items() if k not in RESERVED and not k.startswith("_")}
+
+
+_RANK: dict[str, Any] = {}
+_SESSIONS: dict[str, RankContext] = {}
+
+
+def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> dict[str, Any]:
+    """Join the process group over a loopback TCP store and pin this rank's device."""
+    if backend == "nccl":
+        # One device per rank by index, never a per-engine CUDA_VISIBLE_DEVICES mask.
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    kw: dict[str, Any] = {}
+    if backend == "nccl":
+        kw["device_id"] = device
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kw,
+    )
+    _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
+    return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device)}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def destroy_rank() -> None:
+    _SESSIONS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def new_context(session_id: str, fix: str | None, params: dict[str, Any], poison: bool) -> RankContext:
+    """A fresh context for one session; an earlier one of the same id is dropped."""
+    old = _SESSIONS.pop(session_id, None)
+    del old
+    workdir = tempfile.mkdtemp(prefix=f"wb-{session_id}-r{_RANK['rank']}-")
+    ctx = RankContext(
+        rank=_RANK["rank"],
+        world_size=_RANK["world_size"],
+        device=_RANK["device"],
+        backend=_RANK["backend"],
+        fix=fix,
+        params=dict(params),
+        poison=poison,
+        workdir=workdir,
+    )
+    _SESSIONS[session_id] = ctx
+    return ctx
+
+
+def get_context(session_id: str) -> RankContext:
+    try:
+        return _SESSIONS[session_id]
+    except KeyError:
+        raise KeyError(f"no session {session_id!r} on rank {_RANK.get('rank')}; was the cluster restarted?") from None
+
+
+def drop_context(session_id: str) -> None:
+    _SESSIONS.pop(session_id, None)

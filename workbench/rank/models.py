@@ -1,0 +1,71 @@
+"""Tiny real transformers models from configs: no hub, deterministic weights.
+
+Every rank can rebuild the same checkpoint from a seed, so a rank needs no shared disk to
+hold the reference, and ``from_pretrained`` runs the loader code path the incident took.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+QWEN3_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,  # >= 64: a tiny head_dim shows the dtype change but not the NaN
+    "vocab_size": 512,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 256,
+}
+
+
+def qwen3_config(**shape: Any):
+    from transformers import Qwen3Config
+
+    kw = {**QWEN3_SHAPE, **{k: v for k, v in shape.items() if k in QWEN3_SHAPE}}
+    # Eager attention: CPU SDPA returns finite output for all-NaN q/k and hides the bug.
+    return Qwen3Config(tie_word_embeddings=False, attn_implementation="eager", **kw)
+
+
+def save_checkpoint(config, directory: str, seed: int = 0) -> str:
+    """Write a seeded random-init checkpoint (fp32 safetensors) and return its path.
+
+    Written by hand: ``save_pretrained`` silently writes nothing on ranks other than 0
+    once a process group exists, and every rank here keeps its own copy.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    marker = os.path.join(directory, "config.json")
+    if not os.path.exists(marker):
+        os.makedirs(directory, exist_ok=True)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        config.to_json_file(marker)  # last: its presence means the checkpoint is whole
+    return directory
+
+
+def load_pretrained(directory: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def build_on_meta(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def token_batch(vocab_size: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (1, seq_len), generator=g).to(device)

@@ -1,0 +1,76 @@
+"""Declaring a scenario: ordered steps that run on every rank, named fixes, parameters.
+
+Layer-neutral on purpose: a scenario file imports this and the rank layer only, so the
+same object is declared in the client and unpickled on the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.errors import UnknownName, WorkbenchError
+
+Step = Callable[[Any], None]
+
+
+@dataclass
+class Scenario:
+    """A bug path as ordered steps, plus the fixes a step can read from ``ctx.fix``."""
+
+    name: str
+    title: str = ""
+    doc: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    fixes: dict[str, str] = field(default_factory=dict)
+    probe: list[str] | None = None  # ctx attributes to probe; None: every module / tensor dict
+    incident: str = ""
+    steps: list[tuple[str, Step]] = field(default_factory=list)
+
+    def step(self, fn: Step | None = None, *, name: str | None = None) -> Any:
+        """Decorator: append ``fn`` as the next step (named after the function)."""
+        def add(f: Step) -> Step:
+            step_name = name or f.__name__
+            if step_name in self.step_names:
+                raise WorkbenchError(f"scenario {self.name!r} already has a step {step_name!r}")
+            self.steps.append((step_name, f))
+            return f
+        return add(fn) if fn is not None else add
+
+    def fix(self, name: str, doc: str = "") -> str:
+        """Declare a fix the steps switch on with ``ctx.fix == name``."""
+        self.fixes[name] = doc
+        return name
+
+    @property
+    def step_names(self) -> list[str]:
+        return [n for n, _ in self.steps]
+
+    def check_fix(self, fix: str | None) -> None:
+        if fix is not None and fix not in self.fixes:
+            raise UnknownName(f"fix for {self.name}", fix, list(self.fixes))
+
+    def resolve_params(self, overrides: dict[str, Any] | None) -> dict[str, Any]:
+        """Defaults updated by ``overrides``; strings (from ``--set``) take the default's type."""
+        merged = dict(self.params)
+        for key, value in (overrides or {}).items():
+            if key not in self.params:
+                raise UnknownName(f"parameter of {self.name}", key, sorted(self.params))
+            merged[key] = coerce(value, self.params[key], key)
+        return merged
+
+
+def coerce(value: Any, default: Any, key: str) -> Any:
+    if not isinstance(value, str) or isinstance(default, str) or default is None:
+        return value
+    try:
+        if isinstance(default, bool):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return type(default)(value)
+    except ValueError:
+        raise WorkbenchError(f"parameter {key}={value!r}: expected {type(default).__name__}") from None

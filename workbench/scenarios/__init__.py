@@ -1,0 +1,59 @@
+"""The incident catalogue: scenario id -> module holding a ``SCENARIO``.
+
+Modules load on first use, so ``workbench list`` stays cheap and a broken scenario file
+cannot stop the others from loading.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from workbench.errors import UnknownName, WorkbenchError
+from workbench.scenario import Scenario
+
+CATALOGUE: dict[str, str] = {
+    "fsdp1-rotary-meta-init": "workbench.scenarios.fsdp1_rotary_meta_init",
+}
+
+
+def names() -> list[str]:
+    return sorted(CATALOGUE)
+
+
+def get(name: str) -> Scenario:
+    if name not in CATALOGUE:
+        raise UnknownName("scenario", name, names())
+    return importlib.import_module(CATALOGUE[name]).SCENARIO
+
+
+def resolve(spec: str | Scenario) -> Scenario:
+    """A Scenario, a catalogue id, or ``path/to/file.py:object``."""
+    if isinstance(spec, Scenario):
+        return spec
+    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+        return load_file(spec)
+    return get(spec)
+
+
+def load_file(spec: str) -> Scenario:
+    path_s, _, attr = spec.partition(":")
+    path = Path(path_s)
+    if not path.is_file():
+        raise WorkbenchError(f"scenario file {path_s!r} does not exist")
+    mod_name = f"workbench_user_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[mod_name] = module
+    loader_spec.loader.exec_module(module)
+    # The engines cannot import this file by name: ship its functions by value.
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+    obj = getattr(module, attr or "SCENARIO", None)
+    if not isinstance(obj, Scenario):
+        found = [k for k, v in vars(module).items() if isinstance(v, Scenario)]
+        raise WorkbenchError(f"{path_s} has no Scenario named {attr!r}; it has: {', '.join(found) or 'none'}")
+    return obj

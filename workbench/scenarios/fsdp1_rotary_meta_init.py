@@ -1,0 +1,128 @@
+"""fsdp1-rotary-meta-init: rank 0 loads fp32 rotary frequencies, the others cast them to bf16.
+
+Incident 000 (SkyRL v0.2.0, FSDP1, dense Qwen3). Rank 0 takes ``from_pretrained``, which
+keeps the non-persistent ``rotary_emb.inv_freq`` buffer fp32 whatever ``dtype=`` says.
+Every other rank builds the model on the meta device and casts the whole module to bf16,
+buffer included. FSDP1 then materialises the meta ranks with ``to_empty(recurse=False)``
+and ``sync_module_states=True`` broadcasts rank 0's states.
+
+The broadcast goes through ``_broadcast_coalesced``, which buckets tensors *by dtype*:
+rank 0 sends an fp32 bucket (``inv_freq`` and ``original_inv_freq``) and then a bf16
+bucket; a bf16 rank posts one bf16 bucket for everything. The two sides pair the wrong
+messages. On gloo the bf16 rank receives rank 0's fp32 bytes into its bf16 bucket
+(``inv_freq`` reads ``[0.0, 1.0, ...]``: 1.0f = 0x3F800000 seen as two bf16 halves), the
+rest of its bucket keeps what ``to_empty`` left, and rank 0 times out in its second send.
+On NCCL the call returns silently with the stream shifted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from workbench.rank.fsdp_cpu import allow_cpu_sync_module_states
+from workbench.rank.models import QWEN3_SHAPE, build_on_meta, load_pretrained, qwen3_config, save_checkpoint, token_batch
+from workbench.scenario import Scenario
+
+SCENARIO = Scenario(
+    name="fsdp1-rotary-meta-init",
+    title="FSDP1 meta init: rank 0 keeps fp32 inv_freq, the others cast it to bf16",
+    doc=__doc__,
+    params={**QWEN3_SHAPE, "seq_len": 16, "seed": 0, "sharding": "NO_SHARD"},
+    probe=["model"],
+    incident="000_32cc5898865daad7",
+)
+CAST_PARAMS_ONLY = SCENARIO.fix(
+    "cast-params-only",
+    "Cast parameters and persistent buffers to bf16, keep non-persistent buffers fp32 "
+    "(what from_pretrained does): every rank then buckets the same dtypes.",
+)
+RECOMPUTE_AFTER_WRAP = SCENARIO.fix(
+    "recompute-after-wrap",
+    "Recompute inv_freq after wrapping. A tempting non-fix: it repairs inv_freq, but the "
+    "mispaired broadcast already corrupted the other tensors.",
+)
+
+
+@SCENARIO.step
+def load(ctx) -> None:
+    """Rank 0: from_pretrained(dtype=bf16). Other ranks: the same config built on meta."""
+    config = qwen3_config(**ctx.params)
+    ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
+    if ctx.rank == 0:
+        ctx.model = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)
+        ctx.note("from_pretrained(dtype=bf16): inv_freq kept fp32")
+    else:
+        ctx.model = build_on_meta(config)
+        ctx.note("built on meta from the config (fp32)")
+
+
+@SCENARIO.step
+def cast(ctx) -> None:
+    """Meta ranks cast to bf16: the whole module (bug) or only what from_pretrained casts."""
+    if ctx.rank == 0:
+        return
+    if ctx.fix == CAST_PARAMS_ONLY:
+        cast_params_and_persistent_buffers(ctx.model, torch.bfloat16)
+        ctx.note("cast parameters and persistent buffers; non-persistent buffers stay fp32")
+    else:
+        ctx.model.to(torch.bfloat16)
+        ctx.note("model.to(bf16): inv_freq is now bf16 on this rank")
+
+
+@SCENARIO.step
+def wrap_fsdp1(ctx) -> None:
+    """FSDP1 with param_init_fn = to_empty(recurse=False) and sync_module_states=True."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    def param_init_fn(module: torch.nn.Module) -> None:
+        module.to_empty(device=ctx.device, recurse=False)
+
+    with allow_cpu_sync_module_states(ctx.device.type):
+        ctx.wrapped = FSDP(
+            ctx.model,
+            param_init_fn=param_init_fn,
+            sync_module_states=True,
+            device_id=ctx.device,
+            sharding_strategy=ShardingStrategy[ctx.params["sharding"]],
+            use_orig_params=True,
+        )
+    if ctx.fix == RECOMPUTE_AFTER_WRAP:
+        recompute_rope(ctx.model)
+        ctx.note("recomputed inv_freq in fp32 after the wrap")
+
+
+@SCENARIO.step
+def forward(ctx) -> None:
+    """One forward on every rank, against a reference loaded from the same checkpoint."""
+    ids = token_batch(ctx.params["vocab_size"], ctx.params["seq_len"], ctx.params["seed"], ctx.device)
+    net = getattr(ctx, "wrapped", None)
+    if net is None:
+        net = ctx.model
+        ctx.note("the wrap failed on this rank: forward through the unwrapped module")
+    with torch.no_grad():
+        logits = net(input_ids=ids).logits.float()
+        reference = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)(input_ids=ids).logits.float()
+    diff = (logits - reference).abs().nan_to_num(nan=float("inf")).max().item()
+    ctx.output("logits", logits, ref_max_abs_diff=diff)
+
+
+def cast_params_and_persistent_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What from_pretrained(dtype=...) casts: parameters and persistent buffers, nothing else."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in module._non_persistent_buffers_set and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
+def recompute_rope(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            inv_freq, _ = module.compute_default_rope_parameters(module.config)
+            device = module.inv_freq.device
+            module.inv_freq = inv_freq.to(device)
+            module.original_inv_freq = inv_freq.clone().to(device)

@@ -1,0 +1,166 @@
+"""A scenario stepped on live ranks: frames in, history out, bug against fix.
+
+Nothing a step does on a rank can lose the history: exceptions, missed deadlines and
+dead engines all land in the frame of the step they happened in.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from workbench import scenarios
+from workbench.errors import UnknownName, WorkbenchError
+from workbench.frames import Frame
+from workbench.rank import remote
+from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    from workbench.cluster import Cluster
+
+
+class Session:
+    """One run of a scenario (one fix, one poison setting) on a cluster's ranks."""
+
+    def __init__(self, cluster: Cluster, scenario: str | Scenario, fix: str | None = None,
+                 poison: bool = True, params: dict[str, Any] | None = None):
+        self.cluster = cluster
+        self.scenario = scenarios.resolve(scenario)
+        self.scenario.check_fix(fix)
+        self.fix = fix
+        self.poison = poison
+        self.params = self.scenario.resolve_params(params)
+        self.id = f"{self.scenario.name}-{uuid.uuid4().hex[:8]}"
+        self.frames: list[Frame] = []
+        self.started_at: float | None = None
+        self._begun = False
+
+    # -- stepping ---------------------------------------------------------------------
+    @property
+    def steps(self) -> list[str]:
+        return self.scenario.step_names
+
+    @property
+    def next_step(self) -> str | None:
+        return self.steps[len(self.frames)] if len(self.frames) < len(self.steps) else None
+
+    @property
+    def done(self) -> bool:
+        return self.next_step is None
+
+    def _begin(self) -> None:
+        cluster = self.cluster
+        if cluster.dirty:
+            cluster.form_group()  # a failed collective leaves the group unusable: form a fresh one
+        cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison)
+        self.started_at = time.time()
+        self._begun = True
+
+    def step(self) -> Frame:
+        """Run the next step on every rank and probe what each rank then holds."""
+        if self.done:
+            raise WorkbenchError(f"all {len(self.steps)} steps ran; call reset() to start again")
+        if not self._begun:
+            self._begin()
+        index = len(self.frames)
+        name, fn = self.scenario.steps[index]
+        outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe)
+        frame = Frame.build(name, index, self.scenario.name, self.fix, outcome.values, outcome.failures)
+        if not frame.ok:
+            self.cluster.dirty = True
+        self.frames.append(frame)
+        return frame
+
+    def run(self, until: str | None = None) -> list[Frame]:
+        """Step through ``until`` (inclusive) or to the end; stops early if a rank died."""
+        if until is not None and until not in self.steps:
+            raise UnknownName(f"step of {self.scenario.name}", until, self.steps)
+        out = []
+        while not self.done:
+            frame = self.step()
+            out.append(frame)
+            if "died" in set(frame.events["kind"]) or frame.step == until:
+                break
+        return out
+
+    def reset(self) -> Session:
+        """Drop the frames and the ranks' objects; the next step starts from the first."""
+        if self._begun and self.cluster.alive:
+            self.cluster.call(remote.end_session, self.id)
+        self.frames = []
+        self._begun = False
+        return self
+
+    # -- reading ----------------------------------------------------------------------
+    @property
+    def history(self) -> pd.DataFrame:
+        """Every frame's tensor rows, with ``step`` and ``step_index`` columns in front."""
+        return _stack(self.frames, "tensors")
+
+    @property
+    def outputs(self) -> pd.DataFrame:
+        return _stack(self.frames, "outputs")
+
+    @property
+    def events(self) -> pd.DataFrame:
+        return _stack(self.frames, "events")
+
+    @property
+    def last(self) -> Frame | None:
+        return self.frames[-1] if self.frames else None
+
+    def compare(self, fix: str, poison: bool | None = None) -> Comparison:
+        """Run ``fix`` to the end on the same ranks, next to this session run to the end."""
+        self.scenario.check_fix(fix)
+        if not self.done:
+            self.run()
+        other = Session(self.cluster, self.scenario, fix=fix,
+                        poison=self.poison if poison is None else poison, params=self.params)
+        other.run()
+        return Comparison(bug=self, fixed=other)
+
+    def __repr__(self) -> str:
+        return (f"<Session {self.scenario.name} fix={self.fix} poison={self.poison} "
+                f"{len(self.frames)}/{len(self.steps)} steps, next={self.next_step}>")
+
+
+def _stack(frames: list[Frame], attr: str) -> pd.DataFrame:
+    parts = []
+    for f in frames:
+        df = getattr(f, attr).copy()
+        df.insert(0, "step_index", f.index)
+        df.insert(0, "step", f.step)
+        parts.append(df)
+    if not parts:
+        return pd.DataFrame()
+    return pd.concat(parts, ignore_index=True)
+
+
+@dataclass
+class Comparison:
+    """The bug path and one fix, run on the same ranks, ready to put side by side."""
+
+    bug: Session
+    fixed: Session
+
+    @property
+    def fix(self) -> str | None:
+        return self.fixed.fix
+
+    def outputs(self) -> pd.DataFrame:
+        """Last outputs per rank of both runs, a ``run`` column telling them apart."""
+        parts = []
+        for label, s in (("bug", self.bug), ("fix: " + str(self.fix), self.fixed)):
+            df = s.outputs
+            if len(df):
+                df = df[df["step_index"] == df["step_index"].max()].copy()
+                df.insert(0, "run", label)
+                parts.append(df)
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    def __repr__(self) -> str:
+        return f"<Comparison bug vs fix={self.fix}>"
