@@ -15,7 +15,7 @@ from workbench.errors import RankFailure
 from workbench.rank.probe import COLUMNS
 
 EVENT_COLUMNS = ["rank", "kind", "error", "message", "traceback"]
-OUTPUT_COLUMNS = COLUMNS + ["ref_max_abs_diff"]
+OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
 INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
 
 

@@ -152,7 +152,8 @@ def probe_module(module: nn.Module, rank: int, prefix: str = "") -> list[dict[st
     return probe_tensors(named_tensors(module, prefix), rank)
 
 
-def probe_dict(tensors: Mapping[str, torch.Tensor], rank: int, prefix: str = "", kind: str = "tensor") -> list[dict[str, Any]]:
+def probe_dict(tensors: Mapping[str, torch.Tensor], rank: int, prefix: str = "",
+               kind: str = "tensor") -> list[dict[str, Any]]:
     return probe_tensors(((prefix + k, kind, v) for k, v in tensors.items() if isinstance(v, torch.Tensor)), rank)
 
 

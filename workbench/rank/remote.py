@@ -34,7 +34,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None) -> di
     t0 = time.perf_counter()
     try:
         fn(ctx)
-    except BaseException as exc:  # noqa: BLE001 - a step's failure is data
+    except BaseException as exc:
         error = {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-6000:]}
     elapsed = time.perf_counter() - t0
     objects = ctx.user_objects()

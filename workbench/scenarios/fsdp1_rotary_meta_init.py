@@ -22,7 +22,14 @@ import os
 import torch
 
 from workbench.rank.fsdp_cpu import allow_cpu_sync_module_states
-from workbench.rank.models import QWEN3_SHAPE, build_on_meta, load_pretrained, qwen3_config, save_checkpoint, token_batch
+from workbench.rank.models import (
+    QWEN3_SHAPE,
+    build_on_meta,
+    load_pretrained,
+    qwen3_config,
+    save_checkpoint,
+    token_batch,
+)
 from workbench.scenario import Scenario
 
 SCENARIO = Scenario(
@@ -112,7 +119,7 @@ def forward(ctx) -> None:
 def cast_params_and_persistent_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """What from_pretrained(dtype=...) casts: parameters and persistent buffers, nothing else."""
     for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             p.data = p.data.to(dtype)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and name not in module._non_persistent_buffers_set and b.is_floating_point():

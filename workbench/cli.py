@@ -1,0 +1,161 @@
+"""``workbench list | run | lab``: the catalogue headless, one clear line on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import WorkbenchError
+
+
+def _parse_set(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise WorkbenchError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from workbench import scenarios
+
+    for name in scenarios.names():
+        sc = scenarios.get(name)
+        print(f"{name:34s} {sc.title}")
+        for fix, doc in sc.fixes.items():
+            print(f"    --fix {fix:28s} {doc.split('.')[0]}")
+    return 0
+
+
+def run_json(session: Any) -> dict[str, Any]:
+    """The CLI's --json shape: frames with per-rank errors and tensor rows, outputs by name."""
+    from workbench.frames import records
+
+    outputs: dict[str, list] = {}
+    if session.frames:
+        for row in records(session.frames[-1].outputs):
+            outputs.setdefault(row["name"], []).append(row)
+    return {
+        "scenario": session.scenario.name, "fix": session.fix, "backend": session.cluster.backend,
+        "ranks": session.cluster.world_size, "poison": session.poison, "params": session.params,
+        "frames": [f.to_dict() for f in session.frames], "outputs": outputs,
+    }
+
+
+def print_summary(session: Any) -> None:
+    import pandas as pd
+
+    from workbench.findings import status
+
+    label = f"fix {session.fix}" if session.fix else "bug path"
+    print(f"\n== {session.scenario.name} · {label} · {session.cluster.world_size} ranks "
+          f"· {session.cluster.backend} · poison {'on' if session.poison else 'off'}")
+    for f in session.frames:
+        errs = "; ".join(f"rank {r}: {m[:110]}" for r, m in f.rank_errors.items())
+        times = " ".join(f"r{r}={t:.2f}s" for r, t in sorted(f.elapsed.items()))
+        print(f"  step {f.index} {f.step:14s} {times}  {errs}")
+    last = session.frames[-1] if session.frames else None
+    if last is None or last.tensors.empty:
+        return
+    st = status(last.tensors)
+    bad = set(st[st["status"] != "ok"]["name"])
+    t = last.tensors.merge(st, on=["rank", "name"])
+    # Every rank's copy of the non-persistent buffers (the usual suspects), plus each
+    # rank's own copies that are not ok.
+    t = t[(t["kind"] == "non-persistent buffer") | (t["status"] != "ok")].copy()
+    t["head"] = t["head"].map(lambda h: "[" + ", ".join(f"{v:.4g}" for v in list(h)[:4]) + "]")
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60, "display.max_rows", 40):
+        print(f"\n  tensors that matter after '{last.step}' ({len(bad)} of {last.tensors['name'].nunique()} "
+              "not ok on some rank):")
+        print(t[["rank", "name", "dtype", "nan", "poisoned", "status", "head"]].head(24).to_string(index=False))
+        if len(t) > 24:
+            print(f"  ... {len(t) - 24} more rows (see --json or --report)")
+        out = session.outputs
+        if len(out):
+            out = out[out["step_index"] == out["step_index"].max()]
+            print("\n  outputs:")
+            print(out[["rank", "name", "dtype", "shape", "nan", "ref_max_abs_diff", "fingerprint"]]
+                  .to_string(index=False))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import workbench as wb
+    from workbench import report, scenarios
+    from workbench.record import RunRecord
+
+    sc = scenarios.resolve(args.scenario)
+    sc.check_fix(args.fix)
+    params = sc.resolve_params(_parse_set(args.set))
+    fixes = list(sc.fixes) if args.compare else []
+    t0 = time.perf_counter()
+    with wb.start(ranks=args.ranks, backend=args.backend, timeout=args.timeout) as cluster:
+        print(f"{cluster}: engines {cluster.start_s:.1f}s, process group {cluster.group_s:.2f}s")
+        runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
+        runs[0].run()
+        print_summary(runs[0])
+        for fix in fixes:
+            if fix != args.fix:
+                s = cluster.session(sc, fix=fix, poison=not args.no_poison, **params)
+                s.run()
+                print_summary(s)
+                runs.append(s)
+        records = [RunRecord.from_session(s) for s in runs]
+    print(f"\ntotal {time.perf_counter() - t0:.1f}s")
+    if args.json:
+        doc = run_json(runs[0])
+        doc["fixes"] = [run_json(s) for s in runs[1:]]
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
+        print(f"json: {args.json}")
+    if args.report:
+        print(f"report: {report.write(records, args.report)}")
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    nb = Path(__file__).resolve().parent.parent / "notebooks"
+    os.execvp(sys.executable, [sys.executable, "-m", "jupyter", "lab", str(nb if nb.is_dir() else Path.cwd())])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the scenario catalogue and its fixes").set_defaults(fn=cmd_list)
+    r = sub.add_parser("run", help="run a scenario end to end on live ranks")
+    r.add_argument("scenario", help="catalogue id, or path/to/file.py:object")
+    r.add_argument("--ranks", type=int, default=2)
+    r.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    r.add_argument("--fix", default=None)
+    r.add_argument("--compare", action="store_true", help="also run every fix and put them in the report")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter")
+    r.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    r.add_argument("--no-poison", action="store_true", help="leave to_empty memory as the allocator gives it")
+    r.add_argument("--report", default=None, metavar="FILE", help="write a self-contained HTML report")
+    r.add_argument("--json", default=None, metavar="FILE", help="write frames and outputs as JSON")
+    r.set_defaults(fn=cmd_run)
+    sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except WorkbenchError as exc:
+        print(f"workbench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("workbench: interrupted; engines stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

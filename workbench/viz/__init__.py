@@ -1,0 +1,9 @@
+"""Views: pure functions from frame tables (pandas) to Plotly figures.
+
+The same functions draw a live session and a loaded bundle. ``tensors`` holds the
+rank x tensor views; further modules add their own (collectives swimlanes, ...).
+"""
+
+from workbench.viz.tensors import buffer_values, comparison, outputs_view, short, status_matrix
+
+__all__ = ["buffer_values", "comparison", "outputs_view", "short", "status_matrix"]
