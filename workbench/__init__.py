@@ -5,17 +5,45 @@
     s = cluster.session("fsdp1-rotary-meta-init")
     s.step(); s.run(); s.history; s.compare(fix="cast-params-only")
     cluster.stop()
+
+Client names load lazily: engines import ``workbench.rank`` through this package and
+must not pay for (or depend on) pandas, plotly or ipywidgets.
 """
 
-from workbench.cluster import Cluster, start
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from workbench.errors import BundleError, ClusterError, RankErrors, UnknownName, WorkbenchError
-from workbench.frames import Frame
 from workbench.scenario import Scenario
-from workbench.scenarios import names as scenario_names
-from workbench.session import Comparison, Session
 
 __version__ = "0.1.0"
-__all__ = [
-    "BundleError", "Cluster", "ClusterError", "Comparison", "Frame", "RankErrors", "Scenario",
-    "Session", "UnknownName", "WorkbenchError", "scenario_names", "start",
-]
+
+_LAZY = {
+    "Cluster": ("workbench.cluster", "Cluster"),
+    "start": ("workbench.cluster", "start"),
+    "Session": ("workbench.session", "Session"),
+    "Comparison": ("workbench.session", "Comparison"),
+    "Frame": ("workbench.frames", "Frame"),
+    "scenario_names": ("workbench.scenarios", "names"),
+    "load": ("workbench.bundle", "load"),
+    "Stepper": ("workbench.stepper", "Stepper"),
+    "viz": ("workbench.viz", None),
+    "findings": ("workbench.findings", None),
+    "report": ("workbench.report", None),
+    "bundle": ("workbench.bundle", None),
+    "px": ("workbench.px", None),
+}
+
+__all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value

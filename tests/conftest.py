@@ -1,0 +1,34 @@
+"""Shared fixtures: one real 2-rank gloo cluster for the tests that can share it.
+
+Engines cost 7-10 s to start on 2 cores, so tests share one cluster where that stays
+honest (each session starts from a fresh per-rank context, and a dirty process group
+is re-formed before the next session). Tests that break the cluster on purpose start
+their own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+TEST_TIMEOUT_S = 8.0  # collective timeout: short, so the headline's gloo send times out quickly
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    import workbench as wb
+
+    c = wb.start(ranks=2, backend="gloo", timeout=TEST_TIMEOUT_S)
+    yield c
+    c.stop()
+
+
+@pytest.fixture()
+def healthy(cluster):
+    """The shared cluster, restarted first if an earlier test left a rank dead or stuck."""
+    if not cluster.alive or cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
+        cluster.restart()
+    return cluster

@@ -1,0 +1,57 @@
+"""The CLI as a user runs it: real engines in a subprocess, JSON and HTML out, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "workbench.cli"]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["run", "no-such-incident"], "unknown scenario 'no-such-incident'; valid: "),
+    (["run", "fsdp1-rotary-meta-init", "--fix", "nope"], "valid: cast-params-only, recompute-after-wrap"),
+    (["run", "fsdp1-rotary-meta-init", "--set", "nope=1"], "unknown parameter"),
+    (["run", "fsdp1-rotary-meta-init", "--set", "head_dim=abc"], "expected int"),
+    (["run", "fsdp1-rotary-meta-init", "--ranks", "0"], "ranks must be >= 1"),
+    (["run", "missing/file.py:sc"], "does not exist"),
+])
+def test_bad_input_is_one_line_without_traceback(args, needle):
+    out = cli(*args, timeout=60)
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_list_names_every_scenario_and_fix():
+    out = cli("list", timeout=60)
+    assert out.returncode == 0
+    assert "fsdp1-rotary-meta-init" in out.stdout and "--fix cast-params-only" in out.stdout
+
+
+def test_run_writes_json_in_the_frames_vocabulary_and_a_report(tmp_path):
+    js, html = tmp_path / "run.json", tmp_path / "r.html"
+    out = cli("run", "fsdp1-rotary-meta-init", "--timeout", "8", "--json", str(js), "--report", str(html),
+              "--set", "seq_len=8")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tensors that matter" in out.stdout
+    doc = json.loads(js.read_text())
+    assert {"scenario", "fix", "backend", "ranks", "frames", "outputs"} <= set(doc)
+    assert doc["backend"] == "gloo" and doc["ranks"] == 2 and doc["params"]["seq_len"] == 8
+    assert [f["step"] for f in doc["frames"]] == ["load", "cast", "wrap_fsdp1", "forward"]
+    wrap = doc["frames"][2]
+    assert set(wrap["rank_errors"]) == {"0"} and "Timed out" in wrap["rank_errors"]["0"]
+    row = next(r for r in wrap["tensors"] if r["rank"] == 1 and r["name"].endswith("rotary_emb.inv_freq"))
+    assert {"rank", "name", "kind", "dtype", "is_meta", "nan", "inf", "head", "fingerprint"} <= set(row)
+    assert row["dtype"] == "bfloat16" and row["kind"] == "non-persistent buffer" and row["head"][:2] == [0.0, 1.0]
+    logits = {r["rank"]: r for r in doc["outputs"]["logits"]}
+    assert logits[0]["nan"] == 0 and logits[1]["nan"] == logits[1]["numel"]
+    page = html.read_text()
+    assert "plotly" in page.lower() and "<script" in page and "fsdp1-rotary-meta-init" in page

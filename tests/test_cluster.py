@@ -1,0 +1,101 @@
+"""Cluster life cycle and failure reporting on real engines."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import psutil
+import pytest
+
+import workbench as wb
+from workbench.errors import ClusterError, RankErrors, UnknownName
+
+
+def whoami():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+
+def fail_on_odd_ranks():
+    import torch.distributed as dist
+
+    if dist.get_rank() % 2:
+        raise ValueError(f"rank {dist.get_rank()} refuses")
+    return "fine"
+
+
+def test_rank_is_engine_order_and_group_is_live(healthy):
+    out = healthy.run(whoami)
+    assert {r: v[:2] for r, v in out.items()} == {0: (0, 2), 1: (1, 2)}
+    assert {r: v[2] for r, v in out.items()} == healthy.pids
+
+
+def test_every_failing_rank_is_reported(healthy):
+    with pytest.raises(RankErrors) as err:
+        healthy.run(fail_on_odd_ranks)
+    assert set(err.value.failures) == {1}
+    assert err.value.values == {0: "fine"}
+    assert "rank 1 error: ValueError: rank 1 refuses" in str(err.value)
+
+
+def test_unknown_rank_and_unknown_names_are_one_line_errors(healthy):
+    with pytest.raises(ClusterError, match="rank 5 does not exist"):
+        healthy.run(whoami, ranks=[5])
+    with pytest.raises(UnknownName, match="valid: .*fsdp1-rotary-meta-init"):
+        healthy.session("no-such-incident")
+    with pytest.raises(UnknownName, match="cast-params-only"):
+        healthy.session("fsdp1-rotary-meta-init", fix="no-such-fix")
+
+
+def test_bad_rank_counts_fail_before_anything_starts():
+    with pytest.raises(ClusterError, match="ranks must be >= 1"):
+        wb.Cluster(ranks=0)
+    with pytest.raises(ClusterError, match="one GPU per rank"):
+        wb.Cluster(ranks=64, backend="nccl")
+
+
+def sleep_then_answer(seconds):
+    time.sleep(seconds)
+    return "late"
+
+
+def die():
+    os._exit(3)
+
+
+def test_own_cluster_busy_port_hang_death_restart_and_no_leftovers():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        with pytest.warns(UserWarning, match=f"port {port} is in use"):
+            c = wb.start(ranks=2, backend="gloo", timeout=5, port=port)
+    finally:
+        busy.close()
+    pids = list(c.pids.values())
+    try:
+        assert c.port != port
+        # a rank that misses its deadline is a per-rank timeout, not a hung client
+        out = c.call(sleep_then_answer, 4, ranks=[1], timeout=1)
+        assert out.failures[1].kind == "timeout"
+        with pytest.raises(ClusterError, match="still inside an earlier call"):
+            c.run(whoami)
+        assert c.wait_idle(10)
+        assert set(c.run(whoami)) == {0, 1}
+        # a rank whose engine dies is reported by rank; the client survives
+        out = c.call(die, ranks=[1], timeout=30)
+        assert out.failures[1].kind == "died"
+        with pytest.raises(ClusterError, match=r"rank\(s\) \[1\] died"):
+            c.run(whoami)
+        c.restart()
+        assert {r: v[:2] for r, v in c.run(whoami).items()} == {0: (0, 2), 1: (1, 2)}
+        pids += list(c.pids.values())
+    finally:
+        c.stop()
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []

@@ -1,0 +1,97 @@
+"""Probe unit tests on hand-made tensors (no engines)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from workbench.rank.poison import poison_, poisoned
+from workbench.rank.probe import COLUMNS, probe_module, probe_tensors
+
+
+def one(t: torch.Tensor, name: str = "t") -> dict:
+    return probe_tensors([(name, "tensor", t)], rank=3)[0]
+
+
+def test_rows_have_the_shared_vocabulary():
+    row = one(torch.arange(4.0))
+    assert list(row) == COLUMNS
+    assert row["rank"] == 3 and row["numel"] == 4 and row["shape"] == "4"
+
+
+def test_meta_tensor_reported_without_data():
+    row = one(torch.empty(3, 5, device="meta"))
+    assert row["is_meta"] is True and row["device"] == "meta"
+    assert row["nan"] is None and row["head"] == [] and row["fingerprint"] == "meta"
+    assert row["shape"] == "3x5"
+
+
+def test_nan_inf_counts_and_finite_stats():
+    t = torch.tensor([1.0, float("nan"), 3.0, float("inf"), -2.0])
+    row = one(t)
+    assert row["nan"] == 1 and row["inf"] == 1
+    assert row["min"] == -2.0 and row["max"] == 3.0
+    assert math.isclose(row["mean"], 2.0 / 3.0, rel_tol=1e-6)
+    assert math.isnan(row["head"][1])
+
+
+def test_bf16_head_and_dtype():
+    row = one(torch.tensor([1.0, 0.5, -0.25], dtype=torch.bfloat16))
+    assert row["dtype"] == "bfloat16" and row["head"] == [1.0, 0.5, -0.25]
+    assert row["raw"] == torch.tensor([1.0, 0.5, -0.25], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes().hex()
+
+
+def test_fingerprint_equal_for_equal_bytes_and_position_sensitive():
+    a = torch.randn(1000)
+    assert one(a)["fingerprint"] == one(a.clone())["fingerprint"]
+    assert one(a)["fingerprint"] != one(a.roll(1))["fingerprint"]
+    b = a.clone()
+    b[500] = b[500] + 1
+    assert one(a)["fingerprint"] != one(b)["fingerprint"]
+    # the same values in another dtype are other bytes
+    assert one(a)["fingerprint"] != one(a.double())["fingerprint"]
+
+
+def test_kinds_tell_persistent_and_non_persistent_buffers_apart():
+    m = nn.Linear(2, 2)
+    m.register_buffer("kept", torch.zeros(2))
+    m.register_buffer("scratch", torch.ones(2), persistent=False)
+    kinds = {r["name"]: r["kind"] for r in probe_module(m, rank=0)}
+    assert kinds == {"weight": "parameter", "bias": "parameter", "kept": "buffer", "scratch": "non-persistent buffer"}
+
+
+def test_poisoned_to_empty_is_counted_as_never_written():
+    with torch.device("meta"):
+        m = nn.Linear(4, 4)
+    with poisoned(True):
+        m.to_empty(device="cpu")
+    rows = {r["name"]: r for r in probe_module(m, rank=0)}
+    assert rows["weight"]["poisoned"] == 16 and rows["weight"]["nan"] == 16
+    with torch.no_grad():
+        m.weight[0].fill_(1.0)
+    assert one(m.weight)["poisoned"] == 12
+    # arithmetic quiets the signalling NaN: a computed NaN is not poison
+    assert one(m.weight * 1.0)["poisoned"] == 0
+
+
+def test_to_empty_is_left_alone_when_poison_is_off():
+    with torch.device("meta"):
+        m = nn.Linear(4, 4)
+    with poisoned(False):
+        m.to_empty(device="cpu")
+    assert one(m.weight)["poisoned"] == 0
+
+
+def test_poison_fills_integers_with_a_sentinel():
+    t = torch.zeros(3, dtype=torch.int32)
+    poison_(t)
+    assert t.tolist() == [torch.iinfo(torch.int32).max] * 3
+
+
+def test_rows_stay_small_for_a_large_tensor():
+    import json
+
+    row = one(torch.randn(1_000_000))
+    assert len(json.dumps(row, default=str)) < 1024

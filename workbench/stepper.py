@@ -1,0 +1,92 @@
+"""An ipywidgets stepper: next step / run / reset and a fix selector over a live FigureWidget.
+
+Client only. The figure is the same ``viz.status_matrix`` a report shows; the stepper
+only swaps its data in place after each step.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from workbench import viz
+from workbench.session import Session
+
+NO_FIX = "(bug path)"
+
+
+class Stepper:
+    """Drive a session from buttons; ``stepper.session`` is the live one."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.figure = go.FigureWidget(self._figure())
+        fixes = [NO_FIX, *session.scenario.fixes]
+        self.fix = widgets.Dropdown(options=fixes, value=session.fix or NO_FIX, description="fix")
+        self.next = widgets.Button(description="Next step", button_style="primary", icon="step-forward")
+        self.run_all = widgets.Button(description="Run all", icon="fast-forward")
+        self.reset = widgets.Button(description="Reset", icon="undo")
+        self.status = widgets.HTML()
+        self.next.on_click(lambda _: self.step())
+        self.run_all.on_click(lambda _: self.run())
+        self.reset.on_click(lambda _: self.restart())
+        self.fix.observe(self._on_fix, names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.next, self.run_all, self.reset, self.fix]),
+                                    self.status, self.figure])
+        self._update()
+
+    def _figure(self) -> go.Figure:
+        frame = self.session.last
+        if frame is None or frame.tensors.empty:
+            fig = go.Figure(go.Heatmap(z=[[0]], x=["(no step yet)"], y=["rank 0"], showscale=False))
+            fig.update_layout(title=f"{self.session.scenario.name}: press 'Next step'", height=300)
+            return fig
+        return viz.status_matrix(frame.tensors, title=f"after '{frame.step}' (fix: {self.session.fix})")
+
+    def _update(self) -> None:
+        fresh = self._figure()
+        with self.figure.batch_update():
+            trace = self.figure.data[0]
+            new = fresh.data[0]
+            for attr in ("z", "x", "y", "text", "colorscale", "zmin", "zmax", "showscale", "colorbar", "hoverinfo"):
+                setattr(trace, attr, getattr(new, attr))
+            self.figure.layout.title = fresh.layout.title
+            self.figure.layout.height = fresh.layout.height
+        s = self.session
+        lines = [f"<b>{html.escape(s.scenario.name)}</b> · step {len(s.frames)}/{len(s.steps)}"
+                 f" · next: {html.escape(str(s.next_step))}"]
+        if s.last is not None:
+            for rank, msg in s.last.rank_errors.items():
+                lines.append(f"<span style='color:#b00'>rank {rank}: {html.escape(msg[:200])}</span>")
+        self.status.value = "<br>".join(lines)
+
+    def step(self) -> None:
+        if not self.session.done:
+            self.session.step()
+        self._update()
+
+    def run(self) -> None:
+        self.session.run()
+        self._update()
+
+    def restart(self) -> None:
+        self.session.reset()
+        self._update()
+
+    def _on_fix(self, change: dict) -> None:
+        fix = None if change["new"] == NO_FIX else change["new"]
+        old = self.session
+        old.reset()
+        self.session = Session(old.cluster, old.scenario, fix=fix, poison=old.poison, params=old.params)
+        self._update()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def stepper(session: Session) -> Stepper:
+    return Stepper(session)
