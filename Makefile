@@ -26,7 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check workbench tests benchmarks
+	$(BIN)/ruff check workbench tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

@@ -28,6 +28,7 @@ _LAZY = {
     "Frame": ("workbench.frames", "Frame"),
     "scenario_names": ("workbench.scenarios", "names"),
     "load": ("workbench.bundle", "load"),
+    "Bundle": ("workbench.bundle", "Bundle"),
     "Stepper": ("workbench.stepper", "Stepper"),
     "viz": ("workbench.viz", None),
     "findings": ("workbench.findings", None),

@@ -87,7 +87,7 @@ def print_summary(session: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import workbench as wb
-    from workbench import report, scenarios
+    from workbench import bundle, scenarios
     from workbench.record import RunRecord
 
     sc = scenarios.resolve(args.scenario)
@@ -114,8 +114,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
         print(f"json: {args.json}")
+    saved = None
+    if args.bundle:
+        saved = bundle.save(records, args.bundle)
+        print(f"bundle: {saved}")
     if args.report:
-        print(f"report: {report.write(records, args.report)}")
+        # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            src = saved or bundle.save(records, Path(d) / "run.wbundle")
+            print(f"report: {report_from_bundle(src, args.report)}")
+    return 0
+
+
+def report_from_bundle(path: str | Path, out: str | Path) -> Path:
+    from workbench import bundle, report
+
+    return report.write(bundle.load(path), out)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    out = args.output or Path(args.bundle.rstrip("/")).with_suffix(".html").name
+    print(f"report: {report_from_bundle(args.bundle, out)}")
     return 0
 
 
@@ -139,8 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
     r.add_argument("--no-poison", action="store_true", help="leave to_empty memory as the allocator gives it")
     r.add_argument("--report", default=None, metavar="FILE", help="write a self-contained HTML report")
+    r.add_argument("--bundle", default=None, metavar="FILE",
+                   help="save the run(s) as a postmortem bundle (open with `workbench report` or wb.load)")
     r.add_argument("--json", default=None, metavar="FILE", help="write frames and outputs as JSON")
     r.set_defaults(fn=cmd_run)
+    rp = sub.add_parser("report", help="a self-contained HTML report from a saved bundle (no engines needed)")
+    rp.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
+    rp.add_argument("-o", "--output", default=None, metavar="FILE", help="HTML file (default: BUNDLE-name.html)")
+    rp.set_defaults(fn=cmd_report)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
     return p
 

@@ -89,6 +89,8 @@ class Cluster:
         self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
         self._dead: set[int] = set()
         self.dirty = False  # a step failed: the group may hold mispaired messages
+        self.step_deadline: float | None = None  # a session step's deadline; None: self.deadline
+        self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
         self.group_s: float | None = None
 
@@ -176,6 +178,39 @@ class Cluster:
         self.pids = {}
         return self.start()
 
+    @property
+    def needs_recovery(self) -> bool:
+        return self._client is None or bool(self._dead or self._busy or self.dead_ranks())
+
+    def recover(self, wait: float | None = None) -> dict[str, Any]:
+        """Bring the ranks back after a hang or a death, without restarting the notebook kernel.
+
+        Ranks stuck in a collective come back when the group's own timeout fires (gloo);
+        then the same engines destroy and re-form the group on a fresh port. A dead rank,
+        or one still stuck ``wait`` seconds later (default: the collective timeout + 5 s),
+        gets fresh engines instead. Every session's rank state is dropped either way.
+        """
+        t0 = time.perf_counter()
+        dead = sorted(set(self.dead_ranks()) | self._dead) if self.alive else []
+        stuck = sorted(self._busy)
+        action = "restarted the engines"
+        if self.alive and not dead and (not stuck or self.wait_idle(self.timeout + 5 if wait is None else wait)):
+            self.dirty = True
+            try:
+                self.form_group()
+                action = "re-formed the process group on the same engines"
+            except ClusterError:
+                pass
+        if action == "restarted the engines":
+            self.restart()
+        info = {"action": action, "dead": dead, "stuck": stuck, "seconds": time.perf_counter() - t0,
+                "at": time.time()}
+        self.recoveries.append(info)
+        logging.getLogger("workbench").warning(
+            "workbench: %s (dead ranks %s, stuck ranks %s) in %.1fs", action, dead or "none", stuck or "none",
+            info["seconds"])
+        return info
+
     def __enter__(self) -> Cluster:
         return self if self._client is not None else self.start()
 
@@ -201,6 +236,8 @@ class Cluster:
         for r in ranks:
             if not 0 <= r < self.world_size:
                 raise ClusterError(f"rank {r} does not exist; ranks are 0..{self.world_size - 1}")
+        for obj in (fn, *args):
+            _ship_by_value(obj)
         return {r: self._view(r).apply_async(fn, *args, **kwargs) for r in ranks}
 
     def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
@@ -295,19 +332,38 @@ class Cluster:
                 out.values[r] = ar.get(0)
             except Exception as exc:
                 out.failures[r] = _failure_from(r, exc)
-                if type(exc).__name__ == "EngineError":
+                if out.failures[r].kind == "died":
                     self._dead.add(r)
         return out
 
 
+def _ship_by_value(obj: Any) -> None:
+    """Send functions from local files (tests, notebooks' helper modules) by value.
+
+    Engines import what is installed (torch, workbench); a module the client loaded
+    from a loose file is not importable there, so cloudpickle must carry its code.
+    """
+    import sys
+
+    import cloudpickle
+
+    mod_name = getattr(obj, "__module__", None)
+    module = sys.modules.get(mod_name or "")
+    path = getattr(module, "__file__", None)
+    if module is None or path is None or mod_name == "__main__" or mod_name.split(".")[0] == "workbench":
+        return
+    if not path.startswith((sys.prefix, sys.base_prefix)):
+        cloudpickle.register_pickle_by_value(module)
+
+
 def _failure_from(rank: int, exc: BaseException) -> RankFailure:
     ename = getattr(exc, "ename", None)
+    if "EngineError" in (ename, type(exc).__name__):
+        return RankFailure(rank, "died", "EngineDied", f"{getattr(exc, 'evalue', exc)}; call cluster.restart()")
     if ename:
         tb = "\n".join(getattr(exc, "traceback", "") or []) if isinstance(getattr(exc, "traceback", ""), list) \
             else str(getattr(exc, "traceback", "") or "")
         return RankFailure(rank, "error", ename, str(getattr(exc, "evalue", "")), tb)
-    if type(exc).__name__ == "EngineError":
-        return RankFailure(rank, "died", "EngineDied", str(exc))
     return RankFailure(rank, "error", type(exc).__name__, str(exc))
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
-STATUSES = ["ok", "sharded", "meta", "differs", "dtype", "inf", "nan", "poison", "missing"]
+STATUSES = ["ok", "sharded", "meta", "differs", "dtype", "reference", "inf", "nan", "poison", "missing"]
 FINDING_COLUMNS = ["step", "severity", "rank", "name", "detector", "finding"]
 
 
@@ -36,12 +36,18 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
             st, detail = "meta", "on the meta device: no data"
         elif _count(row.poisoned) > 0:
             st, detail = "poison", f"{row.poisoned} of {row.numel} elements never written since to_empty"
+        elif getattr(row, "written", None) == "never written":
+            st, detail = "poison", "bytes unchanged since to_empty handed them out"
         elif _count(row.nan) > 0:
             st, detail = "nan", f"{row.nan} NaN of {row.numel}"
         elif _count(row.inf) > 0:
             st, detail = "inf", f"{row.inf} Inf of {row.numel}"
+        elif _bad_ref(getattr(row, "ref_diff", None)):
+            st, detail = "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
         elif r0 is None:
             st, detail = "missing", f"rank {reference_rank} has no such tensor"
+        elif _flag(getattr(row, "sharded", None)):
+            st, detail = "sharded", "this rank's shard of a sharded tensor"
         elif row.rank != reference_rank and r0["dtype"] != row.dtype:
             st, detail = "dtype", f"{row.dtype} here, {r0['dtype']} on rank {reference_rank}"
         elif row.rank != reference_rank and r0["numel"] != row.numel:
@@ -50,6 +56,18 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
             st, detail = "differs", f"content differs from rank {reference_rank}"
         out.append({"rank": row.rank, "name": row.name, "status": st, "detail": detail})
     return pd.DataFrame(out)
+
+
+REF_TOL = 1e-6
+
+
+def _flag(v: object) -> bool:
+    return v is not None and v is not pd.NA and v == v and bool(v)
+
+
+def _bad_ref(diff: object) -> bool:
+    """A real comparison that failed (NaN in the tensor arrives as inf; NaN/None: no expectation)."""
+    return diff is not None and diff is not pd.NA and diff == diff and float(diff) > REF_TOL
 
 
 def _count(v: object) -> int:
@@ -63,14 +81,14 @@ def rank_failures(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
 
 
 def dtype_split(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:
-    """Tensors whose dtype is not the same on every rank."""
-    rows = []
+    """Tensors whose dtype is not the same on every rank, one row per pattern of dtypes."""
+    patterns: dict[str, list[str]] = {}
     for name, g in tensors.groupby("name", sort=False):
         if g["dtype"].nunique() > 1:
-            per = ", ".join(f"{d} on rank {','.join(str(r) for r in gg['rank'])}" for d, gg in g.groupby("dtype"))
-            rows.append({"severity": "warning", "rank": None, "name": name, "detector": "dtype split",
-                         "finding": f"dtype differs across ranks: {per}"})
-    return rows
+            per = ", ".join(f"{d} on rank {_ranks(sorted(int(r) for r in gg['rank']))}" for d, gg in g.groupby("dtype"))
+            patterns.setdefault(per, []).append(name)
+    return [{"severity": "warning", "rank": None, "name": names[0], "detector": "dtype split",
+             "finding": f"{len(names)} tensor(s) with {per}: {_some(names)}"} for per, names in patterns.items()]
 
 
 def divergence(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:
@@ -109,23 +127,131 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
     return rows
 
 
-DETECTORS: list[Callable[..., list[dict]]] = [rank_failures, dtype_split, divergence, output_health]
+def reference_check(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:
+    """Tensors that depart from a value computable from the config, even when all ranks agree."""
+    if "ref_diff" not in tensors:
+        return []
+    rows = []
+    bad = tensors[[_bad_ref(d) for d in tensors["ref_diff"]]]
+    for name, g in bad.groupby("name", sort=False):
+        ranks = sorted(int(r) for r in g["rank"])
+        agree = g["fingerprint"].nunique() == 1 and len(ranks) == tensors["rank"].nunique() > 1
+        worst = max(float(d) for d in g["ref_diff"])
+        rows.append({"severity": "error", "rank": ranks[0] if len(ranks) == 1 else None, "name": name,
+                     "detector": "reference",
+                     "finding": (f"rank(s) {_ranks(ranks)} depart from the value computed from the config "
+                                 f"(max diff {worst:.3g})" + ("; all ranks agree on the same wrong bytes, so a "
+                                                              "cross-rank check sees nothing" if agree else ""))})
+    return rows
 
 
-def findings(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+def never_written(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:
+    """Tensors to_empty handed out and nobody wrote; worse when this step ran a forward over them."""
+    if "written" not in tensors:
+        return []
+    rows = []
+    todo = tensors[tensors["written"].isin(["never written", "partly written"])]
+    read = len(outputs) > 0
+    for (rank, state), g in todo.groupby(["rank", "written"], sort=False):
+        names = list(g["name"])
+        verb = "a forward read" if read else "holding"
+        rows.append({"severity": "error" if read else "warning", "rank": int(rank), "name": names[0],
+                     "detector": "written since materialisation",
+                     "finding": f"{verb} {len(names)} tensor(s) {state} since to_empty: {_some(names)}"})
+    return rows
+
+
+def reinterpretation(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:
+    """A rank whose bytes are rank 0's bytes of another dtype, or shifted: a mispaired transfer."""
+    return [{"severity": "error", "rank": m["rank"], "name": m["name"], "detector": "reinterpretation",
+             "finding": m["finding"]} for m in reinterpretations(tensors)]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+MIN_MATCH = 16  # bytes: shorter windows match by chance
+
+
+def _informative(b: bytes) -> bool:
+    return len(set(b)) >= 4
+
+
+def reinterpretations(tensors: pd.DataFrame, reference_rank: int = 0) -> list[dict]:
+    """Each diverging (rank, tensor) whose leading bytes occur in a reference-rank tensor's bytes."""
+    if tensors.empty or "raw" not in tensors:
+        return []
+    st = status(tensors, reference_rank).set_index(["rank", "name"])["status"]
+    ref = tensors[tensors["rank"] == reference_rank]
+    ref_raw = [(r.name, r.dtype, bytes.fromhex(r.raw or "")) for r in ref.itertuples(index=False)]
+    out = []
+    for row in tensors[tensors["rank"] != reference_rank].itertuples(index=False):
+        if st.get((row.rank, row.name)) not in ("differs", "dtype", "nan", "inf", "poison"):
+            continue
+        mine = bytes.fromhex(row.raw or "")
+        probe = mine[:MIN_MATCH]
+        if len(probe) < MIN_MATCH or not _informative(probe):
+            continue
+        # the same tensor first, then the others in rank-0 order
+        for name, dtype, theirs in sorted(ref_raw, key=lambda x: x[0] != row.name):
+            at = theirs.find(probe)
+            if at < 0:
+                continue
+            n = min(len(mine), len(theirs) - at)
+            if mine[:n] != theirs[at: at + n]:
+                continue
+            where = "" if at == 0 else f" from byte {at}"
+            what = (f"rank {reference_rank} {dtype} bytes of `{name}`{where} reinterpreted as {row.dtype}"
+                    if dtype != row.dtype else f"rank {reference_rank} bytes of `{name}`{where}")
+            out.append({"rank": int(row.rank), "name": row.name, "source": name, "offset": at,
+                        "finding": f"rank {row.rank} `{row.name}` ({row.dtype}) = {what}"})
+            break
+    return out
+
+
+def _forward_trace(*args, **kwargs) -> list[dict]:
+    from workbench.detect_trace import forward_trace
+
+    return forward_trace(*args, **kwargs)
+
+
+DETECTORS: list[Callable[..., list[dict]]] = [
+    rank_failures, dtype_split, divergence, reference_check, never_written, reinterpretation, output_health,
+    _forward_trace,
+]
+
+
+def _extras(detect: Callable, extra: dict) -> dict:
+    """The keyword tables (``trace=``, ...) a detector accepts: by name or through ``**kwargs``."""
+    import inspect
+
+    params = inspect.signature(detect).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return extra
+    return {k: v for k, v in extra.items() if k in params}
+
+
+def findings(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame,
+             **extra: pd.DataFrame) -> pd.DataFrame:
+    """Every detector's rows for one step; ``extra`` tables (``trace=``) go to detectors that take them."""
     rows = []
     for detect in DETECTORS:
-        for row in detect(step, tensors, outputs, events):
+        for row in detect(step, tensors, outputs, events, **_extras(detect, extra)):
             rows.append({"step": step, **row})
-    return pd.DataFrame(rows, columns=FINDING_COLUMNS)
+    out = pd.DataFrame(rows, columns=FINDING_COLUMNS)
+    out["rank"] = out["rank"].astype("Int64")  # None (all ranks) stays <NA>, ranks stay integers
+    return out
 
 
-def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame,
+                     **extra: pd.DataFrame) -> pd.DataFrame:
     """Findings of every step of a run, from its stacked tables (``step`` column)."""
     parts = []
     steps = list(dict.fromkeys(tensors["step"])) if "step" in tensors else []
     for step in dict.fromkeys(steps + (list(events["step"]) if "step" in events else [])):
         def pick(df, s=step):
             return (df[df["step"] == s].drop(columns=["step", "step_index"]) if "step" in df else df)
-        parts.append(findings(step, pick(tensors), pick(outputs), pick(events)))
+        more = {k: pick(v) for k, v in extra.items() if v is not None}
+        parts.append(findings(step, pick(tensors), pick(outputs), pick(events), **more))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=FINDING_COLUMNS)

@@ -13,6 +13,7 @@ import pandas as pd
 
 from workbench.errors import RankFailure
 from workbench.rank.probe import COLUMNS
+from workbench.rank.trace import TRACE_COLUMNS
 
 EVENT_COLUMNS = ["rank", "kind", "error", "message", "traceback"]
 OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
@@ -44,16 +45,20 @@ class Frame:
     events: pd.DataFrame
     elapsed: dict[int, float] = field(default_factory=dict)
     notes: dict[int, list[str]] = field(default_factory=dict)
+    trace: pd.DataFrame = field(default_factory=lambda: table([], TRACE_COLUMNS))  # forward trace rows
+    ledger: pd.DataFrame = field(default_factory=pd.DataFrame)  # collectives this step issued, per rank
+    hang: Any = None  # workbench.collectives.Hang when the step did not finish on every rank
 
     @classmethod
     def build(cls, step: str, index: int, scenario: str, fix: str | None,
               values: dict[int, dict[str, Any]], failures: dict[int, RankFailure]) -> Frame:
-        tensors, outputs, events = [], [], []
+        tensors, outputs, events, trace = [], [], [], []
         elapsed, notes = {}, {}
         for rank in sorted(values):
             v = values[rank]
             tensors += v["tensors"]
             outputs += v["outputs"]
+            trace += v.get("trace", [])
             elapsed[rank] = v["elapsed"]
             if v["notes"]:
                 notes[rank] = v["notes"]
@@ -63,7 +68,8 @@ class Frame:
             events.append({"rank": rank, "kind": f.kind, "error": f.error, "message": f.message,
                            "traceback": f.traceback})
         return cls(step, index, scenario, fix, table(tensors, COLUMNS), table(outputs, OUTPUT_COLUMNS),
-                   table(events, EVENT_COLUMNS).sort_values("rank", ignore_index=True), elapsed, notes)
+                   table(events, EVENT_COLUMNS).sort_values("rank", ignore_index=True), elapsed, notes,
+                   table(trace, TRACE_COLUMNS))
 
     @property
     def rank_errors(self) -> dict[int, str]:
@@ -81,6 +87,8 @@ class Frame:
             "elapsed": {str(k): v for k, v in self.elapsed.items()},
             "notes": {str(k): v for k, v in self.notes.items()},
             "tensors": records(self.tensors), "outputs": records(self.outputs), "events": records(self.events),
+            "trace": records(self.trace),
+            "ledger": records(self.ledger), "hang": None if self.hang is None else self.hang.to_dict(),
         }
 
     def __repr__(self) -> str:

@@ -28,6 +28,8 @@ class RunRecord:
     outputs: pd.DataFrame
     events: pd.DataFrame
     notes: list[dict[str, Any]] = field(default_factory=list)
+    trace: pd.DataFrame = field(default_factory=pd.DataFrame)  # forward-trace rows, all steps
+    ledger: pd.DataFrame = field(default_factory=pd.DataFrame)  # collectives ledger, all steps and ranks
 
     @property
     def label(self) -> str:
@@ -39,7 +41,7 @@ class RunRecord:
         return list(self.manifest.get("steps_run", []))
 
     def findings(self) -> pd.DataFrame:
-        return findings.history_findings(self.tensors, self.outputs, self.events)
+        return findings.history_findings(self.tensors, self.outputs, self.events, trace=self.trace)
 
     @classmethod
     def from_session(cls, s: Session) -> RunRecord:
@@ -56,6 +58,7 @@ class RunRecord:
             "params": {k: v for k, v in s.params.items()},
             "steps": s.steps,
             "steps_run": [f.step for f in s.frames],
+            "hangs": [f.hang.to_dict() for f in s.frames if getattr(f, "hang", None) is not None],
             "elapsed": [{str(r): t for r, t in f.elapsed.items()} for f in s.frames],
             "ranks": c.world_size,
             "backend": c.backend,
@@ -66,7 +69,7 @@ class RunRecord:
             "saved_at": time.time(),
             "versions": versions(),
         }
-        return cls(manifest, s.history, s.outputs, s.events, notes)
+        return cls(manifest, s.history, s.outputs, s.events, notes, trace=s.trace, ledger=s.ledger)
 
 
 def versions() -> dict[str, str]:

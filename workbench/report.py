@@ -1,13 +1,24 @@
-"""One self-contained HTML report (plotly.js inline, opens offline) from run records."""
+"""One self-contained HTML report (plotly.js inline, opens offline) from run records.
+
+A pure function of ``RunRecord`` objects: a live session and a loaded bundle give the
+same page byte for byte (figure ids are numbered, not random). Sections: environment,
+findings, per-step rank x tensor views, buffer values per rank, collective ledger
+swimlanes where a run has a ledger, notes and timings, and bug vs each fix.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import math
+import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from workbench import viz
 from workbench.record import RunRecord
@@ -16,13 +27,16 @@ CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px}
 th{background:#f4f4f4}.error{color:#b00}.warning{color:#a60}pre{background:#f7f7f7;padding:.5em;overflow:auto}
-h2{border-bottom:1px solid #ddd;padding-bottom:.2em}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em}nav a{margin-right:1em}
+.env th{text-align:left}.muted{color:#777;font-size:12px}
 """
 
 
 def interesting_buffers(record: RunRecord) -> list[str]:
     """Non-persistent buffers first (the usual suspects), else the first tensor."""
     t = record.tensors
+    if t.empty or "name" not in t:
+        return []
     names = list(dict.fromkeys(t[t["kind"] == "non-persistent buffer"]["name"]))
     return names[:2] or list(dict.fromkeys(t["name"]))[:1]
 
@@ -31,72 +45,187 @@ class _Page:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self._js_done = False
+        self.n_figs = 0
 
-    def h(self, level: int, text: str) -> None:
-        self.parts.append(f"<h{level}>{html.escape(text)}</h{level}>")
+    def h(self, level: int, text: str, anchor: str | None = None) -> None:
+        a = f" id='{html.escape(anchor)}'" if anchor else ""
+        self.parts.append(f"<h{level}{a}>{html.escape(text)}</h{level}>")
 
-    def p(self, text: str) -> None:
-        self.parts.append(f"<p>{html.escape(text)}</p>")
+    def p(self, text: str, cls: str = "") -> None:
+        c = f" class='{cls}'" if cls else ""
+        self.parts.append(f"<p{c}>{html.escape(text)}</p>")
 
     def fig(self, fig: go.Figure) -> None:
-        self.parts.append(fig.to_html(full_html=False, include_plotlyjs=not self._js_done,
-                                      config={"displaylogo": False}))
+        self.n_figs += 1
+        self.parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=not self._js_done,
+                                      config={"displaylogo": False}, div_id=f"wb-fig-{self.n_figs}"))
         self._js_done = True
 
-    def table(self, df: pd.DataFrame, max_rows: int = 60) -> None:
-        self.parts.append(df.head(max_rows).to_html(index=False, escape=True, na_rep=""))
+    def table(self, df: pd.DataFrame, max_rows: int = 60, cls: str = "") -> None:
+        self.parts.append(df.head(max_rows).to_html(index=False, escape=True, na_rep="", classes=cls or None))
+        if len(df) > max_rows:
+            self.p(f"... {len(df) - max_rows} more rows", "muted")
 
     def render(self, title: str) -> str:
         return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
                 f"<style>{CSS}</style></head><body>" + "\n".join(self.parts) + "</body></html>")
 
 
-def _run_section(page: _Page, rec: RunRecord) -> None:
-    page.h(2, f"{rec.label}")
+def _when(ts: Any) -> str:
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
+        return ""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return str(ts)
+
+
+def environment(records: list[RunRecord]) -> pd.DataFrame:
+    """One row per setting, one column per run: where and with what each run was recorded."""
+    rows: dict[str, dict[str, str]] = {}
+    for rec in records:
+        m = rec.manifest
+        vals = {
+            "scenario": m.get("scenario"), "incident": m.get("incident"), "fix": m.get("fix") or "(bug path)",
+            "ranks": m.get("ranks"), "backend": m.get("backend"),
+            "devices": ", ".join(f"rank {r}: {d}" for r, d in (m.get("devices") or {}).items()),
+            "poison": m.get("poison"), "seed": m.get("seed"), "collective timeout (s)": m.get("timeout_s"),
+            "steps run": " → ".join(m.get("steps_run") or []),
+            "started": _when(m.get("started_at")), "recorded": _when(m.get("saved_at")),
+            **{f"{k} version": v for k, v in (m.get("versions") or {}).items()},
+        }
+        for k, v in vals.items():
+            rows.setdefault(k, {})[rec.label] = "" if v is None else str(v)
+    return pd.DataFrame([{"setting": k, **v} for k, v in rows.items()])
+
+
+def timings(rec: RunRecord) -> pd.DataFrame:
+    """Seconds each step took on each rank (from the manifest)."""
+    steps, elapsed = rec.steps, rec.manifest.get("elapsed") or []
+    rows = []
+    for step, per in zip(steps, elapsed):
+        if isinstance(per, dict):
+            rows.append({"step": step, **{f"rank {r}": f"{t:.3f}" for r, t in per.items()
+                                          if isinstance(t, (int, float))}})
+    return pd.DataFrame(rows)
+
+
+def _ledger_section(page: _Page, rec: RunRecord) -> None:
+    """Collective swimlanes per step, when the run has a ledger (skipped when absent)."""
+    ledger = getattr(rec, "ledger", None)
+    if not isinstance(ledger, pd.DataFrame) or ledger.empty:
+        return
+    page.h(3, "Collective ledger")
+    try:
+        from workbench.viz.collectives import swimlane
+    except ImportError:
+        swimlane = None
+    steps = list(dict.fromkeys(ledger["step"])) if "step" in ledger else [None]
+    if swimlane is not None:
+        for step in steps:
+            page.fig(swimlane(ledger, step=step))
+    cols = [c for c in ledger.columns if c not in ("traceback", "stack")]
+    page.table(ledger[cols], max_rows=40)
+
+
+def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> None:
+    page.h(2, rec.label, anchor=f"run-{i}")
     events = rec.events
     if len(events):
         page.h(3, "Per-rank failures")
-        page.table(events[["step", "rank", "kind", "error", "message"]])
-    found = rec.findings()
+        page.table(events[[c for c in ("step", "rank", "kind", "error", "message") if c in events]])
     if len(found):
         page.h(3, "Findings")
         page.table(found)
+    else:
+        page.p("No findings: every rank holds the same tensors and outputs are clean.")
+    page.h(3, "What every rank holds, step by step")
     for step in rec.steps:
-        t = rec.tensors[rec.tensors["step"] == step]
+        t = rec.tensors[rec.tensors["step"] == step] if len(rec.tensors) else rec.tensors
         if len(t):
             page.fig(viz.status_matrix(t, title=f"{rec.label} · after '{step}'"))
-    for name in interesting_buffers(rec):
-        page.fig(viz.buffer_values(rec.tensors, name))
+    buffers = interesting_buffers(rec)
+    if buffers:
+        page.h(3, "Buffer values per rank")
+        last = rec.tensors[rec.tensors["step_index"] == rec.tensors["step_index"].max()]
+        for name in buffers:
+            page.fig(viz.buffer_values(rec.tensors, name))
+            rows = last[last["name"] == name].copy()
+            rows["head"] = rows["head"].map(lambda h: "[" + ", ".join(_fmt(v) for v in list(h or [])[:8]) + "]")
+            page.table(rows[[c for c in ("step", "rank", "dtype", "nan", "poisoned", "head", "fingerprint")
+                             if c in rows]])
+    _ledger_section(page, rec)
     if len(rec.outputs):
         out = rec.outputs[rec.outputs["step_index"] == rec.outputs["step_index"].max()]
+        page.h(3, "Outputs")
         page.fig(viz.outputs_view(out, title=f"{rec.label} · outputs"))
         cols = [c for c in ("rank", "name", "dtype", "shape", "nan", "inf", "ref_max_abs_diff", "fingerprint")
                 if c in out]
         page.table(out[cols])
+    if rec.notes:
+        page.h(3, "Notes from the ranks")
+        page.table(pd.DataFrame(rec.notes))
+    t = timings(rec)
+    if len(t):
+        page.h(3, "Step timings (s)")
+        page.table(t)
 
 
-def render(records: list[RunRecord]) -> str:
-    """HTML for a bug run and any fix runs of one scenario."""
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    try:
+        return f"{v:.4g}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _finding_counts(records: list[RunRecord], found: list[pd.DataFrame]) -> pd.DataFrame:
+    rows = []
+    for rec, f in zip(records, found):
+        last = rec.steps[-1] if rec.steps else None
+        at_end = f[f["step"] == last] if last is not None and len(f) else f
+        rows.append({"run": rec.label, "findings (all steps)": len(f),
+                     "errors at the last step": int((at_end["severity"] == "error").sum()) if len(at_end) else 0,
+                     "warnings at the last step": int((at_end["severity"] == "warning").sum()) if len(at_end) else 0,
+                     "failed ranks": len(rec.events)})
+    return pd.DataFrame(rows)
+
+
+def render(records: Iterable[RunRecord]) -> str:
+    """HTML for a bug run and any fix runs of one scenario (a list of records, or a Bundle)."""
+    records = list(records)
     if not records:
         raise ValueError("nothing to report: no runs")
     first = records[0].manifest
     page = _Page()
-    page.h(1, f"{first['scenario']}: {first.get('title', '')}")
-    env = {k: first.get(k) for k in ("ranks", "backend", "devices", "poison", "seed", "timeout_s", "versions")}
-    page.parts.append(f"<pre>{html.escape(json.dumps(env, indent=1, default=str))}</pre>")
+    page.h(1, f"{first.get('scenario', '?')}: {first.get('title', '')}")
+    nav = " ".join(f"<a href='#run-{i}'>{html.escape(r.label)}</a>" for i, r in enumerate(records))
+    page.parts.append(f"<nav><a href='#environment'>environment</a> {nav}"
+                      + (" <a href='#compare'>bug vs fix</a>" if len(records) > 1 else "") + "</nav>")
+    page.h(2, "Environment", anchor="environment")
+    page.table(environment(records), max_rows=100, cls="env")
     page.h(3, "Parameters")
     page.parts.append(f"<pre>{html.escape(json.dumps(first.get('params', {}), default=str))}</pre>")
-    for rec in records:
-        _run_section(page, rec)
+    if first.get("fixes"):
+        page.h(3, "Fixes")
+        page.table(pd.DataFrame([{"fix": k, "what it does": v} for k, v in first["fixes"].items()]))
+    found = [rec.findings() for rec in records]
+    page.h(3, "Summary")
+    page.table(_finding_counts(records, found))
+    for i, rec in enumerate(records):
+        _run_section(page, rec, i, found[i])
     bug = next((r for r in records if not r.manifest.get("fix")), None)
+    first_cmp = True
     for rec in records:
         if bug is not None and rec is not bug:
-            page.h(2, f"Bug vs {rec.label}")
+            page.h(2, f"Bug vs {rec.label}", anchor="compare" if first_cmp else None)
+            first_cmp = False
             page.fig(viz.comparison(bug.tensors, rec.tensors, rec.manifest["fix"]))
             both = pd.concat([_last_outputs(bug, "bug"), _last_outputs(rec, rec.label)], ignore_index=True)
             if len(both):
                 page.fig(viz.outputs_view(both, title="Outputs: bug vs fix"))
-    return page.render(first["scenario"])
+    return page.render(str(first.get("scenario", "workbench report")))
 
 
 def _last_outputs(rec: RunRecord, label: str) -> pd.DataFrame:
@@ -108,7 +237,8 @@ def _last_outputs(rec: RunRecord, label: str) -> pd.DataFrame:
     return out
 
 
-def write(records: list[RunRecord], path: str | Path) -> Path:
+def write(records: Iterable[RunRecord], path: str | Path) -> Path:
+    """Render and write atomically (temporary sibling, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -6,14 +6,17 @@ dead engines all land in the frame of the step they happened in.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from workbench import scenarios
+from workbench import collectives, scenarios
 from workbench.errors import UnknownName, WorkbenchError
 from workbench.frames import Frame
 from workbench.rank import remote
@@ -38,6 +41,9 @@ class Session:
         self.frames: list[Frame] = []
         self.started_at: float | None = None
         self._begun = False
+        self.ledger_dir = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")  # ranks append, the client reads
+        self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
+        self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
 
     # -- stepping ---------------------------------------------------------------------
     @property
@@ -54,9 +60,12 @@ class Session:
 
     def _begin(self) -> None:
         cluster = self.cluster
+        if cluster.needs_recovery:
+            cluster.recover()  # a rank stuck or dead after an earlier hang: bring the ranks back first
         if cluster.dirty:
             cluster.form_group()  # a failed collective leaves the group unusable: form a fresh one
-        cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison)
+        cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison,
+                    ledger_dir=self.ledger_dir, attempt=self.attempt)
         self.started_at = time.time()
         self._begun = True
 
@@ -68,8 +77,13 @@ class Session:
             self._begin()
         index = len(self.frames)
         name, fn = self.scenario.steps[index]
-        outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe)
+        deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
+        outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
         frame = Frame.build(name, index, self.scenario.name, self.fix, outcome.values, outcome.failures)
+        frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
+        if collectives.is_hang(outcome.failures, frame.ledger):
+            frame.hang = collectives.diagnose(name, frame.ledger, outcome.failures,
+                                              list(range(self.cluster.world_size)), deadline)
         if not frame.ok:
             self.cluster.dirty = True
         self.frames.append(frame)
@@ -93,6 +107,7 @@ class Session:
             self.cluster.call(remote.end_session, self.id)
         self.frames = []
         self._begun = False
+        self.attempt += 1  # a fresh ledger sequence on the ranks
         return self
 
     # -- reading ----------------------------------------------------------------------
@@ -108,6 +123,56 @@ class Session:
     @property
     def events(self) -> pd.DataFrame:
         return _stack(self.frames, "events")
+
+    def _ledger(self, step: str | None = None, attempt: int | None = None) -> pd.DataFrame:
+        df = collectives.read_ledger(self.ledger_dir)
+        df = df[df["attempt"] == (self.attempt if attempt is None else attempt)]
+        return (df if step is None else df[df["step"] == step]).reset_index(drop=True)
+
+    @property
+    def ledger(self) -> pd.DataFrame:
+        """Every collective the ranks issued in this session's steps (all attempts), read live from disk."""
+        return collectives.read_ledger(self.ledger_dir)
+
+    @property
+    def hangs(self) -> list[Frame]:
+        return [f for f in self.frames if f.hang is not None]
+
+    def recover(self) -> dict[str, Any]:
+        """After a hang: bring the ranks back (``cluster.recover()``) and re-run the steps before it.
+
+        The hung frame stays in the history; the ranks then hold what they held when the
+        user stepped into the hang, and the ledger starts a new attempt.
+        """
+        info = self.cluster.recover()
+        failed = next((i for i, f in enumerate(self.frames) if not f.ok), len(self.frames))
+        self.attempt += 1
+        self._begun = False
+        self._begin()
+        for name, fn in self.scenario.steps[:failed]:
+            out = self.cluster.call(remote.run_step, self.id, fn, [], step=name, timeout=self.cluster.deadline)
+            if out.failures or any(v["error"] for v in out.values.values()):
+                raise WorkbenchError(f"replaying step {name!r} after recovery failed: "
+                                     + "; ".join(f.line() for f in out.failures.values()))
+        info["replayed"] = self.steps[:failed]
+        return info
+
+    @property
+    def trace(self) -> pd.DataFrame:
+        """Forward-trace rows (one per module call) of every step that traced a forward."""
+        return _stack(self.frames, "trace")
+
+    def findings(self) -> pd.DataFrame:
+        """What the detectors say about every step so far (same code as a loaded bundle)."""
+        from workbench.record import RunRecord
+
+        return RunRecord.from_session(self).findings()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save this run as a postmortem bundle (see ``workbench.bundle``); returns the file."""
+        from workbench import bundle
+
+        return bundle.save(self, path)
 
     @property
     def last(self) -> Frame | None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 RESERVED = frozenset(
     {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
-     "output_extras", "notes"}
+     "output_extras", "notes", "expected"}
 )
 
 
@@ -37,6 +37,11 @@ class RankContext:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     output_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    expected: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def expect(self, name: str, value: torch.Tensor) -> None:
+        """Declare what tensor ``name`` (as probed, e.g. 'model.router.expert_bias') should hold."""
+        self.expected[name] = value.detach()
 
     def output(self, name: str, tensor: torch.Tensor, **extra: Any) -> None:
         """Record an output (logits, loss) to be probed after the step, with scalar extras."""

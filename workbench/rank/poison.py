@@ -26,6 +26,8 @@ POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
 
 _ORIGINAL_TO_EMPTY = nn.Module.to_empty
 _STATE = {"poison": False, "materialized": 0}
+# data_ptr -> (poisoned at materialisation?, fingerprint then, numel): the tensors to_empty handed out.
+_TRACKED: dict[int, tuple[bool, int | None, int]] = {}
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -55,20 +57,58 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterator[torch.Tensor]:
     yield from module.buffers(recurse=recurse)
 
 
-def _poisoning_to_empty(self: nn.Module, *, device, recurse: bool = True) -> nn.Module:
+def _tracking_to_empty(self: nn.Module, *, device, recurse: bool = True) -> nn.Module:
     out = _ORIGINAL_TO_EMPTY(self, device=device, recurse=recurse)
-    if _STATE["poison"]:
-        with torch.no_grad():
-            for t in _tensors(self, recurse):
-                poison_(t.data)
-                _STATE["materialized"] += 1
+    with torch.no_grad():
+        for t in _tensors(self, recurse):
+            track(t.data, poison=_STATE["poison"])
     return out
 
 
+def track(t: torch.Tensor, poison: bool) -> None:
+    """Remember ``t`` as freshly materialised (and poison it when asked)."""
+    t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): its local shard, as the probe keys it
+    if t.is_meta or t.numel() == 0:
+        return
+    if poison:
+        poison_(t)
+        _TRACKED[t.data_ptr()] = (True, None, t.numel())
+    else:
+        from workbench.rank.probe import _fingerprint
+
+        _TRACKED[t.data_ptr()] = (False, int(_fingerprint(t.reshape(-1))), t.numel())
+    _STATE["materialized"] += 1
+
+
+def written_state(t: torch.Tensor) -> str | None:
+    """'never written' / 'partly written' / 'written' for tensors to_empty handed out, else None.
+
+    With poison on this is exact per element; without, a tensor whose bytes still hash
+    to what to_empty left is 'never written'.
+    """
+    if t.is_meta or t.numel() == 0:
+        return None
+    entry = _TRACKED.get(t.data_ptr())
+    if entry is None or entry[2] != t.numel():
+        return None
+    poisoned, fp, _ = entry
+    if poisoned:
+        left = poison_count(t)
+        n = 0 if left is None else int(left)
+        return "never written" if n == t.numel() else ("partly written" if n else "written")
+    from workbench.rank.probe import _fingerprint
+
+    return "never written" if int(_fingerprint(t.reshape(-1))) == fp else "written"
+
+
+def reset_tracking() -> None:
+    _TRACKED.clear()
+
+
 def set_poison(on: bool) -> None:
-    """Turn poisoning of ``to_empty`` on or off for this process."""
+    """Poison (or not) what ``to_empty`` hands out; either way, track it."""
     _STATE["poison"] = bool(on)
-    nn.Module.to_empty = _poisoning_to_empty if on else _ORIGINAL_TO_EMPTY
+    nn.Module.to_empty = _tracking_to_empty
 
 
 @contextlib.contextmanager
@@ -79,3 +119,9 @@ def poisoned(on: bool = True) -> Iterator[None]:
         yield
     finally:
         set_poison(before)
+
+
+def uninstall() -> None:
+    """Give ``nn.Module.to_empty`` back untouched (end of a session)."""
+    _STATE["poison"] = False
+    nn.Module.to_empty = _ORIGINAL_TO_EMPTY

@@ -6,34 +6,44 @@ outcome and the probe still runs on the state the failure left behind.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from workbench.rank import context, poison, probe
+import torch
+
+from workbench.rank import context, ledger, poison, probe, reference, trace
 
 
-def start_session(session_id: str, fix: str | None, params: dict[str, Any], poison_on: bool) -> int:
+def start_session(session_id: str, fix: str | None, params: dict[str, Any], poison_on: bool,
+                  ledger_dir: str | None = None, attempt: int = 0) -> int:
     context.new_context(session_id, fix, params, poison_on)
+    poison.reset_tracking()
     poison.set_poison(poison_on)
+    ledger.open_ledger(session_id, ledger_dir, context._RANK["rank"], attempt)
     return context._RANK["rank"]
 
 
 def end_session(session_id: str) -> None:
     context.drop_context(session_id)
-    poison.set_poison(False)
+    ledger.close_ledger(session_id)
+    poison.uninstall()
 
 
-def run_step(session_id: str, fn: Callable, probe_names: list[str] | None) -> dict[str, Any]:
+def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step: str = "") -> dict[str, Any]:
     """Run one step on this rank, then probe what the context holds."""
     ctx = context.get_context(session_id)
     poison.set_poison(ctx.poison)
     error = None
     ctx.notes.clear()
+    trace.take(ctx)  # rows of an earlier step that never reached the client
     t0 = time.perf_counter()
+    book = ledger.get_ledger(session_id)
     try:
-        fn(ctx)
+        with ledger.recording(book, step) if book is not None else contextlib.nullcontext():
+            fn(ctx)
     except BaseException as exc:
         error = {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-6000:]}
     elapsed = time.perf_counter() - t0
@@ -42,10 +52,29 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None) -> di
         objects = {k: objects[k] for k in probe_names if k in objects}
     t1 = time.perf_counter()
     tensors = probe.probe_objects(objects, ctx.rank)
+    _annotate(tensors, objects, ctx)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
     for row in outputs:
         row.update(ctx.output_extras.get(row["name"], {}))
     return {
         "rank": ctx.rank, "error": error, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
+        "trace": trace.take(ctx),
     }
+
+
+def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.RankContext) -> None:
+    """Per row: ``written`` since materialisation, and ``ref_diff`` against a computable value."""
+    by_name: dict[str, Any] = {}
+    sharded: set[str] = set()
+    for key, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for n, _, t in probe.named_tensors(obj, f"{key}."):
+                by_name[n] = probe._local(t)
+                if by_name[n] is not t.detach() and type(t).__name__ == "DTensor":
+                    sharded.add(n)  # a DTensor: this rank holds a shard, not the whole tensor
+    for row in rows:
+        t = by_name.get(row["name"])
+        row["written"] = None if t is None else poison.written_state(t)
+        row["sharded"] = row["name"] in sharded
+    reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))

@@ -15,7 +15,10 @@ from workbench.errors import UnknownName, WorkbenchError
 from workbench.scenario import Scenario
 
 CATALOGUE: dict[str, str] = {
+    "eval-loop-uneven-batches": "workbench.scenarios.eval_loop_uneven_batches",
     "fsdp1-rotary-meta-init": "workbench.scenarios.fsdp1_rotary_meta_init",
+    "fsdp2-nonpersistent-buffer-sync": "workbench.scenarios.fsdp2_nonpersistent_buffer_sync",
+    "to-empty-clobbers-buffers": "workbench.scenarios.to_empty_clobbers_buffers",
 }
 
 

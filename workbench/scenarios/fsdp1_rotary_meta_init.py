@@ -30,6 +30,7 @@ from workbench.rank.models import (
     save_checkpoint,
     token_batch,
 )
+from workbench.rank.trace import trace_forward
 from workbench.scenario import Scenario
 
 SCENARIO = Scenario(
@@ -109,9 +110,12 @@ def forward(ctx) -> None:
     if net is None:
         net = ctx.model
         ctx.note("the wrap failed on this rank: forward through the unwrapped module")
+    reference_model = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)
     with torch.no_grad():
-        logits = net(input_ids=ids).logits.float()
-        reference = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)(input_ids=ids).logits.float()
+        with trace_forward(ctx, ctx.model):  # hooks on the inner modules: names as in the reference
+            logits = net(input_ids=ids).logits.float()
+        with trace_forward(ctx, reference_model, run="reference"):
+            reference = reference_model(input_ids=ids).logits.float()
     diff = (logits - reference).abs().nan_to_num(nan=float("inf")).max().item()
     ctx.output("logits", logits, ref_max_abs_diff=diff)
 

@@ -4,6 +4,7 @@ The same functions draw a live session and a loaded bundle. ``tensors`` holds th
 rank x tensor views; further modules add their own (collectives swimlanes, ...).
 """
 
+from workbench.viz.collectives import swimlane
 from workbench.viz.tensors import buffer_values, comparison, outputs_view, short, status_matrix
 
-__all__ = ["buffer_values", "comparison", "outputs_view", "short", "status_matrix"]
+__all__ = ["buffer_values", "comparison", "outputs_view", "short", "status_matrix", "swimlane"]

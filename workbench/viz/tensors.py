@@ -12,7 +12,7 @@ from workbench.findings import STATUSES, status
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
-    "inf": "#e377c2", "nan": "#d62728", "poison": "#8c0000", "missing": "#7f7f7f",
+    "reference": "#bcbd22", "inf": "#e377c2", "nan": "#d62728", "poison": "#8c0000", "missing": "#7f7f7f",
 }
 
 

@@ -1,0 +1,154 @@
+"""Hang -> detect -> recover, N times in a row on the same cluster; then look for leaks.
+
+    .venv/bin/python benchmarks/hang_cycles.py [--cycles 20] [--timeout 3] [--deadline 1.5] [--deaths 1]
+
+Each cycle: a session whose second step has rank 0 all-reduce alone (rank 1 never
+posts), run under a per-step deadline shorter than the collective timeout. Measured:
+ - detect: seconds from the deadline's expiry to the frame carrying the hang diagnosis
+   (the ledger read from disk names the stuck call);
+ - recover: ``session.recover()``: gloo's timeout releases the rank, the same engines
+   re-form the group on a new port, and the setup step is replayed;
+ - a check step (both ranks all-reduce) must then give the right sum.
+``--deaths`` extra cycles kill rank 1 (os._exit) and recover by restarting engines.
+At the end: engine processes alive (only the current ones), and the ports of every
+group formed on the way (all free again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import psutil
+import torch
+
+import workbench as wb
+from workbench import Scenario
+
+HANG = Scenario(name="bench-lonely-all-reduce")
+
+
+@HANG.step
+def setup(ctx) -> None:
+    ctx.x = torch.ones(4)
+
+
+@HANG.step
+def lonely(ctx) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    if ctx.params.get("die") and ctx.rank == 1:
+        os._exit(3)
+    if ctx.rank == 0:
+        dist.all_reduce(ctx.x)
+
+
+@HANG.step
+def check(ctx) -> None:
+    import torch.distributed as dist
+
+    y = ctx.x.clone()
+    dist.all_reduce(y)
+    ctx.output("sum", y)
+
+
+HANG.params = {"die": False}
+
+
+def cycle(cluster: wb.Cluster, deadline: float, die: bool) -> dict:
+    s = cluster.session(HANG, die=die)
+    s.step()
+    s.deadline = deadline
+    t0 = time.perf_counter()
+    frame = s.step()
+    t_detect = time.perf_counter() - t0 - deadline
+    assert frame.hang is not None, "no hang recorded"
+    where = "died" if frame.hang.dead else frame.hang.stuck.get(0, "?").split(" at ")[0]
+    port = cluster.port
+    t1 = time.perf_counter()
+    info = s.recover()
+    t_recover = time.perf_counter() - t1
+    out = s.step()
+    heads = out.outputs[out.outputs["name"] == "sum"]["head"].tolist() if out.ok else []
+    ok = len(heads) == 2 and all(list(h) == [2.0] * 4 for h in heads)
+    s.reset()
+    return {"detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
+            "where": where, "check_ok": ok, "old_port": port}
+
+
+def listening(ports: list[int]) -> list[int]:
+    """Ports someone still listens on (TIME_WAIT leftovers are not leaks)."""
+    wanted = set(ports)
+    return sorted({c.laddr.port for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in wanted})
+
+
+def engine_processes(pids: set[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(alive)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=3.0, help="collective (gloo) timeout, s")
+    ap.add_argument("--deadline", type=float, default=1.5, help="per-step deadline, s")
+    ap.add_argument("--deaths", type=int, default=1, help="extra cycles where rank 1 dies")
+    a = ap.parse_args()
+
+    t = time.perf_counter()
+    cluster = wb.start(ranks=2, backend="gloo", timeout=a.timeout)
+    print(f"cluster up in {time.perf_counter() - t:.1f}s: {cluster}")
+    seen_pids = set(cluster.pids.values())
+    rows = []
+    try:
+        for i in range(a.cycles + a.deaths):
+            die = i >= a.cycles
+            r = cycle(cluster, a.deadline, die)
+            seen_pids |= set(cluster.pids.values())
+            rows.append(r)
+            print(f"{i + 1:>3} {'death' if die else 'hang':<5} detect {r['detect_s'] * 1000:7.1f} ms  "
+                  f"recover {r['recover_s']:5.2f} s  {r['action']:<9} check {'ok' if r['check_ok'] else 'FAILED'}"
+                  f"  stuck in: {r['where']}", flush=True)
+        current = set(cluster.pids.values())
+        leaked = [p for p in engine_processes(seen_pids) if p not in current]
+        ports = [r["old_port"] for r in rows]
+        busy_ports = listening([p for p in ports if p != cluster.port])
+    finally:
+        cluster.stop()
+    after_stop = engine_processes(seen_pids)
+
+    hangs = [r for r in rows[: a.cycles]]
+    deaths = rows[a.cycles:]
+
+    def stats(xs: list[float]) -> str:
+        return f"median {statistics.median(xs):.3f}  max {max(xs):.3f}" if xs else "-"
+
+    print()
+    print(f"| what ({len(hangs)} hang cycles, timeout {a.timeout:g}s, deadline {a.deadline:g}s) | seconds |")
+    print("| --- | --- |")
+    print(f"| detection latency after the deadline | {stats([r['detect_s'] for r in hangs])} |")
+    print(f"| recovery (wait for gloo timeout, re-form, replay) | {stats([r['recover_s'] for r in hangs])} |")
+    if deaths:
+        print(f"| dead rank: detection, from step start | {stats([r['detect_s'] + a.deadline for r in deaths])} |")
+        print(f"| dead rank: recovery (fresh engines) | {stats([r['recover_s'] for r in deaths])} |")
+    print(f"| cycles whose check step gave the right sum | {sum(r['check_ok'] for r in rows)}/{len(rows)} |")
+    print(f"| recovery actions | {sorted({r['action'] for r in rows})} |")
+    print(f"| stale engine processes alive before stop | {leaked or 'none'} |")
+    print(f"| engine processes alive after stop | {after_stop or 'none'} |")
+    print(f"| earlier group ports still listening | {busy_ports or 'none'} ({len(set(ports))} ports used) |")
+    if leaked or after_stop or busy_ports or not all(r["check_ok"] for r in rows):
+        raise SystemExit("leak or failed cycle")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Ledger diff on hand-made ledgers, the ledger file format, and the swimlane view (no engines)."""
+
+from __future__ import annotations
+
+import threading
+
+import pandas as pd
+import pytest
+
+from workbench.collectives import (
+    OPEN,
+    describe,
+    diagnose,
+    first_divergence,
+    is_hang,
+    last_calls,
+    ledger_table,
+    read_ledger,
+)
+from workbench.errors import RankFailure
+from workbench.rank.ledger import Ledger
+from workbench.viz import swimlane
+
+
+def call(rank, seq, op="all_reduce", dtype="float32", numel=4, group="0", state="completed", src=None, **kw):
+    size = {"float32": 4, "bfloat16": 2, "int64": 8}[dtype]
+    return {"rank": rank, "session": "s", "attempt": 0, "step": "x", "group": group, "group_ranks": [0, 1],
+            "seq": seq, "op": op, "dtypes": [dtype], "shapes": [[numel]], "numel": numel, "bytes": numel * size,
+            "src": src, "state": state, "t_start": float(seq) + rank / 10, **kw}
+
+
+def both(*ops):
+    return [call(r, i + 1, **o) for r in (0, 1) for i, o in enumerate(ops)]
+
+
+def test_equal_ledgers_have_no_divergence():
+    df = ledger_table(both({}, {"op": "broadcast", "src": 0}, {"op": "all_gather_into_tensor", "numel": 8}))
+    assert first_divergence(df) is None
+    assert len(df) == 6 and set(df["state"]) == {"completed"}
+
+
+def test_extra_call_is_named_with_the_rank_that_made_it():
+    # rank 0: bc fp32 (extra), bc bf16, all_reduce; rank 1: bc bf16, all_reduce -- the headline's shape.
+    rows = [call(0, 1, op="broadcast", src=0, numel=64, via="_broadcast_coalesced", bucket=0, bucket_tensors=2),
+            call(0, 2, op="broadcast", src=0, dtype="bfloat16", numel=1000, via="_broadcast_coalesced", bucket=1),
+            call(0, 3),
+            call(1, 1, op="broadcast", src=0, dtype="bfloat16", numel=1064, via="_broadcast_coalesced", bucket=0),
+            call(1, 2)]
+    div = first_divergence(ledger_table(rows))
+    assert div is not None and div.kind == "extra"
+    assert (div.rank, div.seq, div.group) == (0, 1, "0")
+    assert div.call["dtypes"] == "float32" and div.call["op"] == "broadcast"
+    assert "rank 0 issued an extra broadcast #1 float32 [64] 256 B" in div.message
+    assert "2 tensors" in div.message
+
+
+def test_trailing_call_one_rank_made_is_extra():
+    df = ledger_table([*both({}, {}), call(0, 3, op="barrier", state=OPEN)])
+    div = first_divergence(df)
+    assert div.kind == "extra" and div.ranks == [0] and div.seq == 3
+    assert "never issued a call #3" in div.message
+
+
+def test_dtype_mismatch():
+    rows = [*both({}), call(0, 2, dtype="float32", numel=8), call(1, 2, dtype="bfloat16", numel=8)]
+    div = first_divergence(ledger_table(rows))
+    assert div.kind == "dtype" and div.seq == 2 and div.ranks == [1]
+    assert "different dtypes" in div.message
+
+
+def test_size_mismatch():
+    rows = [*both({}), call(0, 2, op="broadcast", src=0, numel=64), call(1, 2, op="broadcast", src=0, numel=32)]
+    div = first_divergence(ledger_table(rows))
+    assert div.kind == "size" and div.seq == 2 and div.ranks == [1]
+
+
+def test_op_mismatch_the_eval_hang():
+    rows = both(*[{"op": "all_gather_into_tensor", "numel": 100}] * 3)
+    rows += [call(0, 4, state=OPEN), call(1, 4, op="all_gather_into_tensor", numel=100, state=OPEN)]
+    df = ledger_table(rows)
+    div = first_divergence(df)
+    assert div.kind == "op" and div.seq == 4
+    hang = diagnose("evaluate", df, {0: RankFailure(0, "timeout", "Timeout", "t"),
+                                      1: RankFailure(1, "timeout", "Timeout", "t")}, [0, 1], deadline_s=3)
+    assert hang.stuck[0].startswith("all_reduce #4") and hang.stuck[1].startswith("all_gather_into_tensor #4")
+    assert hang.finished == [] and "within its 3s deadline" in hang.message and hang.caught_by == "step deadline"
+    assert list(last_calls(df)["seq"]) == [4, 4]
+
+
+def test_hang_diagnosis_tells_stuck_from_finished_and_dead():
+    rows = [*both({}), call(0, 2, state=OPEN)]
+    df = ledger_table(rows)
+    assert is_hang({0: RankFailure(0, "timeout", "Timeout", "t")}, df)
+    assert not is_hang({}, ledger_table(both({})))
+    hang = diagnose("s", df, {0: RankFailure(0, "timeout", "Timeout", "t")}, [0, 1])
+    assert list(hang.stuck) == [0] and hang.finished == [1]
+    dead = diagnose("s", df, {1: RankFailure(1, "died", "EngineDied", "gone")}, [0, 1])
+    assert dead.dead == [1]
+
+
+def test_strict_mode_mismatch_counts_as_caught():
+    msg = "RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: ..."
+    df = ledger_table([call(0, 1, state="failed", error=msg), call(1, 1, op="broadcast", src=0, state="failed",
+                                                                     error=msg)])
+    assert is_hang({}, df)
+    hang = diagnose("wrap", df, {}, [0, 1])
+    assert hang.caught_by.startswith("strict mode") and hang.finished == [0, 1] and hang.divergence.kind == "op"
+    assert "caught a collective mismatch" in hang.message
+
+
+def test_groups_are_aligned_separately():
+    rows = [*both({"group": "0"}), call(0, 1, group="1"), call(1, 1, group="1", dtype="int64")]
+    div = first_divergence(ledger_table(rows))
+    assert div.group == "1" and div.kind == "dtype"
+
+
+def test_ledger_file_is_readable_line_by_line_while_open(tmp_path):
+    book = Ledger(str(tmp_path), rank=0, session="s", attempt=0)
+    book.write({"ev": "start", "rank": 0, "session": "s", "attempt": 0, "group": "0", "seq": 1, "op": "all_reduce",
+                "dtypes": ["float32"], "shapes": [[2]], "numel": 2, "bytes": 8, "t": 1.0})
+    with open(tmp_path / "rank0.jsonl", "a") as f:
+        f.write('{"ev": "start", "rank": 0, "se')  # a record still being written
+    df = read_ledger(str(tmp_path))  # the writer has not closed the file: a stuck rank
+    assert len(df) == 1 and df.loc[0, "state"] == OPEN and df.loc[0, "op"] == "all_reduce"
+    book.close()
+
+
+def test_ledger_writes_are_whole_lines_under_threads(tmp_path):
+    book = Ledger(str(tmp_path), rank=1)
+
+    def writer(k):
+        for i in range(200):
+            book.write({"ev": "start", "rank": 1, "group": str(k), "seq": i + 1, "op": "x" * 50, "t": 0.0})
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    book.close()
+    assert len(read_ledger(str(tmp_path))) == 800
+
+
+def test_describe_and_swimlane_mark_the_divergence_and_hung_calls():
+    rows = [*both({}), call(0, 2, state=OPEN), call(1, 2, op="all_gather_into_tensor", numel=64, state=OPEN)]
+    df = ledger_table(rows)
+    assert describe(df.iloc[0]).startswith("all_reduce #1 float32 [4] 16 B")
+    fig = swimlane(df)
+    names = [t.name for t in fig.data]
+    assert "hung (still inside)" in names and "all_gather_into_tensor" in names
+    assert len(fig.layout.shapes) == 1 and fig.layout.shapes[0].x0 == pytest.approx(1.5)
+    assert "first divergence: op" in fig.layout.annotations[0].text
+    assert len(swimlane(ledger_table([])).data) == 0
+
+
+def test_ledger_table_is_parquet_safe(tmp_path):
+    df = ledger_table(both({}, {"op": "broadcast", "src": 0}))
+    df.to_parquet(tmp_path / "l.parquet")
+    back = pd.read_parquet(tmp_path / "l.parquet")
+    assert first_divergence(back) is None and len(back) == 4

@@ -1,0 +1,136 @@
+"""Forward trace: the rank-side hooks on a real module, and the detector on hand-made rows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from workbench.detect_trace import first_fault, forward_trace
+from workbench.findings import findings
+from workbench.frames import table
+from workbench.rank import trace as rank_trace
+from workbench.rank.trace import TRACE_COLUMNS, module_name, trace_forward
+
+
+def rows(spec: list[tuple], rank: int = 0, run: str = "model") -> list[dict]:
+    """(module, nan, absmax, meanabs[, in_nonfinite]) per call, in call order."""
+    out = []
+    for call, (module, nan, absmax, meanabs, *rest) in enumerate(spec):
+        out.append({"rank": rank, "run": run, "call": call, "module": module, "type": "Linear",
+                    "dtype": "float32", "shape": "4", "numel": 4, "in_nonfinite": rest[0] if rest else 0,
+                    "nan": nan, "inf": 0, "absmax": absmax, "meanabs": meanabs,
+                    "fingerprint": f"{hash((module, nan, absmax, meanabs)) & 0xFFFFFFFF:016x}"})
+    return out
+
+
+HEALTHY = [("embed", 0, 1.0, 0.5), ("rotary", 0, 1.0, 0.6), ("attn", 0, 2.0, 0.7), ("(root)", 0, 3.0, 0.8)]
+
+
+def test_names_first_non_finite_module_and_whether_inputs_were_finite():
+    bad = [("embed", 0, 1.0, 0.5), ("rotary", 4, float("nan"), float("nan")), ("attn", 4, float("nan"),
+                                                                                  float("nan"), 4),
+           ("(root)", 4, float("nan"), float("nan"), 4)]
+    trace = table(rows(HEALTHY, 0) + rows(bad, 1), TRACE_COLUMNS)
+    found = forward_trace("forward", pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), trace=trace)
+    assert [f["rank"] for f in found] == [1]
+    assert found[0]["name"] == "rotary" and found[0]["severity"] == "error"
+    assert "rank 1: first non-finite output at `rotary`" in found[0]["finding"]
+    assert "inputs were finite" in found[0]["finding"] and "3 of 4 module outputs" in found[0]["finding"]
+    assert first_fault(trace, 1) == "rotary" and first_fault(trace, 0) is None
+
+
+def test_names_first_departure_from_rank0_and_from_reference():
+    off = [("embed", 0, 1.0, 0.5), ("rotary", 0, 1.0, 0.5), ("attn", 0, 2.5, 0.9), ("(root)", 0, 3.5, 0.9)]
+    trace = table(rows(HEALTHY, 0) + rows(off, 1) + rows(HEALTHY, 1, "reference"), TRACE_COLUMNS)
+    found = forward_trace("forward", None, None, None, trace=trace)
+    assert {(f["rank"], f["name"]) for f in found} == {(1, "rotary")}
+    kinds = sorted(f["finding"].split(" at ")[0] for f in found)
+    assert kinds == ["rank 1: first output departing from rank 0", "rank 1: first output departing from the reference"]
+
+
+def test_all_ranks_agreeing_on_garbage_is_caught_by_the_reference_only():
+    off = [("embed", 0, 1.0, 0.5), ("rotary", 0, 1.0, 0.45), ("(root)", 0, 3.0, 0.9)]
+    ref = [("embed", 0, 1.0, 0.5), ("rotary", 0, 1.0, 0.6), ("(root)", 0, 3.0, 0.8)]
+    trace = table(rows(off, 0) + rows(off, 1) + rows(ref, 0, "reference") + rows(ref, 1, "reference"), TRACE_COLUMNS)
+    found = forward_trace("forward", None, None, None, trace=trace)
+    assert len(found) == 2 and all("from the reference at `rotary`" in f["finding"] for f in found)
+
+
+def test_silent_on_identical_and_within_tolerance_and_without_a_trace():
+    close = [(m, n, a * (1 + 1e-4), b) for m, n, a, b in HEALTHY]
+    trace = table(rows(HEALTHY, 0) + rows(close, 1) + rows(HEALTHY, 1, "reference"), TRACE_COLUMNS)
+    assert forward_trace("forward", None, None, None, trace=trace) == []
+    assert forward_trace("forward", None, None, None, trace=None) == []
+    assert forward_trace("forward", None, None, None, trace=table([], TRACE_COLUMNS)) == []
+
+
+def test_findings_pass_the_trace_only_to_detectors_that_take_it():
+    bad = [("embed", 0, 1.0, 0.5), ("rotary", 4, float("nan"), float("nan"))]
+    trace = table(rows(HEALTHY, 0) + rows(bad, 1), TRACE_COLUMNS)
+    empty_t = pd.DataFrame(columns=["rank", "name", "dtype", "is_meta", "poisoned", "nan", "inf", "numel",
+                                    "fingerprint"])
+    no_events = pd.DataFrame(columns=["rank", "kind", "error", "message", "traceback"])
+    f = findings("forward", empty_t, pd.DataFrame(), no_events, trace=trace)
+    assert list(f["detector"]) == ["forward trace"] and f.iloc[0]["name"] == "rotary"
+    assert findings("forward", empty_t, pd.DataFrame(), no_events).empty
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        return torch.cos(x * self.inv_freq), torch.sin(x * self.inv_freq)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.rotary = Rotary()
+
+    def forward(self, x):
+        cos, sin = self.rotary(self.lin(x))
+        return cos + sin
+
+
+def test_trace_forward_records_one_row_per_call_in_completion_order_and_removes_hooks():
+    torch.manual_seed(0)
+    net, ctx = Net(), SimpleNamespace(rank=3)
+    with trace_forward(ctx, net):
+        net(torch.randn(2, 4))
+    net.rotary.inv_freq.fill_(float("nan"))
+    with trace_forward(ctx, net, run="reference"):
+        net(torch.randn(2, 4))
+    got = rank_trace.take(ctx)
+    assert rank_trace.take(ctx) == []
+    assert [r["module"] for r in got] == ["lin", "rotary", "(root)"] * 2
+    assert all(r["rank"] == 3 for r in got) and [r["run"] for r in got] == ["model"] * 3 + ["reference"] * 3
+    first, broken = got[:3], got[3:]
+    assert all(r["nan"] == 0 and r["absmax"] > 0 for r in first)
+    assert broken[1]["nan"] == 16 and broken[1]["numel"] == 16 and broken[1]["in_nonfinite"] == 0
+    assert broken[2]["in_nonfinite"] == 0 and broken[2]["nan"] == 8  # root: inputs finite, output NaN
+    assert first[0]["fingerprint"] != broken[0]["fingerprint"]
+    assert set(TRACE_COLUMNS) <= set(first[0])
+    assert not any(m._forward_hooks for m in net.modules())
+
+
+def test_trace_forward_keeps_rows_when_the_forward_raises_and_rejects_non_modules():
+    net, ctx = Net(), SimpleNamespace(rank=0)
+    with pytest.raises(RuntimeError), trace_forward(ctx, net):
+        net.lin(torch.randn(2, 4))
+        raise RuntimeError("boom")
+    assert [r["module"] for r in rank_trace.take(ctx)] == ["lin"]
+    with pytest.raises(TypeError, match=r"needs an nn\.Module"), trace_forward(ctx, {"not": "a module"}):
+        pass
+
+
+def test_wrapper_prefixes_are_dropped_from_module_names():
+    assert module_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.self_attn") == \
+        "model.layers.0.self_attn"
+    assert module_name("") == "(root)" and module_name("_fsdp_wrapped_module") == "(root)"

@@ -1,0 +1,349 @@
+"""Collectives across ranks: read the per-rank ledgers, name the first divergent call, diagnose hangs.
+
+The ledgers are JSON-lines files the ranks append to (``workbench.rank.ledger``); this
+module reads them from disk, so it works while a rank is blocked and on saved data.
+One row per call: ``rank, session, attempt, step, group, seq, op, dtypes, shapes, numel,
+bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, t_start,
+t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``, ``timed out``
+or ``issued`` (dispatched; the backend gave no completion signal).
+
+Alignment: the n-th call of every rank on a process group (``seq``) should be the same
+collective with the same dtype and size. The first position where they differ is the
+first divergence; everything after it is a consequence.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from workbench.errors import RankFailure
+
+LEDGER_COLUMNS = [
+    "rank", "session", "attempt", "step", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel",
+    "bytes", "src", "dst", "via", "bucket", "bucket_tensors", "state", "error", "caller", "user_frame",
+    "t_start", "t_end", "c10d_op",
+]
+OPEN = "started"
+
+
+# -- reading ----------------------------------------------------------------------------
+def read_ledger(source: str | list[str]) -> pd.DataFrame:
+    """Every call in a ledger directory (or list of files), one row each, start and end merged."""
+    paths = sorted(glob.glob(os.path.join(source, "rank*.jsonl"))) if isinstance(source, str) else list(source)
+    starts: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line still being written
+                key = (ev.get("rank"), ev.get("session"), ev.get("attempt"), ev.get("group"), ev.get("seq"))
+                if ev.get("ev") == "start":
+                    starts[key] = {**ev, "t_start": ev.get("t"), "state": OPEN, "t_end": None, "error": None}
+                elif ev.get("ev") == "end" and key in starts:
+                    starts[key].update(state=ev["state"], error=ev.get("error"), t_end=ev.get("t"))
+    return ledger_table(list(starts.values()))
+
+
+def ledger_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Rows (from files or written by hand) as the ledger table: flat, Parquet-safe columns."""
+    df = pd.DataFrame(rows)
+    for c in LEDGER_COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    if len(df):
+        df["dtypes"] = df["dtypes"].map(_join)
+        df["shapes"] = df["shapes"].map(lambda v: v if isinstance(v, str) else json.dumps(v))
+        df["group_ranks"] = df["group_ranks"].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
+        df["session"] = df["session"].fillna("")
+        df["attempt"] = df["attempt"].fillna(0)
+        df["group"] = df["group"].fillna("0").astype(str)
+        df["state"] = df["state"].fillna("completed")
+    for c in ("rank", "attempt", "seq", "numel", "bytes", "src", "dst", "bucket", "bucket_tensors"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
+    for c in ("t_start", "t_end"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    df = df[LEDGER_COLUMNS]
+    return df.sort_values(["session", "attempt", "rank", "group", "seq"], ignore_index=True) if len(df) else df
+
+
+def _join(v: Any) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return ""
+    return v if isinstance(v, str) else ",".join(str(x) for x in v)
+
+
+def describe(call: dict[str, Any] | pd.Series | None) -> str:
+    """One call in words: ``all_reduce #9 float32 [2] 8 B (group 0) at file:line``."""
+    if call is None:
+        return "no call"
+    c = dict(call)
+    shapes = c.get("shapes") or ""
+    if isinstance(shapes, str) and shapes.startswith("[[") and shapes.count("[") == 2:
+        shapes = shapes[1:-1]  # one tensor: [64], not [[64]]
+    text = f"{c['op']} #{c['seq']} {c.get('dtypes') or '?'} {shapes} {_size(c.get('bytes'))}".rstrip()
+    if c.get("via") and isinstance(c.get("via"), str):
+        n = c.get("bucket_tensors")
+        text += f" (bucket {c.get('bucket')} of {c['via']}" + (f", {n} tensors)" if _num(n) else ")")
+    src = c.get("src")
+    if _num(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
+        text += f" src={src}"
+    where = c.get("user_frame") or c.get("caller")
+    if isinstance(where, str) and where:
+        text += f" at {_short(where)}"
+    return text
+
+
+def _num(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and pd.isna(v)) and v is not pd.NA
+
+
+def _size(b: Any) -> str:
+    if not _num(b):
+        return ""
+    b = int(b)
+    return f"{b} B" if b < 10_000 else f"{b / 1024:.1f} KiB" if b < 10_000_000 else f"{b / 2**20:.1f} MiB"
+
+
+def _short(where: str) -> str:
+    path, _, rest = where.partition(":")
+    parts = path.split(os.sep)
+    for anchor in ("site-packages", "workbench", "notebooks"):
+        if anchor in parts:
+            parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
+            break
+    else:
+        parts = parts[-2:]
+    return "/".join(parts) + ":" + rest
+
+
+# -- first divergence ---------------------------------------------------------------------
+@dataclass
+class Divergence:
+    """The first call on which the ranks disagree, and what they disagree about."""
+
+    kind: str  # "extra" (a call others did not make), "op", "dtype", "size", "root"
+    group: str
+    seq: int
+    ranks: list[int]  # the ranks that deviate (for "extra": the ranks that made the call)
+    calls: dict[int, dict[str, Any] | None]  # rank -> its call at this position (None: no call)
+    message: str
+    step: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def call(self) -> dict[str, Any] | None:
+        """The deviating call (for "extra": the call the other ranks never made)."""
+        return self.calls.get(self.rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "group": self.group, "seq": self.seq, "ranks": self.ranks, "step": self.step,
+                "message": self.message}
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _sig(c: dict[str, Any]) -> tuple:
+    return (c.get("op"), c.get("dtypes"), c.get("numel"), c.get("src") if c.get("op") in ROOTED else None)
+
+
+ROOTED = ("broadcast", "reduce", "scatter", "gather")
+
+
+def _differ(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    if a.get("op") != b.get("op"):
+        return "op"
+    if (a.get("dtypes") or "") != (b.get("dtypes") or ""):
+        return "dtype"
+    if _nz(a.get("bytes")) != _nz(b.get("bytes")) or _nz(a.get("numel")) != _nz(b.get("numel")):
+        return "size"
+    if a.get("op") in ROOTED and _nz(a.get("src")) != _nz(b.get("src")):
+        return "root"
+    return None
+
+
+def _nz(v: Any) -> Any:
+    return None if not _num(v) else int(v)
+
+
+def _loose(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    return a is not None and b is not None and a.get("op") == b.get("op") and a.get("dtypes") == b.get("dtypes")
+
+
+def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
+    """The earliest call on which the ranks disagree (per session attempt and group), or None."""
+    if ledger is None or ledger.empty:
+        return None
+    found: list[tuple[float, Divergence]] = []
+    for (_, _, group), part in ledger.groupby(["session", "attempt", "group"], sort=False):
+        div = _group_divergence(str(group), part)
+        if div is not None:
+            times = [c.get("t_start") for c in div.calls.values() if c is not None and _num(c.get("t_start"))]
+            found.append((min(times) if times else float(div.seq), div))
+    if not found:
+        return None
+    return min(found, key=lambda x: x[0])[1]
+
+
+def _group_ranks(part: pd.DataFrame) -> list[int]:
+    ranks = {int(r) for r in part["rank"]}
+    for v in part["group_ranks"].dropna().unique():
+        try:
+            ranks |= {int(r) for r in json.loads(v)}
+        except (TypeError, ValueError):
+            pass
+    return sorted(ranks)
+
+
+def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
+    ranks = _group_ranks(part)
+    calls = {r: [dict(row) for _, row in part[part["rank"] == r].sort_values("seq").iterrows()] for r in ranks}
+    length = max(len(v) for v in calls.values())
+    for k in range(length):
+        at = {r: (calls[r][k] if k < len(calls[r]) else None) for r in ranks}
+        present = [r for r in ranks if at[r] is not None]
+        ref = at[present[0]]
+        seq = int(ref["seq"]) if _num(ref.get("seq")) else k + 1
+        step = ref.get("step")
+        if len(present) < len(ranks):
+            absent = [r for r in ranks if at[r] is None]
+            msg = (f"group {group} call #{seq}: rank(s) {present} issued {describe(ref)}; "
+                   f"rank(s) {absent} never issued a call #{seq} on this group")
+            return Divergence("extra", group, seq, present, at, msg, step)
+        kinds = {r: _differ(at[r], ref) for r in present}
+        if not any(kinds.values()):
+            continue
+        # An extra call: one rank's next call is what the others issued here.
+        for r in present:
+            nxt = calls[r][k + 1] if k + 1 < len(calls[r]) else None
+            others = [q for q in present if q != r]
+            if (all(_loose(nxt, at[q]) for q in others) and not any(_loose(at[r], at[q]) for q in others)):
+                msg = (f"group {group} call #{seq}: rank {r} issued an extra {describe(at[r])} that rank(s) {others} "
+                       f"did not; their call #{seq} ({'; '.join(f'rank {q}: {describe(at[q])}' for q in others)}) "
+                       f"pairs with it instead, and rank {r}'s next call #{seq + 1} is {describe(nxt)}")
+                return Divergence("extra", group, seq, [r], at, msg, step)
+        deviating = [r for r in present if kinds[r]]
+        kind = next(kinds[r] for r in deviating)
+        words = {"op": "different collectives", "dtype": "different dtypes", "size": "different sizes",
+                 "root": "different roots"}[kind]
+        msg = (f"group {group} call #{seq}: {words}: "
+               + "; ".join(f"rank {r}: {describe(at[r])}" for r in present))
+        return Divergence(kind, group, seq, deviating, at, msg, step)
+    return None
+
+
+# -- hangs --------------------------------------------------------------------------------
+def last_calls(ledger: pd.DataFrame) -> pd.DataFrame:
+    """Each rank's last call in the ledger (latest start), one row per rank."""
+    if ledger is None or ledger.empty:
+        return ledger_table([])
+    return (ledger.sort_values(["rank", "t_start", "seq"]).groupby("rank", as_index=False).tail(1)
+            .reset_index(drop=True))
+
+
+@dataclass
+class Hang:
+    """A step that did not finish on every rank: who is inside which collective, who returned."""
+
+    step: str
+    ranks: pd.DataFrame  # rank, status, op, seq, group, state, dtypes, shapes, bytes, where
+    divergence: Divergence | None
+    deadline_s: float | None = None
+    stuck: dict[int, str] = field(default_factory=dict)  # rank -> "all_reduce #9 ..."
+    finished: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    caught_by: str = "step deadline"  # or "collective timeout", "strict mode (...)", "engine died"
+
+    @property
+    def message(self) -> str:
+        head = {"engine died": "a rank's engine died",
+                "collective timeout": "a collective timed out (the process group's own timeout)",
+                }.get(self.caught_by, "strict mode (TORCH_DISTRIBUTED_DEBUG=DETAIL) caught a collective mismatch")
+        if self.caught_by == "step deadline":
+            head = "did not finish on every rank" + (f" within its {self.deadline_s:g}s deadline"
+                                                      if self.deadline_s else "")
+        lines = [f"step {self.step!r}: {head}"]
+        for r in self.ranks.itertuples():
+            lines.append(f"  rank {r.rank}: {r.status}")
+        if self.divergence is not None:
+            lines.append(f"  first divergence: {self.divergence.message}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "deadline_s": self.deadline_s, "caught_by": self.caught_by,
+                "stuck": {str(k): v for k, v in self.stuck.items()},
+                "finished": self.finished, "dead": self.dead, "message": self.message,
+                "divergence": None if self.divergence is None else self.divergence.to_dict()}
+
+    def __str__(self) -> str:
+        return self.message
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(self.message)}</pre>"
+
+
+def diagnose(step: str, ledger: pd.DataFrame, failures: dict[int, RankFailure], ranks: list[int],
+             deadline_s: float | None = None) -> Hang:
+    """Who is stuck where, from the ledger (no rank needs to answer) and the per-rank failures."""
+    last = {int(r["rank"]): dict(r) for _, r in last_calls(ledger).iterrows()}
+    rows, stuck, finished, dead = [], {}, [], []
+    for r in ranks:
+        call, fail = last.get(r), failures.get(r)
+        if fail is not None and fail.kind == "died":
+            status = "died" + (f" (last call: {describe(call)}, {call['state']})" if call else "")
+            dead.append(r)
+        elif call is not None and call["state"] == OPEN:
+            status = f"inside {describe(call)}"
+            stuck[r] = describe(call)
+        elif fail is not None and fail.kind == "timeout":
+            status = "still running, in no collective" + (f" (last call: {describe(call)})" if call else "")
+            stuck[r] = "no collective"
+        elif call is not None and call["state"] in ("timed out", "failed"):
+            status = f"returned: its {describe(call)} {call['state']}: {str(call.get('error') or '')[:160]}"
+            finished.append(r)
+        else:
+            status = "returned" + (f" after {describe(call)}" if call else ", no collective")
+            finished.append(r)
+        rows.append({"rank": r, "status": status, **{k: (call or {}).get(k) for k in
+                     ("op", "seq", "group", "state", "dtypes", "shapes", "bytes", "user_frame", "caller")}})
+    return Hang(step, pd.DataFrame(rows), first_divergence(ledger), deadline_s, stuck, finished, dead,
+                caught_by(failures, ledger))
+
+
+STRICT = "Detected mismatch between collectives"
+
+
+def caught_by(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> str:
+    """Which mechanism stopped the step: a dead engine, the step deadline, strict mode or gloo's timeout."""
+    errors = " ".join(str(e) for e in ledger["error"].dropna()) if ledger is not None and len(ledger) else ""
+    errors += " ".join(f.message for f in failures.values())
+    if any(f.kind == "died" for f in failures.values()):
+        return "engine died"
+    if STRICT in errors:
+        return "strict mode (TORCH_DISTRIBUTED_DEBUG=DETAIL)"
+    if any(f.kind == "timeout" for f in failures.values()):
+        return "step deadline"
+    return "collective timeout"
+
+
+def is_hang(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> bool:
+    """A step hung (or would have): a rank missed its deadline or died, a collective timed out, or strict
+    mode caught a mismatch."""
+    if any(f.kind in ("timeout", "died") for f in failures.values()):
+        return True
+    if ledger is None or not len(ledger):
+        return False
+    return bool((ledger["state"] == "timed out").any() or ledger["error"].fillna("").str.contains(STRICT).any())

@@ -1,0 +1,117 @@
+"""Forward-trace detector: the first module whose output goes wrong, per rank.
+
+Reads the rows ``workbench.rank.trace.trace_forward`` recorded (one per module call, in
+the order the calls finished, so a module comes after everything it called). Per rank and
+run, three questions, first answer wins the sentence:
+
+- where did the output first go non-finite (NaN/Inf) — and were that module's inputs
+  still finite, which puts the fault in the module's own state (its buffers, its weights);
+- where did it first depart from rank 0's output of the same module and call;
+- where did it first depart from the reference run (``run == "reference"``) on the rank.
+
+Module calls line up across ranks and runs by (module name, n-th call of that module).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+REFERENCE = "reference"
+RTOL = 1e-2  # relative gap in absmax / mean|x| that counts as "departs"
+ATOL = 1e-6
+
+
+def _key(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.sort_values("call").copy()
+    df["nth"] = df.groupby("module").cumcount()
+    return df
+
+
+def _bad(row: Any) -> int:
+    total = 0
+    for v in (row.nan, row.inf):
+        if v is not None and v is not pd.NA and v == v:
+            total += int(v)
+    return total
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rtol * max(abs(a), abs(b)) + ATOL
+
+
+def departs(a: Any, b: Any, rtol: float = RTOL) -> bool:
+    """Whether call ``a`` differs from call ``b``: non-finite counts, absmax or mean |x|."""
+    if a.fingerprint == b.fingerprint:
+        return False
+    if _bad(a) != _bad(b):
+        return True
+    return not (_close(a.absmax, b.absmax, rtol) and _close(a.meanabs, b.meanabs, rtol))
+
+
+def _first_departure(rows: pd.DataFrame, against: pd.DataFrame, rtol: float) -> tuple[Any, Any] | None:
+    other = {(r.module, r.nth): r for r in against.itertuples(index=False)}
+    for r in rows.itertuples(index=False):
+        o = other.get((r.module, r.nth))
+        if o is not None and departs(r, o, rtol):
+            return r, o
+    return None
+
+
+def _fmt(v: Any) -> str:
+    return "nan" if v is None or v != v else f"{v:.4g}"
+
+
+def analyse(trace: pd.DataFrame, rtol: float = RTOL) -> list[dict]:
+    """Per (rank, run): the first non-finite call and the first departures, as dicts."""
+    out: list[dict] = []
+    if trace is None or trace.empty:
+        return out
+    runs = {(int(rk), run): _key(g) for (rk, run), g in trace.groupby(["rank", "run"], sort=True)}
+    for (rank, run), g in runs.items():
+        where = "" if run == "model" else f" ({run} run)"
+        bad = [r for r in g.itertuples(index=False) if _bad(r) > 0]
+        first_bad_call = bad[0].call if bad else math.inf
+        if bad:
+            b = bad[0]
+            cause = ("its inputs were finite: the fault is in this module's own state (buffers, weights)"
+                     if not b.in_nonfinite else "its inputs were already non-finite")
+            out.append({"rank": rank, "run": run, "kind": "non-finite", "severity": "error", "module": b.module,
+                        "finding": f"rank {rank}{where}: first non-finite output at `{b.module}` ({b.type}; "
+                                   f"{_bad(b)} of {b.numel} values; {cause}); "
+                                   f"{len(bad)} of {len(g)} module outputs non-finite"})
+        if run == REFERENCE:
+            continue
+        against = [("rank 0", "warning", runs.get((0, run)) if rank != 0 else None),
+                   ("the reference", "error", runs.get((rank, REFERENCE)))]
+        for label, severity, other in against:
+            hit = _first_departure(g, other, rtol) if other is not None else None
+            if hit and hit[0].call < first_bad_call:
+                r, o = hit
+                out.append({"rank": rank, "run": run, "kind": f"departs from {label}", "severity": severity,
+                            "module": r.module,
+                            "finding": f"rank {rank}{where}: first output departing from {label} at "
+                                       f"`{r.module}` ({r.type}; absmax {_fmt(r.absmax)} vs {_fmt(o.absmax)}, "
+                                       f"mean|x| {_fmt(r.meanabs)} vs {_fmt(o.meanabs)})"})
+    return out
+
+
+def forward_trace(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame,
+                  trace: pd.DataFrame | None = None, rtol: float = RTOL, **_: Any) -> list[dict]:
+    """Findings rows (the DETECTORS shape) from one step's forward trace; none without a trace."""
+    return [{"severity": a["severity"], "rank": a["rank"], "name": a["module"], "detector": "forward trace",
+             "finding": a["finding"]} for a in analyse(trace, rtol)]
+
+
+def first_fault(trace: pd.DataFrame, rank: int, run: str = "model", rtol: float = RTOL) -> str | None:
+    """The module named first for ``rank`` and ``run`` (non-finite, then rank 0, then reference)."""
+    for a in analyse(trace, rtol):
+        if a["rank"] == rank and a["run"] == run:
+            return a["module"]
+    return None

@@ -1,0 +1,292 @@
+"""The per-rank collectives ledger: every collective a step issues, readable while stuck.
+
+Runs inside a rank. A ``TorchDispatchMode`` sees every ``c10d`` op this rank's step
+thread dispatches: the Python wrappers (``dist.all_reduce`` ...), what FSDP1 and FSDP2
+issue internally (all-gathers, reduce-scatters) and what C++ issues on our behalf, such
+as each per-dtype bucket of ``_broadcast_coalesced`` (FSDP1 ``sync_module_states``).
+Each call appends one JSON line when it starts and one when its work completes, fails
+or times out (the work's future callback), to ``<dir>/rank<r>.jsonl``, flushed per
+record: the client reads the file from disk while the rank is still blocked inside the
+collective. Flight Recorder covers part of this (gloo entries stay "scheduled", no
+send/recv, and its dump needs the rank to answer), so it is only a cross-check here:
+``flight_recorder()`` returns its entries when the rank can answer.
+
+Sequence numbers count per process group and per session attempt from 1, so the ranks'
+n-th calls on a group line up. Not seen: collectives issued from other threads (e.g.
+DDP's autograd-thread all-reduces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+NAMESPACES = ("c10d", "_c10d_functional")
+OP_NAMES = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
+    "_allgather_base_": "all_gather_into_tensor", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather_into_tensor_coalesced",
+    "allgather_coalesced_": "all_gather_coalesced", "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor_coalesced",
+    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv_any_source",
+}
+SKIP_OPS = {"wait_tensor"}  # functional collectives' wait: not a collective of its own
+PAYLOAD_ARGS = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
+PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_STDLIB = sysconfig.get_paths().get("stdlib", "")
+_PLUMBING = (
+    os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
+    os.path.join(_TORCH_DIR, "distributed", "c10d_logger.py"),
+    os.path.join(_TORCH_DIR, "utils", "_python_dispatch.py"),
+    os.path.join(_TORCH_DIR, "_ops.py"),
+    os.path.join(_TORCH_DIR, "_dynamo"),
+    os.path.join(_TORCH_DIR, "_compile.py"),
+    os.path.join(_TORCH_DIR, "utils", "_contextlib.py"),
+    os.path.join(_TORCH_DIR, "distributed", "_functional_collectives.py"),
+    os.path.abspath(__file__),
+)
+
+
+def ledger_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.jsonl")
+
+
+class Ledger:
+    """Append-only JSON-lines writer for one rank and one session attempt."""
+
+    def __init__(self, directory: str, rank: int, session: str = "", attempt: int = 0):
+        os.makedirs(directory, exist_ok=True)
+        self.path = ledger_path(directory, rank)
+        self.rank, self.session, self.attempt = rank, session, attempt
+        self.step = ""
+        self._seq: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=str)
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def next_seq(self, group: str) -> int:
+        with self._lock:
+            self._seq[group] = self._seq.get(group, 0) + 1
+            return self._seq[group]
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ledger: Ledger):
+        super().__init__()
+        self.ledger = ledger
+        self.coalesced: list[dict[str, Any]] = []  # context set by the _broadcast_coalesced wrapper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in NAMESPACES or func._schema.name.split("::")[-1] in SKIP_OPS:
+            return func(*args, **kwargs)
+        rec = self._start(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            self._end(rec, exc)
+            raise
+        work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) else None
+        if work is None:
+            self._end(rec, None)
+        else:
+            try:
+                fut = dist.distributed_c10d.Work.unbox(work).get_future()
+                fut.add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
+            except Exception:  # a backend without futures: record the dispatch as the end
+                self._end(rec, None, state="issued")
+        return out
+
+    def _start(self, func, args, kwargs) -> dict[str, Any]:
+        schema = func._schema
+        raw = schema.name.split("::")[-1]
+        bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)}
+        group, ranks = "?", None
+        for v in bound.values():
+            if isinstance(v, torch.ScriptObject):
+                try:
+                    pg = dist.ProcessGroup.unbox(v)
+                except Exception:
+                    continue
+                group = pg.group_name or "default_pg"
+                try:
+                    ranks = dist.get_process_group_ranks(pg)
+                except Exception:
+                    ranks = list(range(pg.size()))
+                break
+        payload: list[torch.Tensor] = []
+        for name in PAYLOAD_ARGS:
+            if name in bound and bound[name] is not None:
+                payload = _tensors(bound[name])
+                break
+        rec: dict[str, Any] = {
+            "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
+            "attempt": self.ledger.attempt, "step": self.ledger.step, "group": group,
+            "group_ranks": ranks, "seq": self.ledger.next_seq(group), "op": OP_NAMES.get(raw, raw),
+            "c10d_op": schema.name, "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in payload}),
+            "shapes": [list(t.shape) for t in payload], "numel": sum(t.numel() for t in payload),
+            "bytes": sum(t.numel() * t.element_size() for t in payload),
+            "device": str(payload[0].device) if payload else "",
+            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(),
+        }
+        for arg, col in PEER_ARGS.items():
+            if bound.get(arg) is not None:
+                rec[col] = bound[arg]
+        rec["caller"], rec["user_frame"], rec["stack"] = _frames()
+        if self.coalesced and raw == "broadcast_":
+            ctx = self.coalesced[-1]
+            rec["via"] = "_broadcast_coalesced"
+            rec["bucket"] = ctx["buckets"]
+            ctx["buckets"] += 1
+            same = [n for d, n in ctx["tensors"] if payload and d == payload[0].dtype]
+            rec["bucket_tensors"] = len(same) if sum(same) == rec["numel"] else None
+        self.ledger.write(rec)
+        return rec
+
+    def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None) -> None:
+        if state is None:
+            state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
+        self.ledger.write({
+            "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
+            "group": rec["group"], "seq": rec["seq"], "state": state,
+            "error": None if error is None else f"{type(error).__name__}: {str(error)[:500]}", "t": time.time(),
+        })
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def _future_error(fut: Any) -> BaseException | None:
+    try:
+        fut.wait()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    msg = str(exc).lower()
+    return "timed out" in msg or "timeout" in msg
+
+
+def _frames() -> tuple[str, str, list[str]]:
+    """(first frame past the c10d plumbing, first frame in user code, a short stack)."""
+    f = sys._getframe(2)
+    caller = user = ""
+    stack: list[str] = []
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_PLUMBING):
+            where = f"{fn}:{f.f_lineno} {f.f_code.co_name}"
+            if not caller:
+                caller = where
+            if len(stack) < 8:
+                stack.append(where)
+            if not user and not _library(fn):
+                user = where
+                break
+        f = f.f_back
+    return caller, user, stack
+
+
+def _library(fn: str) -> bool:
+    return ("site-packages" in fn or "dist-packages" in fn or fn.startswith(_HERE)
+            or (bool(_STDLIB) and fn.startswith(_STDLIB)) or fn.startswith("<"))
+
+
+_ACTIVE: list[_Recorder] = []
+
+
+def _coalesced_wrapper(original):
+    def _broadcast_coalesced(process_group, tensors, buffer_size, src=0):
+        rec = _ACTIVE[-1] if _ACTIVE else None
+        if rec is None:
+            return original(process_group, tensors, buffer_size, src)
+        rec.coalesced.append({"tensors": [(t.dtype, t.numel()) for t in tensors], "buckets": 0})
+        try:
+            return original(process_group, tensors, buffer_size, src)
+        finally:
+            rec.coalesced.pop()
+    _broadcast_coalesced.__wrapped__ = original
+    return _broadcast_coalesced
+
+
+@contextlib.contextmanager
+def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
+    """Record every collective this thread issues inside the block into ``ledger``."""
+    ledger.step = step
+    recorder = _Recorder(ledger)
+    original = dist._broadcast_coalesced
+    dist._broadcast_coalesced = _coalesced_wrapper(original)
+    _ACTIVE.append(recorder)
+    try:
+        with recorder:
+            yield ledger
+    finally:
+        _ACTIVE.remove(recorder)
+        dist._broadcast_coalesced = original
+
+
+_LEDGERS: dict[str, Ledger] = {}
+
+
+def open_ledger(session: str, directory: str | None, rank: int, attempt: int = 0) -> Ledger | None:
+    """The session's ledger on this rank (None when the client asked for no ledger)."""
+    close_ledger(session)
+    if not directory:
+        return None
+    _LEDGERS[session] = Ledger(directory, rank, session, attempt)
+    return _LEDGERS[session]
+
+
+def get_ledger(session: str) -> Ledger | None:
+    return _LEDGERS.get(session)
+
+
+def close_ledger(session: str) -> None:
+    old = _LEDGERS.pop(session, None)
+    if old is not None:
+        old.close()
+
+
+def flight_recorder() -> list[dict[str, Any]]:
+    """This rank's Flight Recorder entries (a cross-check; needs the rank to answer)."""
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+    except Exception as exc:
+        return [{"error": f"{type(exc).__name__}: {exc}"}]
+    entries = json.loads(raw).get("entries", [])
+    keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "process_group", "input_sizes", "input_dtypes",
+            "output_sizes", "output_dtypes", "state", "retired")
+    return [{k: e.get(k) for k in keep} for e in entries]

@@ -1,0 +1,59 @@
+"""What a tensor should hold, where that is computable, so 'all ranks agree on garbage' shows.
+
+A cross-rank check is blind when every rank holds the same wrong bytes (the FSDP2
+incident's rank 0 broadcast its own never-initialised buffer). Some tensors have a
+value computable from first principles: rotary frequencies from the config, biases a
+module documents as zero-initialised. Steps can add their own with ``ctx.expect``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_expectations(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """inv_freq / original_inv_freq of default-type rotary embeddings, recomputed in fp32."""
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in module.named_modules():
+        if not type(mod).__name__.endswith("RotaryEmbedding"):
+            continue
+        compute = getattr(mod, "compute_default_rope_parameters", None)
+        config = getattr(mod, "config", None)
+        if compute is None or config is None or getattr(mod, "rope_type", "default") != "default":
+            continue
+        inv_freq, _ = compute(config)
+        base = f"{prefix}{name}." if name else prefix
+        for buf in ("inv_freq", "original_inv_freq"):
+            if isinstance(getattr(mod, buf, None), torch.Tensor):
+                out[base + buf] = inv_freq
+    return out
+
+
+def expectations(objects: dict[str, Any], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            out.update(rope_expectations(obj, f"{key}."))
+    out.update(extra)
+    return out
+
+
+def annotate(rows: list[dict[str, Any]], tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Add ``ref_diff``: max |value - expected| after casting the expectation to the row's dtype.
+
+    The cast makes a correct bf16 copy of an fp32 value compare exactly (diff 0.0); NaN in
+    the tensor gives ``inf``. Rows without an expectation get ``None``.
+    """
+    for row in rows:
+        row["ref_diff"] = None
+        exp, t = expected.get(row["name"]), tensors.get(row["name"])
+        if exp is None or t is None or t.is_meta or t.numel() != exp.numel():
+            continue
+        with torch.no_grad():
+            t = t.detach().reshape(-1)
+            e = exp.detach().reshape(-1).to(device=t.device, dtype=t.dtype).float()
+            diff = (t.float() - e).abs().nan_to_num(nan=float("inf")).max().item()
+        row["ref_diff"] = diff

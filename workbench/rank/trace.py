@@ -1,0 +1,159 @@
+"""Forward trace: what every module's output looked like, per rank, during one forward.
+
+``with trace_forward(ctx, model): model(...)`` puts a forward hook on every submodule of
+``model``; each call leaves one small row (NaN/Inf counts of its inputs and outputs,
+absmax, mean |x|, a content fingerprint), never a tensor. The reductions stay on the
+device and cross to the host once when the block exits. The rows wait on the context
+until ``remote.run_step`` takes them into the step's result, so the client can name the
+first module whose output went non-finite, or departed from rank 0 or the reference.
+
+Run the reference model under the same helper with ``run="reference"``: rows of one
+rank, run and module line up by call order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.rank.probe import _fingerprint, _local
+
+TRACE_COLUMNS = [
+    "rank", "run", "call", "module", "type", "dtype", "shape", "numel",
+    "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint",
+]
+_ATTR = "_trace_rows"
+# Prefixes wrappers put in front of the wrapped module's own names.
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+_MAX_TENSORS = 8  # tensors looked at per output (a tuple of cos/sin, a ModelOutput, ...)
+
+
+def module_name(name: str) -> str:
+    """A module path without wrapper prefixes; the root is ``(root)``."""
+    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_PARTS) or "(root)"
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if len(out) >= _MAX_TENSORS:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):  # also transformers' ModelOutput
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    return out
+
+
+def _nonfinite(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in ts:
+        t = _local(t)
+        if t.is_floating_point() and not t.is_meta and t.numel():
+            total = total + (~torch.isfinite(t)).sum().to(device, torch.float64)
+    return total
+
+
+def _out_stats(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[nan, inf, absmax, meanabs, fp_hi, fp_lo] over the output tensors, on the device."""
+    f64 = {"dtype": torch.float64, "device": device}
+    nan, inf, count, abs_sum = (torch.zeros((), **f64) for _ in range(4))
+    absmax = torch.full((), -math.inf, **f64)
+    fp = torch.zeros((), dtype=torch.int64, device=device)
+    for i, t in enumerate(ts):
+        t = _local(t)
+        if t.is_meta or not t.numel() or t.is_complex():
+            continue
+        flat = t.detach().reshape(-1)
+        x = flat.float() if flat.dtype != torch.float64 else flat
+        finite = torch.isfinite(x)
+        n_nan = torch.isnan(x).sum()
+        n_finite = finite.sum()
+        ax = x.abs().masked_fill_(~finite, 0.0)
+        nan = nan + n_nan.to(device)
+        inf = inf + (flat.numel() - n_finite - n_nan).to(device)
+        absmax = torch.maximum(absmax, ax.max().to(**f64))
+        abs_sum = abs_sum + ax.sum(dtype=torch.float64).to(device)
+        count = count + n_finite.to(device)
+        fp = fp ^ (_fingerprint(flat).to(device) * (2 * i + 1))
+    some = count > 0
+    meanabs = torch.where(some, abs_sum / count.clamp(min=1), math.nan)
+    absmax = torch.where(some, absmax, math.nan)
+    return torch.stack([nan, inf, absmax, meanabs,
+                        ((fp >> 32) & 0xFFFFFFFF).to(torch.float64), (fp & 0xFFFFFFFF).to(torch.float64)])
+
+
+@contextlib.contextmanager
+def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[str] | None = None) -> Iterator[None]:
+    """Record one row per module call of ``model`` while the block runs; rows go on ``ctx``.
+
+    ``run`` labels the rows (``"model"``, ``"reference"``); ``modules``, if given, keeps
+    only modules whose cleaned name starts with one of these prefixes.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trace_forward needs an nn.Module, got {type(model).__name__}")
+    rank = getattr(ctx, "rank", 0)
+    pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+    handles = []
+
+    def hook(name: str):
+        def record(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            with torch.no_grad():
+                outs = _tensors(output, [])
+                first = next((_local(t) for t in outs), None)
+                device = first.device if first is not None else torch.device("cpu")
+                ins = _tensors(args, []) + _tensors(kwargs, [])
+                stats = torch.cat([_nonfinite(ins, device).reshape(1), _out_stats(outs, device)])
+            row = {
+                "rank": rank, "run": run, "call": len(pending), "module": name, "type": type(mod).__name__,
+                "dtype": str(first.dtype).replace("torch.", "") if first is not None else "",
+                "shape": "x".join(map(str, first.shape)) or "()" if first is not None else "",
+                "numel": int(sum(_local(t).numel() for t in outs)),
+            }
+            pending.append((row, stats))
+        return record
+
+    seen: set[int] = set()
+    for raw_name, mod in model.named_modules():
+        name = module_name(raw_name)
+        if id(mod) in seen or (modules is not None and not any(name.startswith(p) for p in modules)):
+            continue
+        seen.add(id(mod))
+        handles.append(mod.register_forward_hook(hook(name), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        rows = _finish(pending)
+        setattr(ctx, _ATTR, (getattr(ctx, _ATTR, None) or []) + rows)
+
+
+def _finish(pending: list[tuple[dict[str, Any], torch.Tensor]]) -> list[dict[str, Any]]:
+    """One host transfer for every call's statistics."""
+    if not pending:
+        return []
+    stats = [s for _, s in pending]
+    if len({s.device for s in stats}) > 1:
+        stats = [s.cpu() for s in stats]
+    host = torch.stack(stats).cpu().tolist()
+    rows = []
+    for (row, _), s in zip(pending, host):
+        row.update(in_nonfinite=int(s[0]), nan=int(s[1]), inf=int(s[2]), absmax=s[3], meanabs=s[4],
+                   fingerprint=f"{int(s[5]):08x}{int(s[6]):08x}")
+        rows.append(row)
+    return rows
+
+
+def take(ctx: Any) -> list[dict[str, Any]]:
+    """The rows recorded on ``ctx`` since the last call, and forget them."""
+    rows = getattr(ctx, _ATTR, None) or []
+    setattr(ctx, _ATTR, [])
+    return rows

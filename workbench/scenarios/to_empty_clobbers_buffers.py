@@ -1,0 +1,145 @@
+"""to-empty-clobbers-buffers: materialising a meta model wipes a buffer that was never on meta.
+
+Incident 001 (Megatron-FSDP, MoE router with ``--moe-router-enable-expert-bias``). The
+router registers ``expert_bias`` with an explicit ``device=``, so inside
+``with torch.device("meta")`` it escapes the meta context and starts as real zeros.
+Materialisation then walks the modules with ``m.to_empty(device, recurse=False)`` and
+``m.reset_parameters()``. ``to_empty`` replaces *every* tensor of the module, meta or
+not, with uninitialised memory, and ``reset_parameters`` re-initialises parameters only:
+``expert_bias`` keeps whatever memory it got (NaN under poison, stale bytes without).
+
+The bias is added to the router scores before top-k (aux-loss-free load balancing), so a
+NaN or garbage bias decides where every token goes: the expert load collapses onto the
+experts whose garbage is largest (with all-NaN, the ones ``topk`` happens to return).
+The gating weights come from the unbiased scores, so the output stays finite and
+nothing crashes: only the load shows it.
+
+Fix ``materialize-meta-only`` (the upstream one): materialise only tensors that are on
+meta, through ``Module._apply`` with an ``is_meta`` guard, leaving real buffers alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workbench.rank.poison import poison_
+from workbench.rank.trace import trace_forward
+from workbench.scenario import Scenario
+
+SCENARIO = Scenario(
+    name="to-empty-clobbers-buffers",
+    title="to_empty(recurse=False) clobbers an MoE router's expert_bias that was never on meta",
+    doc=__doc__,
+    params={"hidden": 64, "experts": 8, "top_k": 2, "tokens": 256, "vocab_size": 512, "seed": 0},
+    probe=["model"],
+    incident="001_446ac3c011ddf647",
+)
+META_ONLY = SCENARIO.fix(
+    "materialize-meta-only",
+    "Materialise only tensors that are on meta (Module._apply with an is_meta guard); "
+    "expert_bias keeps its zeros.",
+)
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with a load-balancing bias used for expert selection only."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, bias_device: torch.device):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        # As in Megatron: an explicit device, so the buffer is real even under a meta context.
+        self.register_buffer("expert_bias", torch.zeros(experts, device=bias_device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)  # parameters only: the bias is not touched
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(x @ self.weight.t())
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        gates = scores.gather(-1, chosen)
+        return chosen, gates / gates.sum(-1, keepdim=True)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, vocab: int, hidden: int, experts: int, top_k: int, bias_device: torch.device):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = Router(hidden, experts, top_k, bias_device)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(ids)
+        chosen, gates = self.router(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, gates[tok, slot, None] * expert(x[tok]))
+        return out, chosen
+
+
+@SCENARIO.step
+def build(ctx) -> None:
+    """Build on meta; the router's expert_bias is created on the rank's device (zeros)."""
+    p = ctx.params
+    with torch.device("meta"):
+        ctx.model = TinyMoE(p["vocab_size"], p["hidden"], p["experts"], p["top_k"], ctx.device)
+    ctx.note(f"expert_bias on {ctx.model.router.expert_bias.device}: real zeros; everything else on meta")
+
+
+@SCENARIO.step
+def materialize(ctx) -> None:
+    """Per module: to_empty(recurse=False) then reset_parameters (the fix: meta tensors only)."""
+    torch.manual_seed(ctx.params["seed"])  # same weights on every rank, as a seeded init gives
+    for module in ctx.model.modules():
+        if ctx.fix == META_ONLY:
+            materialize_meta_only(module, ctx.device, poison=ctx.poison)
+        else:
+            module.to_empty(device=ctx.device, recurse=False)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    ctx.note("expert_bias left alone" if ctx.fix == META_ONLY else "to_empty replaced expert_bias too")
+
+
+@SCENARIO.step
+def route(ctx) -> None:
+    """Route one batch (the same on every rank), traced, next to a reference with the zero bias."""
+    p = ctx.params
+    g = torch.Generator().manual_seed(p["seed"])
+    ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
+    reference = copy.deepcopy(ctx.model)
+    reference.router.expert_bias.zero_()  # the value the router was created with
+    with torch.no_grad():
+        with trace_forward(ctx, ctx.model):
+            hidden, chosen = ctx.model(ids)
+        with trace_forward(ctx, reference, run="reference"):
+            _, ref_chosen = reference(ids)
+    load = torch.bincount(chosen.reshape(-1), minlength=p["experts"])
+    expected = torch.bincount(ref_chosen.reshape(-1), minlength=p["experts"])
+    ctx.output("expert_load", load, ref_max_abs_diff=float((load - expected).abs().max()))
+    total = load.clone()
+    dist.all_reduce(total)  # what aux-loss-free balancing would update the bias from
+    ctx.output("global_expert_load", total)
+    ctx.output("hidden", hidden)
+    ctx.note(f"tokens per expert: {load.tolist()} (reference {expected.tolist()})")
+
+
+def materialize_meta_only(module: nn.Module, device: torch.device, poison: bool = False) -> None:
+    """``to_empty(recurse=False)`` for meta tensors only: real tensors keep their values.
+
+    ``poison`` fills the fresh memory like the workbench's ``to_empty`` does, so a tensor
+    this path hands out and nobody writes still shows up as never written.
+    """
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        new = torch.empty_like(t, device=device)
+        return poison_(new) if poison else new
+
+    module._apply(fresh, recurse=False)
