@@ -263,6 +263,50 @@ class Cluster:
 
         return Session(self, scenario, fix=fix, poison=poison, params=params)
 
+    # -- free-form %%px cells ------------------------------------------------------------
+    def activate(self) -> None:
+        """Register ``%px`` / ``%%px`` for these engines and give each cell ``torch``, ``dist``,
+        ``wbr`` (``workbench.rank.phases``), ``rank``, ``world_size`` and ``device``."""
+        view = self._client[self._ids]
+        view.activate()
+        view.execute("import torch\nimport torch.distributed as dist\nfrom workbench.rank import phases as wbr\n"
+                     "rank, world_size, device = wbr.here()", block=True)
+
+    def push(self, **objects: Any) -> None:
+        """Make client objects (a model class, a config) visible to ``%%px`` cells on every rank."""
+        import cloudpickle
+
+        for obj in objects.values():
+            _ship_by_value(obj)
+        # One cloudpickle blob, not ipyparallel's own canning: that rebuilds a class and its
+        # methods separately, and zero-argument super() then fails on the engines.
+        view = self._client[self._ids]
+        view.push({"_wb_blob": cloudpickle.dumps(objects)}, block=True)
+        view.execute("import cloudpickle as _wb_cp\nglobals().update(_wb_cp.loads(_wb_blob))\ndel _wb_blob",
+                     block=True)
+
+    def probe(self, *names: str) -> Any:
+        """Probe variables that ``%%px`` cells defined on every rank: one DataFrame, rows only.
+
+        Runs in the engines' own namespace, so whatever a cell named ``model`` is found
+        there; only the probe's small rows come back, never the tensors.
+        """
+        from workbench.frames import COLUMNS, table
+
+        self._check_usable()
+        view = self._client[self._ids]
+        spec = repr(list(names))
+        view.execute(
+            "from workbench.rank import phases as _wbr\n"
+            f"_wb_rows = _wbr.probe_rows({{_n: globals()[_n] for _n in {spec} if _n in globals()}})",
+            block=True,
+        )
+        rows = [row for per_rank in view.pull("_wb_rows", block=True) for row in per_rank]
+        missing = set(names) - {r["name"].split(".")[0] for r in rows}
+        if missing:
+            raise ClusterError(f"no variable(s) {sorted(missing)} on the engines (define them in a %%px cell)")
+        return table(rows, COLUMNS)
+
     # -- health -----------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._client is None:

@@ -1,0 +1,165 @@
+"""Scenarios written by users: in a module (shipped by value), in a file run headless, and %%px helpers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import workbench as wb
+from workbench.errors import ClusterError, WorkbenchError
+from workbench.findings import status
+
+
+class Scaled(nn.Module):
+    """A home-made model with a non-persistent buffer: not in the state dict, so never broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale
+
+
+sc = wb.Scenario("forgotten-buffer", probe=None)
+sc.fix("reinit-buffers", "recompute non-persistent buffers after to_empty")
+
+
+@sc.step
+def build(ctx):
+    torch.manual_seed(0)
+    if ctx.rank == 0:
+        ctx.model = Scaled()
+    else:
+        with torch.device("meta"):
+            ctx.model = Scaled()
+    ctx.expect("model.scale", torch.full((8,), 0.5))
+
+
+@sc.step
+def materialize(ctx):
+    if ctx.rank != 0:
+        ctx.model.to_empty(device=ctx.device)
+        if ctx.fix == "reinit-buffers":
+            ctx.model.scale.fill_(0.5)
+
+
+@sc.step
+def sync(ctx):
+    for t in ctx.model.state_dict().values():
+        dist.broadcast(t, src=0)
+
+
+@sc.step
+def forward(ctx):
+    with torch.no_grad():
+        ctx.output("y", ctx.model(torch.ones(2, 8)))
+
+
+boom = wb.Scenario("boom-on-rank-1")
+
+
+@boom.step
+def prepare(ctx):
+    ctx.weights = {"w": torch.arange(4.0) + ctx.rank * 0}
+
+
+@boom.step
+def explode(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 blew up on purpose")
+    ctx.weights["w"].mul_(2)
+
+
+def test_user_scenario_from_a_module_shows_the_bug_and_the_fix(healthy):
+    s = healthy.session(sc)
+    assert s.steps == ["build", "materialize", "sync", "forward"]
+    s.run()
+    last = s.frames[-1]
+    st = status(last.tensors).set_index(["rank", "name"])["status"]
+    assert st[(0, "model.scale")] == "ok" and st[(1, "model.scale")] == "poison"
+    assert st[(1, "model.proj.weight")] == "ok"  # the state dict did arrive
+    out = last.outputs.set_index("rank")
+    assert out.loc[0, "nan"] == 0 and out.loc[1, "nan"] == out.loc[1, "numel"]
+    found = s.findings()
+    assert ((found["detector"] == "reference") & (found["rank"] == 1)).any()
+    fixed = s.compare("reinit-buffers").fixed
+    assert (status(fixed.frames[-1].tensors)["status"] == "ok").all()
+    fo = fixed.frames[-1].outputs
+    assert (fo["nan"] == 0).all() and fo["fingerprint"].nunique() == 1
+
+
+def test_a_step_raising_on_one_rank_keeps_the_other_ranks_state(healthy):
+    s = healthy.session(boom)
+    s.run()
+    frame = s.frames[-1]
+    assert set(frame.rank_errors) == {1} and "blew up on purpose" in frame.rank_errors[1]
+    tb = frame.events.set_index("rank").loc[1, "traceback"]
+    assert "RuntimeError" in tb and "explode" in tb
+    w = frame.tensors.set_index("rank")
+    assert w.loc[0, "head"][:2] == [0.0, 2.0] and w.loc[1, "head"][:2] == [0.0, 1.0]
+    s.reset()
+    assert s.step().step == "prepare"  # the session can be reset and stepped again
+
+
+def test_px_helpers_and_client_probe(healthy):
+    view = healthy._client[healthy._ids]
+    healthy.activate()
+    view.execute(textwrap.dedent("""
+        import torch
+        from torch import nn
+        net = wbr.build_on_meta(nn.Linear, 8, 4)
+        if rank == 0:
+            torch.manual_seed(0)
+            net = nn.Linear(8, 4)
+        else:
+            wbr.materialize(net)
+        before = wbr.probe_rows({"net": net})
+        calls = wbr.sync_module_states(net)
+        out, tr = wbr.forward(net, torch.ones(2, 8))
+    """), block=True)
+    rows = healthy.probe("net")
+    assert set(rows["rank"]) == {0, 1} and rows.groupby("name")["fingerprint"].nunique().eq(1).all()
+    before = view.pull("before", block=True)
+    assert {r["name"]: r["poisoned"] for r in before[1]} == {"net.weight": 32, "net.bias": 4}
+    calls = view.pull("calls", block=True)
+    starts = [c for c in calls[1] if c["ev"] == "start"]
+    assert [(c["op"], c["via"], c["numel"]) for c in starts] == [("broadcast", "_broadcast_coalesced", 36)]
+    assert len(view.pull("tr", block=True)[0]) == 1
+    with pytest.raises(ClusterError, match="no variable"):
+        healthy.probe("not_defined_anywhere")
+
+
+def test_scenario_file_runs_headless(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(textwrap.dedent('''
+        import torch
+        import workbench as wb
+
+        sc = wb.Scenario("from-a-file")
+
+        @sc.step
+        def make(ctx):
+            ctx.state = {"x": torch.full((4,), float(ctx.rank))}
+    '''))
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "run", f"{path}:sc", "--timeout", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "from-a-file" in out.stdout and "state.x" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "run", f"{path}:nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "has no Scenario named 'nope'; it has: sc" in bad.stderr
+
+
+def test_scenario_declaration_errors():
+    s = wb.Scenario("dup")
+    s.step(lambda ctx: None, name="a")
+    with pytest.raises(WorkbenchError, match="already has a step 'a'"):
+        s.step(lambda ctx: None, name="a")
