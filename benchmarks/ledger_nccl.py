@@ -4,7 +4,8 @@
 
 Three runs, each in fresh spawned ranks, each rank writing ``rank<r>.jsonl``:
  1. eval-loop bug: FSDP2 model, rank 0 has 3 batches, rank 1 has 5, then a loss all-reduce.
-    The parent polls the files (the ranks never answer) and prints each rank's last call,
+    The parent polls the files (the ranks never answer) and prints each rank's first
+    unfinished call (NCCL is asynchronous: a rank may have queued more behind it),
     then kills the ranks: no 30-minute watchdog wait.
  2. the fix (has-data flag all-reduced with MIN): both ranks finish with the same loss.
  3. ``_broadcast_coalesced`` with rank 0 holding an extra fp32 tensor pair: the ledger shows
@@ -96,7 +97,7 @@ def calls(directory: str) -> dict[int, list[dict]]:
                 if e["ev"] == "start":
                     recs[key] = {**e, "state": "started"}
                 elif key in recs:
-                    recs[key]["state"] = e["state"]
+                    recs[key].update(state=e["state"], note=e.get("note"))
         out[r] = list(recs.values())
     return out
 
@@ -120,9 +121,10 @@ def run(mode: str, wait_s: float) -> dict[int, list[dict]]:
         p.join()
     print(f"[{mode}] {time.perf_counter() - t0:.1f}s; ranks still running at {wait_s:g}s: {hung or 'none'}")
     for r, cs in book.items():
-        last = cs[-1] if cs else None
+        last = next((c for c in cs if c["state"] == "started"), cs[-1] if cs else None)  # first unfinished
         print(f"[{mode}] rank {r}: {len(cs)} calls; last: " + (
-            f"{last['op']} #{last['seq']} {last['dtypes']} {last['shapes']} {last['state']}" if last else "none"))
+            f"{last['op']} #{last['seq']} {last['dtypes']} {last['shapes']} {last['state']} {last.get('note') or ''}"
+            if last else "none"))
     return book
 
 
@@ -131,9 +133,9 @@ def main() -> None:
         raise SystemExit("needs 2 GPUs")
     print(torch.__version__, torch.cuda.get_device_name(0), "NCCL", torch.cuda.nccl.version())
     bug = run("bug", 20)
-    last = {r: cs[-1] for r, cs in bug.items()}
+    last = {r: next(c for c in cs if c["state"] == "started") for r, cs in bug.items()}
     assert last[0]["op"] == "all_reduce" and last[1]["op"] == "all_gather_into_tensor", last
-    assert last[0]["seq"] == last[1]["seq"] and last[0]["state"] == last[1]["state"] == "started"
+    assert last[0]["seq"] == last[1]["seq"]
     run("fix", 60)
     co = run("coalesced", 30)
     print("[coalesced] rank 0 buckets:", [(c["dtypes"], c["numel"], c.get("bucket_tensors")) for c in co[0]])

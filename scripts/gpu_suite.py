@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -99,7 +101,7 @@ def judge(session, record) -> dict[str, Any]:
     failures = [{"step": f.step, "rank": int(e.rank), "kind": e.kind, "error": e.error,
                  "message": str(e.message)[:300]} for f in session.frames for e in f.events.itertuples()]
     at_end = fnd[(fnd["step"] == last_step) & fnd["severity"].isin(["error", "warning"])] if len(fnd) else fnd
-    how = [f"{r.detector}: " + (f"rank {int(r.rank)} " if r.rank is not None and r.rank == r.rank else "")
+    how = [f"{r.detector}: " + (f"rank {int(r.rank)} " if pd.notna(r.rank) else "")
            + str(r.finding)[:140] for r in at_end.itertuples()]
     how = [f"{x['step']}: rank {x['rank']} {x['kind']} {x['error']}" for x in failures] + how
     return {
@@ -161,17 +163,30 @@ def ensure_usable(cluster, log) -> str:
     return ""
 
 
-def run_one(cluster, name: str, fix: str | None, out: Path, log, fresh_group: bool = False) -> dict[str, Any]:
+# Extra runs at other shapes, where the shape changes what the GPU does. The headline's
+# mispaired broadcast hangs rank 1's stream when the bf16 bucket is small (NCCL picks the LL
+# protocol) and returns silently with shifted tensors when it is larger (SIMPLE protocol);
+# see scripts/nccl_headline_probe.py.
+EXTRA_RUNS: dict[str, list[tuple[str, str | None, dict[str, Any]]]] = {
+    "fsdp1-rotary-meta-init": [
+        ("bug@3.4MB-bucket", None, {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "vocab_size": 1000}),
+    ],
+}
+
+
+def run_one(cluster, name: str, fix: str | None, out: Path, log, fresh_group: bool = False,
+            params: dict[str, Any] | None = None, label: str | None = None) -> dict[str, Any]:
     from workbench.record import RunRecord
 
-    label = fix or "bug"
+    label = label or fix or "bug"
     t0 = time.perf_counter()
     recovery = ensure_usable(cluster, log)
     if fresh_group and not recovery:
         # A mispaired collective can return silently on NCCL and leave work queued on a
         # rank: every run gets a freshly formed group, so no run inherits another's state.
         cluster.dirty = True
-    session = cluster.session(name, fix=fix)
+    session = cluster.session(name, fix=fix, **(params or {}))
     error = None
     try:
         session.run()
@@ -182,7 +197,7 @@ def run_one(cluster, name: str, fix: str | None, out: Path, log, fresh_group: bo
     record = RunRecord.from_session(session)
     verdict = judge(session, record)
     shown = rank_view(session)
-    stem = f"{name}__{label}"
+    stem = f"{name}__{label}".replace("@", "_at_")
     result = {
         "scenario": name, "fix": fix, "run": label, "wall_s": wall, "recovery_before": recovery,
         "driver_error": error, "shown": shown, **verdict,
@@ -296,13 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"scenario": name, "fix": None, "run": "load", "wall_s": 0.0, "shown": {},
                                 "bug_observed": False, "clean": False, "how": [f"load failed: {exc}"]})
                 continue
-            for fix in [None, *sc.fixes]:
-                log(f"-- {name} / {fix or 'bug'}")
+            plan = [(fix or "bug", fix, {}) for fix in [None, *sc.fixes]] + EXTRA_RUNS.get(name, [])
+            for label, fix, params in plan:
+                log(f"-- {name} / {label}")
                 try:
-                    r = run_one(cluster, name, fix, out, log, fresh_group=fresh)
+                    r = run_one(cluster, name, fix, out, log, fresh_group=fresh, params=params, label=label)
                 except Exception as exc:
                     log(traceback.format_exc())
-                    r = {"scenario": name, "fix": fix, "run": fix or "bug", "wall_s": 0.0, "shown": {},
+                    r = {"scenario": name, "fix": fix, "run": label, "wall_s": 0.0, "shown": {},
                          "bug_observed": False, "clean": False, "how": [f"driver: {type(exc).__name__}: {exc}"]}
                 results.append(r)
                 log(f"   {r['wall_s']:.1f}s bug_observed={r['bug_observed']} clean={r['clean']} "

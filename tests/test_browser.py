@@ -99,24 +99,6 @@ def test_report_draws_every_figure_offline(browser, bundle_path):
 
 # -- JupyterLab ------------------------------------------------------------------------
 TOUR = ROOT / "notebooks" / "00_tour.ipynb"
-# Used only while the tour notebook does not exist yet: the stepper on a live session.
-STAND_IN = [
-    "import workbench as wb\nfrom workbench.stepper import Stepper\n"
-    "cluster = wb.start(ranks=2, backend='gloo', timeout=8)",
-    "s = cluster.session('fsdp1-rotary-meta-init')\nst = Stepper(s)\nst.step()\nst.widget",
-]
-
-
-def _notebook_into(root: Path) -> str:
-    if TOUR.exists():
-        shutil.copy(TOUR, root / TOUR.name)
-        return TOUR.name
-    import nbformat
-
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in STAND_IN])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / "stand_in_tour.ipynb")
-    return "stand_in_tour.ipynb"
 
 
 def _free_port() -> int:
@@ -128,8 +110,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on a temp copy of the tour notebook; kernels shut down cleanly after."""
+    if not TOUR.exists():
+        pytest.fail(f"{TOUR.relative_to(ROOT)} is missing")
     root = tmp_path_factory.mktemp("lab")
-    nb_name = _notebook_into(root)
+    nb_name = TOUR.name
+    shutil.copy(TOUR, root / nb_name)
     port, token = _free_port(), "workbench-browser-test"
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".cfg"), JUPYTER_RUNTIME_DIR=str(root / ".rt"),
                JUPYTER_DATA_DIR=str(root / ".data"), PYTHONWARNINGS="ignore")
@@ -170,13 +155,42 @@ def lab(tmp_path_factory):
     log.close()
 
 
-ALL_RAN = """() => {
+RAN_UP_TO = """upto => {
   const nb = window.jupyterapp.shell.currentWidget;
   const kernel = nb && nb.sessionContext && nb.sessionContext.session && nb.sessionContext.session.kernel;
   if (!kernel || kernel.status !== 'idle') return false;
-  return nb.content.widgets.every(c => c.model.type !== 'code' || c.model.executionCount !== null
-                                        || !c.model.sharedModel.getSource().trim());
+  return nb.content.widgets.slice(0, upto < 0 ? undefined : upto).every(
+    c => c.model.type !== 'code' || c.model.executionCount !== null || !c.model.sharedModel.getSource().trim());
 }"""
+# Run every cell above the one that stops the cluster (so the stepper can still be driven), or all.
+RUN_ABOVE_STOP = """async needle => {
+  const app = window.jupyterapp, nb = app.shell.currentWidget;
+  const idx = nb.content.widgets.findIndex(c => c.model.sharedModel.getSource().includes(needle));
+  if (idx < 0) { app.commands.execute('notebook:run-all-cells'); return -1; }
+  nb.content.activeCellIndex = idx;
+  app.commands.execute('notebook:run-all-above');
+  return idx;
+}"""
+RUN_REST = """idx => {
+  const app = window.jupyterapp, nb = app.shell.currentWidget;
+  nb.content.activeCellIndex = idx;
+  app.commands.execute('notebook:run-all-below');
+}"""
+
+
+CELL_STATES = """() => window.jupyterapp.shell.currentWidget.content.widgets.map((c, i) =>
+  `${i}:${c.model.type}:${c.model.executionCount}:${c.model.sharedModel.getSource().slice(0, 40)}`)"""
+
+
+def _wait_ran(page, upto: int, timeout_ms: int) -> None:
+    """Wait until the cells (above ``upto``) ran; on timeout keep a screenshot and say which did not."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(RAN_UP_TO, arg=upto, timeout=timeout_ms, polling=1000)
+    except PlaywrightTimeout:
+        page.screenshot(path=str(ARTIFACTS / "lab-tour-timeout.png"), full_page=True)
+        pytest.fail(f"cells did not finish in {timeout_ms / 1000:.0f} s: {page.evaluate(CELL_STATES)}")
 
 
 @pytest.mark.slow
@@ -189,9 +203,8 @@ def test_lab_tour_stepper_and_figurewidget_render(browser, lab):
     page.wait_for_function("""() => { const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;
         const s = nb && nb.sessionContext && nb.sessionContext.session;
         return !!(s && s.kernel && s.kernel.status === 'idle'); }""", timeout=120_000)
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    page.wait_for_function(ALL_RAN, timeout=480_000, polling=1000)
-    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    stop_at = page.evaluate(RUN_ABOVE_STOP, "cluster.stop()")
+    _wait_ran(page, stop_at, 300_000)
     out = ".jp-OutputArea-output"
     # The stepper: ipywidgets buttons and a plotly FigureWidget drawn from its live model.
     page.wait_for_selector(f"{out} .widget-button", timeout=60_000)
@@ -207,14 +220,44 @@ def test_lab_tour_stepper_and_figurewidget_render(browser, lab):
     unrendered = page.eval_on_selector_all(
         f"{out}", "els => els.filter(e => /Error displaying widget|Loading widget/.test(e.textContent))"
                   ".map(e => e.textContent.slice(0, 200))")
+    # Drive the stepper from the page: Reset, then Next; the FigureWidget redraws from the kernel.
+    stepper = page.locator(".widget-vbox").filter(has=page.locator(".widget-button", has_text="Next")).filter(
+        has=page.locator(".js-plotly-plot")).last
+    title = stepper.locator(".js-plotly-plot .gtitle").first
+    reset = stepper.locator(".widget-button", has_text="Reset")
+    if reset.count():
+        reset.first.click()
+        page.wait_for_function("el => /press/i.test(el.textContent)", arg=title.element_handle(), timeout=60_000)
+    before = title.text_content()
+    stepper.locator(".widget-button", has_text="Next").first.click()
+    page.wait_for_function("([el, old]) => el.textContent !== old", arg=[title.element_handle(), before],
+                           timeout=120_000)
+    after = title.text_content()
+    stepper.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "lab-tour.png"), full_page=False)
+    if stop_at >= 0:  # the rest of the tour, cluster.stop() included
+        page.evaluate(RUN_REST, stop_at)
+        _wait_ran(page, -1, 240_000)
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_timeout(2000)
+    late_errors = page.eval_on_selector_all(
+        "[data-mime-type='application/vnd.jupyter.error']", "els => els.map(e => e.textContent.slice(0, 300))")
     page.close()
+    assert late_errors == [], late_errors
+    assert "after" in after and after != before, (before, after)
     assert any("next" in b.lower() for b in buttons), f"no stepper 'Next' button among {buttons}"
     assert widget_plots and all(p["traces"] > 0 and p["image"] > 0 for p in widget_plots), widget_plots
     assert unrendered == [], unrendered
     assert errors_in_cells == [], errors_in_cells
     assert console.errors == [], console.errors
-    saved = json.loads((lab["root"] / lab["notebook"]).read_text())
+    saved_path = lab["root"] / lab["notebook"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the save is asynchronous
+        saved = json.loads(saved_path.read_text())
+        if all(c.get("execution_count") for c in saved["cells"] if c["cell_type"] == "code"):
+            break
+        time.sleep(0.5)
+    assert all(c.get("execution_count") for c in saved["cells"] if c["cell_type"] == "code"), "not saved executed"
     failed = [o for c in saved["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not failed, f"cells raised: {[f['ename'] + ': ' + f['evalue'] for f in failed]}"

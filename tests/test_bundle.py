@@ -325,3 +325,15 @@ def test_cli_report_from_a_bundle(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("workbench: error: ") and "\n" not in err and str(bad) in err
     assert not (tmp_path / "x.html").exists()
+
+
+def test_columns_pyarrow_cannot_type_round_trip_as_json(recorded, tmp_path):
+    rec = recorded.bug
+    outputs = rec.outputs.copy()
+    outputs["extra"] = [{"k": [1, 2]}, "text"] + [None] * (len(outputs) - 2)
+    odd = RunRecord(rec.manifest, rec.tensors, outputs, rec.events, rec.notes)
+    back = bundle.load(bundle.save(odd, tmp_path / "odd.wbundle"))[0]
+    assert list(back.outputs["extra"])[:2] == [{"k": [1, 2]}, "text"]
+    with zipfile.ZipFile(tmp_path / "odd.wbundle") as z:
+        spec = json.loads(z.read("manifest.json"))["runs"][0]["tables"]["outputs"]
+    assert spec["json_columns"] == ["extra"]

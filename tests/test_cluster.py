@@ -44,7 +44,7 @@ def test_every_failing_rank_is_reported(healthy):
 def test_unknown_rank_and_unknown_names_are_one_line_errors(healthy):
     with pytest.raises(ClusterError, match="rank 5 does not exist"):
         healthy.run(whoami, ranks=[5])
-    with pytest.raises(UnknownName, match="valid: .*fsdp1-rotary-meta-init"):
+    with pytest.raises(UnknownName, match=r"valid: .*fsdp1-rotary-meta-init"):
         healthy.session("no-such-incident")
     with pytest.raises(UnknownName, match="cast-params-only"):
         healthy.session("fsdp1-rotary-meta-init", fix="no-such-fix")

@@ -87,6 +87,15 @@ def test_op_mismatch_the_eval_hang():
     assert list(last_calls(df)["seq"]) == [4, 4]
 
 
+def test_hang_names_the_earliest_open_call_when_calls_queue_behind_it():
+    # NCCL: rank 1 queued two more all-gathers behind the one that cannot pair.
+    rows = [*both({}), call(0, 2, state=OPEN),
+            *[call(1, k, op="all_gather_into_tensor", numel=64, state=OPEN) for k in (2, 3, 4)]]
+    hang = diagnose("evaluate", ledger_table(rows), {}, [0, 1])
+    assert hang.stuck[1].startswith("all_gather_into_tensor #2")
+    assert "2 more queued behind it" in hang.ranks.set_index("rank").loc[1, "status"]
+
+
 def test_hang_diagnosis_tells_stuck_from_finished_and_dead():
     rows = [*both({}), call(0, 2, state=OPEN)]
     df = ledger_table(rows)

@@ -91,7 +91,7 @@ def test_written_since_materialisation_with_and_without_poison():
             m.to_empty(device="cpu")
         assert poison.written_state(m.weight) == "never written"
         with torch.no_grad():
-            m.weight[0].zero_()
+            m.weight[0].copy_(torch.tensor([11.37, -3.25, 7.5, 0.125]))  # not zeros: fresh pages often are
         state = poison.written_state(m.weight)
         assert state == ("partly written" if poison_on else "written"), (poison_on, m.weight, poison._TRACKED)
         assert poison.written_state(torch.zeros(3)) is None  # never materialised: not tracked

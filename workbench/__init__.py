@@ -34,7 +34,7 @@ _LAZY = {
     "findings": ("workbench.findings", None),
     "report": ("workbench.report", None),
     "bundle": ("workbench.bundle", None),
-    "px": ("workbench.px", None),
+    "collectives": ("workbench.collectives", None),
 }
 
 __all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]

@@ -299,6 +299,12 @@ def diagnose(step: str, ledger: pd.DataFrame, failures: dict[int, RankFailure], 
              deadline_s: float | None = None) -> Hang:
     """Who is stuck where, from the ledger (no rank needs to answer) and the per-rank failures."""
     last = {int(r["rank"]): dict(r) for _, r in last_calls(ledger).iterrows()}
+    queued: dict[int, int] = {}
+    if ledger is not None and len(ledger):
+        # NCCL is asynchronous: a rank can queue calls behind the one it waits in; its earliest open call is "where".
+        for r, part in ledger[ledger["state"] == OPEN].sort_values(["t_start", "seq"]).groupby("rank"):
+            last[int(r)] = dict(part.iloc[0])
+            queued[int(r)] = len(part) - 1
     rows, stuck, finished, dead = [], {}, [], []
     for r in ranks:
         call, fail = last.get(r), failures.get(r)
@@ -306,7 +312,7 @@ def diagnose(step: str, ledger: pd.DataFrame, failures: dict[int, RankFailure], 
             status = "died" + (f" (last call: {describe(call)}, {call['state']})" if call else "")
             dead.append(r)
         elif call is not None and call["state"] == OPEN:
-            status = f"inside {describe(call)}"
+            status = f"inside {describe(call)}" + (f" ({queued[r]} more queued behind it)" if queued.get(r) else "")
             stuck[r] = describe(call)
         elif fail is not None and fail.kind == "timeout":
             status = "still running, in no collective" + (f" (last call: {describe(call)})" if call else "")

@@ -28,10 +28,12 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
     if tensors.empty:
         return pd.DataFrame(columns=["rank", "name", "status", "detail"])
     ref = _rank0(tensors, reference_rank)
+    # one dict lookup per row (a .loc per row took ~1 s at 64 ranks x 60 tensors)
+    ref_rows = dict(zip(ref.index, ref[["dtype", "numel", "is_meta", "fingerprint"]].to_dict("records")))
     out = []
     for row in tensors.itertuples(index=False):
         st, detail = "ok", ""
-        r0 = ref.loc[row.name] if row.name in ref.index else None
+        r0 = ref_rows.get(row.name)
         if row.is_meta:
             st, detail = "meta", "on the meta device: no data"
         elif _count(row.poisoned) > 0:

@@ -28,7 +28,7 @@ body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#22
 table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px}
 th{background:#f4f4f4}.error{color:#b00}.warning{color:#a60}pre{background:#f7f7f7;padding:.5em;overflow:auto}
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em}nav a{margin-right:1em}
-.env th{text-align:left}.muted{color:#777;font-size:12px}
+.env th{text-align:left}.muted{color:#777;font-size:12px}pre{white-space:pre-wrap}th,td{text-align:left}
 """
 
 

@@ -11,9 +11,17 @@ collective. Flight Recorder covers part of this (gloo entries stay "scheduled", 
 send/recv, and its dump needs the rank to answer), so it is only a cross-check here:
 ``flight_recorder()`` returns its entries when the rank can answer.
 
+Completion: gloo and async NCCL ops return a Work whose future marks the end; a
+synchronous NCCL op returns none (it runs on the current stream), so a CUDA event recorded
+after it, polled by one watcher thread, marks it. Measured on 2 x H200 (torch 2.11, NCCL
+2.28.9, ``benchmarks/ledger_nccl.py``): in the eval-loop hang each rank's earliest open
+call is the mismatched pair (all_reduce #13 vs all_gather_into_tensor #13, rank 1 had
+queued 3 more behind it).
+
 Sequence numbers count per process group and per session attempt from 1, so the ranks'
 n-th calls on a group line up. Not seen: collectives issued from other threads (e.g.
-DDP's autograd-thread all-reduces).
+DDP's autograd-thread all-reduces). Cost: every aten op of a step passes one Python
+check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
 """
 
 from __future__ import annotations
@@ -101,12 +109,15 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ledger = ledger
         self.coalesced: list[dict[str, Any]] = []  # context set by the _broadcast_coalesced wrapper
+        self._device: torch.device | None = None
+        self._last_device: torch.device | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace not in NAMESPACES or func._schema.name.split("::")[-1] in SKIP_OPS:
             return func(*args, **kwargs)
         rec = self._start(func, args, kwargs)
+        self._device = self._last_device
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
@@ -115,12 +126,25 @@ class _Recorder(TorchDispatchMode):
         work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) else None
         if work is None:
             self._end(rec, None)
+            return out
+        try:
+            unboxed = dist.distributed_c10d.Work.unbox(work)
+        except Exception:
+            unboxed = None
+        if unboxed is not None and self._device is not None and self._device.type == "cuda":
+            # An NCCL work's future completes when the kernel is queued, not when it ends (a
+            # mispaired broadcast then looks done while its kernel waits forever): poll the
+            # work's own CUDA events instead.
+            _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None))
+        elif unboxed is not None:
+            unboxed.get_future().add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
+        elif self._device is not None and self._device.type == "cuda":
+            # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+            _watch(event, lambda rec=rec: self._end(rec, None))
         else:
-            try:
-                fut = dist.distributed_c10d.Work.unbox(work).get_future()
-                fut.add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
-            except Exception:  # a backend without futures: record the dispatch as the end
-                self._end(rec, None, state="issued")
+            self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
 
     def _start(self, func, args, kwargs) -> dict[str, Any]:
@@ -145,6 +169,7 @@ class _Recorder(TorchDispatchMode):
             if name in bound and bound[name] is not None:
                 payload = _tensors(bound[name])
                 break
+        self._last_device = payload[0].device if payload else None
         rec: dict[str, Any] = {
             "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
             "attempt": self.ledger.attempt, "step": self.ledger.step, "group": group,
@@ -169,14 +194,55 @@ class _Recorder(TorchDispatchMode):
         self.ledger.write(rec)
         return rec
 
-    def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None) -> None:
+    def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None,
+             note: str | None = None) -> None:
         if state is None:
             state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
         self.ledger.write({
             "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
             "group": rec["group"], "seq": rec["seq"], "state": state,
             "error": None if error is None else f"{type(error).__name__}: {str(error)[:500]}", "t": time.time(),
+            "note": note,
         })
+
+
+_PENDING: list[tuple[Any, Any]] = []  # (cuda event, callback) polled by one watcher thread
+_PENDING_LOCK = threading.Lock()
+_WATCHER: list[threading.Thread] = []
+
+
+class _WorkQuery:
+    """A c10d Work seen as something with ``query()``: done once its device work finished."""
+
+    def __init__(self, work: Any):
+        self.work = work
+
+    def query(self) -> bool:
+        try:
+            return bool(self.work.is_completed())
+        except Exception:
+            return True
+
+
+def _watch(event: Any, done: Any) -> None:
+    with _PENDING_LOCK:
+        _PENDING.append((event, done))
+        if not _WATCHER or not _WATCHER[0].is_alive():
+            _WATCHER[:] = [threading.Thread(target=_poll_events, name="ledger-events", daemon=True)]
+            _WATCHER[0].start()
+
+
+def _poll_events() -> None:
+    while True:
+        keep: list[tuple[Any, Any]] = []
+        ready: list[tuple[Any, Any]] = []
+        with _PENDING_LOCK:
+            for item in _PENDING:
+                (ready if item[0].query() else keep).append(item)
+            _PENDING[:] = keep
+        for _, done in ready:
+            done()
+        time.sleep(0.02)
 
 
 def _tensors(v: Any) -> list[torch.Tensor]:

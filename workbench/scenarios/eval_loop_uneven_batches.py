@@ -57,7 +57,6 @@ def wrap(ctx) -> None:
     if ctx.params["wrapper"] == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
-
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         # Each decoder layer its own unit: non-root units reshard after forward, so every forward all-gathers.

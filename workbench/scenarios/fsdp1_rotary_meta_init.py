@@ -12,7 +12,16 @@ bucket; a bf16 rank posts one bf16 bucket for everything. The two sides pair the
 messages. On gloo the bf16 rank receives rank 0's fp32 bytes into its bf16 bucket
 (``inv_freq`` reads ``[0.0, 1.0, ...]``: 1.0f = 0x3F800000 seen as two bf16 halves), the
 rest of its bucket keeps what ``to_empty`` left, and rank 0 times out in its second send.
-On NCCL the call returns silently with the stream shifted.
+On NCCL (2 x H200, NCCL 2.28.9) the wrap returns to the host on every rank, and what
+follows depends on the bucket sizes (scripts/nccl_headline_probe.py). With this
+scenario's default shape (853,888 B bucket, NCCL's LL protocol) the bf16 rank's
+broadcast kernel never completes: its stream stays blocked, so the first host read on
+that rank after the wrap (the probe, ``.item()``, copying logits) waits until the
+group's timeout; a further broadcast from rank 0 does not release it. With a 4x larger
+shape (hidden_size=256, intermediate_size=512, num_attention_heads=4,
+num_key_value_heads=2, vocab_size=1000: 3.39 MB, SIMPLE protocol) it completes
+silently instead: ``inv_freq`` all zeros, 22 of 27 tensors wrong (shifted by 64
+elements), finite logits ~1.5 off the single-GPU reference.
 """
 
 from __future__ import annotations

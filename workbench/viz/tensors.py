@@ -8,7 +8,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.findings import STATUSES, status
+from workbench import rankgroups
+from workbench.findings import STATUSES
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
@@ -32,38 +33,73 @@ def _discrete_scale() -> list[list]:
     return scale
 
 
-def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True) -> go.Heatmap:
-    st = status(tensors)
-    names = list(dict.fromkeys(st["name"]))
-    ranks = sorted({int(r) for r in st["rank"]})
+GROUP_ABOVE = 4  # more ranks than this: identical ranks share one row (``group=None``)
+MAX_ROWS = 16  # rank rows at most in one heatmap; past it ranks are summarised
+MAX_LINES = 8  # distinct lines per panel in buffer_values; past it the rest share one grey trace
+
+
+def _grouping(n_ranks: int, group: bool | None) -> bool:
+    return n_ranks > GROUP_ABOVE if group is None else bool(group)
+
+
+def _rank_rows(tensors: pd.DataFrame, group: bool | None, max_rows: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(groups, cells): one group per rank, or ranks folded by :mod:`workbench.rankgroups`."""
+    merged = rankgroups.with_status(tensors)
+    ranks = sorted({int(r) for r in merged["rank"]})
+    if _grouping(len(ranks), group):
+        groups = rankgroups.group_identical_ranks(tensors, max_rows=max_rows, merged=merged)
+    else:
+        groups = pd.DataFrame([{"group": i, "label": f"rank {r}", "ranks": [r], "first": r, "size": 1,
+                                "how": "identical"} for i, r in enumerate(ranks)], columns=rankgroups.GROUP_COLUMNS)
+    return groups, rankgroups.group_cells(merged, groups)
+
+
+def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool | None = None,
+                    max_rows: int | None = MAX_ROWS) -> go.Heatmap:
+    groups, cells = _rank_rows(tensors, group, max_rows)
+    names = list(dict.fromkeys(tensors["name"]))
     code = {s: i for i, s in enumerate(STATUSES)}
+    at = {(int(c.group), c.name): c for c in cells.itertuples(index=False)}
     z, text = [], []
-    info = tensors.set_index(["rank", "name"])
-    for r in ranks:
-        sub = st[st["rank"] == r].set_index("name")
-        z.append([code[sub.loc[n, "status"]] + 0.5 if n in sub.index else code["missing"] + 0.5 for n in names])
-        row_text = []
+    for gid, label, how in zip(groups["group"], groups["label"], groups["how"]):
+        zrow, trow = [], []
         for n in names:
-            if n not in sub.index:
-                row_text.append(f"rank {r}<br>{n}<br>missing")
+            c = at.get((int(gid), n))
+            if c is None:
+                zrow.append(code["missing"] + 0.5)
+                trow.append(f"{label}<br>{n}<br>missing")
                 continue
-            t = info.loc[(r, n)]
-            head = ", ".join(_fmt(v) for v in list(t["head"])[:4])
-            row_text.append(f"rank {r}<br>{n}<br>{sub.loc[n, 'status']}: {sub.loc[n, 'detail']}<br>"
-                            f"{t['dtype']} {t['shape']} {t['kind']}<br>head [{head}]")
-        text.append(row_text)
+            zrow.append(code[c.status] + 0.5)
+            head = ", ".join(_fmt(v) for v in list(c.head if c.head is not None else [])[:4])
+            extra = "" if how == "identical" else f"<br>{c.contents} distinct content(s)"
+            trow.append(f"{label}<br>{n}<br>{c.status}: {c.detail}<br>{c.dtype} {c.shape} {c.kind}<br>"
+                        f"head [{head}]{extra}")
+        z.append(zrow)
+        text.append(trow)
     n = len(STATUSES)
     return go.Heatmap(
-        z=z, x=[short(x) for x in names], y=[f"rank {r}" for r in ranks], text=text, hoverinfo="text",
+        z=z, x=[short(x) for x in names], y=list(groups["label"]), text=text, hoverinfo="text",
         colorscale=_discrete_scale(), zmin=0, zmax=n, showscale=showscale, xgap=1, ygap=2,
         colorbar={"tickvals": [i + 0.5 for i in range(n)], "ticktext": STATUSES, "title": "status"},
     )
 
 
-def status_matrix(tensors: pd.DataFrame, title: str = "What every rank holds") -> go.Figure:
-    """Rank x tensor: ok / meta / dtype / differs from rank 0 / NaN / never written."""
-    fig = go.Figure(_status_heatmap(tensors))
-    fig.update_layout(title=title, height=200 + 40 * tensors["rank"].nunique(), margin={"b": 160},
+def status_matrix(tensors: pd.DataFrame, title: str = "What every rank holds", *, group: bool | None = None,
+                  max_rows: int | None = MAX_ROWS) -> go.Figure:
+    """Rank x tensor: ok / meta / dtype / differs from rank 0 / NaN / never written.
+
+    Past ``GROUP_ABOVE`` ranks (or with ``group=True``) ranks holding identical tensors
+    share one row ("ranks 1-7 (7 identical)"); past ``max_rows`` rows the rest is
+    summarised (see :func:`workbench.rankgroups.group_identical_ranks`).
+    """
+    trace = _status_heatmap(tensors, group=group, max_rows=max_rows)
+    fig = go.Figure(trace)
+    rows = len(trace.y)
+    ranks = tensors["rank"].nunique()
+    if rows < ranks:
+        title = f"{title} · {ranks} ranks in {rows} row{'s' if rows > 1 else ''}"
+    left = max(80, 6 * max(len(str(y)) for y in trace.y))
+    fig.update_layout(title=title, height=200 + 40 * rows, margin={"b": 160, "l": left},
                       xaxis={"tickangle": -60, "tickfont": {"size": 9}})
     return fig
 
@@ -83,27 +119,63 @@ def _signed_log(v: float) -> float:
     return math.copysign(math.log10(1 + abs(v)), v)
 
 
-def buffer_values(history: pd.DataFrame, name: str) -> go.Figure:
-    """The first values of one tensor on every rank, one panel per step."""
+def buffer_values(history: pd.DataFrame, name: str, *, group: bool | None = None,
+                  max_lines: int | None = MAX_LINES) -> go.Figure:
+    """The first values of one tensor on every rank, one panel per step.
+
+    Past ``GROUP_ABOVE`` ranks (or with ``group=True``) ranks whose values are identical
+    are drawn once, labelled "ranks 1-7 (7 identical)"; past ``max_lines`` distinct lines
+    in a panel the rest share one grey trace whose hover names each rank group.
+    """
     rows = history[history["name"] == name]
     if rows.empty:
         raise KeyError(f"no tensor {name!r} in this history")
-    steps = list(dict.fromkeys(rows["step"]))
+    steps = list(dict.fromkeys(rows["step"])) if "step" in rows else [""]
+    grouped = _grouping(rows["rank"].nunique(), group)
     fig = make_subplots(rows=1, cols=len(steps), subplot_titles=steps, shared_yaxes=True)
     palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
+    shown: set[str] = set()
     for j, step in enumerate(steps, start=1):
-        for r in rows[rows["step"] == step].itertuples(index=False):
+        at = rows[rows["step"] == step] if "step" in rows else rows
+        if grouped:
+            entries = rankgroups.group_values(at, max_lines=max_lines)
+        else:
+            entries = [{"label": f"rank {r.rank}", "ranks": [int(r.rank)], "row": r, "how": "identical"}
+                       for r in at.itertuples(index=False)]
+        for e in entries:
+            if e["how"] == "mixed":
+                fig.add_trace(_folded_trace(e, shown), row=1, col=j)
+                continue
+            r = e["row"]
+            label = e["label"]
             head = list(r.head) if r.head is not None else []
             fig.add_trace(go.Scatter(
                 x=list(range(len(head))), y=[_signed_log(v) for v in head], mode="lines+markers",
-                name=f"rank {r.rank}", legendgroup=f"rank {r.rank}", showlegend=(j == 1),
-                line={"color": palette[int(r.rank) % len(palette)]},
+                name=label, legendgroup=label, showlegend=label not in shown,
+                line={"color": palette[e["ranks"][0] % len(palette)]},
                 customdata=[[_fmt(v), r.dtype] for v in head],
-                hovertemplate="rank " + str(r.rank) + " [%{x}] = %{customdata[0]} (%{customdata[1]})<extra></extra>",
+                hovertemplate=label + " [%{x}] = %{customdata[0]} (%{customdata[1]})<extra></extra>",
             ), row=1, col=j)
+            shown.add(label)
     fig.update_yaxes(title_text="sign·log10(1+|v|)", col=1)
     fig.update_layout(title=f"{short(name)}: first values per rank", height=360)
     return fig
+
+
+def _folded_trace(e: dict, shown: set[str]) -> go.Scatter:
+    """The rank groups past ``max_lines``: one grey trace, lines split by gaps, hover per group."""
+    xs, ys, cd = [], [], []
+    for label, r in zip(e["labels"], e["rows"]):
+        head = list(r.head) if r.head is not None else []
+        xs += [*range(len(head)), None]
+        ys += [*(_signed_log(v) for v in head), None]
+        cd += [*([label, _fmt(v), r.dtype] for v in head), [label, "", ""]]
+    label = e["label"]
+    showlegend = label not in shown
+    shown.add(label)
+    return go.Scatter(x=xs, y=ys, mode="lines", name=label, legendgroup=label, showlegend=showlegend,
+                      line={"color": "#aaaaaa", "width": 1}, customdata=cd, connectgaps=False,
+                      hovertemplate="%{customdata[0]} [%{x}] = %{customdata[1]} (%{customdata[2]})<extra></extra>")
 
 
 def outputs_view(outputs: pd.DataFrame, title: str = "Outputs per rank") -> go.Figure:
@@ -126,14 +198,18 @@ def _int(v: object) -> int:
     return 0 if v is None or v is pd.NA or v != v else int(v)
 
 
-def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str) -> go.Figure:
+def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str, *, group: bool | None = None,
+               max_rows: int | None = MAX_ROWS) -> go.Figure:
     """Last-step status of the bug path above the fix, on the same ranks and tensors."""
     fig = make_subplots(rows=2, cols=1, subplot_titles=["bug path", f"fix: {fix}"], vertical_spacing=0.25)
-    fig.add_trace(_status_heatmap(_last_step(bug_tensors)), row=1, col=1)
-    fig.add_trace(_status_heatmap(_last_step(fix_tensors), showscale=False), row=2, col=1)
-    ranks = bug_tensors["rank"].nunique() if len(bug_tensors) else 1
+    top = _status_heatmap(_last_step(bug_tensors), group=group, max_rows=max_rows)
+    bottom = _status_heatmap(_last_step(fix_tensors), showscale=False, group=group, max_rows=max_rows)
+    fig.add_trace(top, row=1, col=1)
+    fig.add_trace(bottom, row=2, col=1)
+    rows = max(len(top.y), len(bottom.y), 1)
+    left = max(80, 6 * max(len(str(y)) for y in [*top.y, *bottom.y]))
     fig.update_xaxes(tickangle=-60, tickfont={"size": 9})
-    fig.update_layout(title=f"Bug vs fix '{fix}' after the last step", height=360 + 80 * ranks)
+    fig.update_layout(title=f"Bug vs fix '{fix}' after the last step", height=360 + 80 * rows, margin={"l": left})
     return fig
 
 

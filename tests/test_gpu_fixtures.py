@@ -1,0 +1,64 @@
+"""The bundles the GPU suite recorded on 2 x H200 (NCCL): they load, render, and say what NCCL did.
+
+Recorded by `bash scripts/gpu_suite.sh` through the device tool; no GPU is needed to read them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+
+GPU = Path(__file__).resolve().parent.parent / "fixtures" / "gpu"
+BUNDLES = sorted(GPU.glob("*.bundle"))
+INV = "model.model.rotary_emb.inv_freq"
+
+
+def first(path: Path):
+    return next(iter(wb.load(path)))
+
+
+def test_every_scenario_and_fix_was_recorded_on_nccl():
+    assert len(BUNDLES) >= 10
+    recorded = {(r.manifest["scenario"], r.manifest.get("fix")) for r in map(first, BUNDLES)}
+    from workbench import scenarios
+
+    for name in scenarios.names():
+        for fix in [None, *scenarios.get(name).fixes]:
+            assert (name, fix) in recorded, f"{name} / {fix} has no GPU recording"
+    for path in BUNDLES:
+        m = first(path).manifest
+        assert m["backend"] == "nccl" and m["devices"] == {"0": "cuda:0", "1": "cuda:1"}, path.name
+
+
+def test_headline_on_nccl_small_bucket_hangs_rank1_stream():
+    rec = first(GPU / "fsdp1-rotary-meta-init__bug.bundle")
+    ev = rec.events
+    assert list(ev["rank"]) == [1] and ev.iloc[0]["kind"] == "timeout" and ev.iloc[0]["step"] == "wrap_fsdp1"
+
+
+def test_headline_on_nccl_larger_bucket_returns_silently_with_shifted_tensors():
+    rec = first(GPU / "fsdp1-rotary-meta-init__bug_at_3.4MB-bucket.bundle")
+    assert rec.events.empty  # no error anywhere: the mispairing is silent
+    out = rec.outputs.set_index("rank")
+    assert (out["nan"] == 0).all()
+    assert out.loc[0, "ref_max_abs_diff"] == 0.0 and 1.0 < out.loc[1, "ref_max_abs_diff"] < 3.0
+    t = rec.tensors
+    r1 = t[(t["step"] == "wrap_fsdp1") & (t["rank"] == 1) & (t["name"] == INV)].iloc[0]
+    assert r1["dtype"] == "bfloat16" and list(r1["head"]) == [0.0] * 8  # inv_freq all zeros on rank 1
+
+
+def test_fix_is_clean_on_nccl():
+    rec = first(GPU / "fsdp1-rotary-meta-init__cast-params-only.bundle")
+    out = rec.outputs
+    last = out[out["step_index"] == out["step_index"].max()]
+    assert rec.events.empty and (last["ref_max_abs_diff"] == 0.0).all() and last["fingerprint"].nunique() == 1
+
+
+@pytest.mark.parametrize("name", ["fsdp1-rotary-meta-init__bug_at_3.4MB-bucket.bundle",
+                                  "fsdp2-nonpersistent-buffer-sync__bug.bundle"])
+def test_gpu_bundle_renders_a_report(name, tmp_path):
+    page = wb.report.write(wb.load(GPU / name), tmp_path / "r.html").read_text()
+    assert "nccl" in page and "cuda:1" in page and page.count("plotly-graph-div") >= 3
