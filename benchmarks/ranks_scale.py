@@ -103,30 +103,9 @@ def live(ranks: int, repeats: int, timeout: float, bug: bool) -> dict:
 # -- synthetic frames -------------------------------------------------------------------
 def synthetic_step(n_ranks: int, n_tensors: int, step: str, index: int, odd: int = 3) -> pd.DataFrame:
     """Rank 0 right, ranks 1.. the same garbage (fp32 bytes read as bf16, poison), rank ``odd`` zeros."""
-    from workbench.frames import table
-    from workbench.rank.poison import poison_
-    from workbench.rank.probe import COLUMNS, probe_tensors
+    from workbench.synthetic import incident_step
 
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-    weights = [torch.linspace(-1, 1, 1024 + i).to(torch.bfloat16) for i in range(n_tensors - 1)]
-    rows = []
-    for rank in range(n_ranks):
-        if rank == 0:
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer", inv_freq)]
-            items += [(f"model.layers.{i}.weight", "parameter", w) for i, w in enumerate(weights)]
-        elif rank == odd:
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer", torch.zeros(32, dtype=torch.bfloat16))]
-            items += [(f"model.layers.{i}.weight", "parameter", torch.zeros_like(w)) for i, w in enumerate(weights)]
-        else:
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer",
-                      inv_freq[:16].contiguous().view(torch.bfloat16))]
-            items += [(f"model.layers.{i}.weight", "parameter", poison_(torch.empty_like(w)))
-                      for i, w in enumerate(weights)]
-        rows += probe_tensors(items, rank)
-    df = table(rows, COLUMNS)
-    df.insert(0, "step_index", index)
-    df.insert(0, "step", step)
-    return df
+    return incident_step(n_ranks, n_tensors, step=step, index=index, odd=odd, weight_numel=1024)
 
 
 def _timed(fn, repeats: int = 3):

@@ -10,36 +10,14 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-import torch
 
 from workbench import rankgroups, viz
-from workbench.frames import table
-from workbench.rank.poison import poison_
-from workbench.rank.probe import COLUMNS, probe_tensors
+from workbench.synthetic import incident_step
 
 
 def synthetic_step(n_ranks: int, n_tensors: int = 12, odd: int | None = 3, step: str = "wrap_fsdp1") -> pd.DataFrame:
     """One step's probe table: rank 0 right, ranks 1.. identical garbage, rank ``odd`` zeros."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-    weights = [torch.linspace(-1, 1, 64 + i).to(torch.bfloat16) for i in range(n_tensors - 1)]
-    rows = []
-    for rank in range(n_ranks):
-        if rank == 0:
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer", inv_freq)]
-            items += [(f"model.layers.{i}.weight", "parameter", w) for i, w in enumerate(weights)]
-        elif rank == odd:
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer", torch.zeros(32, dtype=torch.bfloat16))]
-            items += [(f"model.layers.{i}.weight", "parameter", torch.zeros_like(w)) for i, w in enumerate(weights)]
-        else:  # rank 0's fp32 bytes landed in a bf16 buffer; the rest was never written
-            garbage = inv_freq[:16].contiguous().view(torch.bfloat16)
-            items = [("model.rotary_emb.inv_freq", "non-persistent buffer", garbage)]
-            items += [(f"model.layers.{i}.weight", "parameter", poison_(torch.empty_like(w)))
-                      for i, w in enumerate(weights)]
-        rows += probe_tensors(items, rank)
-    df = table(rows, COLUMNS)
-    df.insert(0, "step_index", 2)
-    df.insert(0, "step", step)
-    return df
+    return incident_step(n_ranks, n_tensors, step=step, index=2, odd=odd)
 
 
 def two_steps(n_ranks: int, n_tensors: int = 12) -> pd.DataFrame:
