@@ -53,9 +53,37 @@ def main() -> None:
         ("warm rerun on live ranks", warm_s, cold_spawn / warm_s, "x faster than spawn"),
         ("per-step overhead (client - rank)", step_over, step_over / (warm_s / 4), "of a warm step"),
     ]
-    print(f"\n{'measure':38s} {'seconds':>9s} {'ratio':>8s}")
+    print(f"\n{'measure (this machine, CPU, gloo)':38s} {'seconds':>9s} {'ratio':>8s}")
     for name, secs, ratio, unit in rows:
         print(f"{name:38s} {secs:9.3f} {ratio:8.2f} {unit}")
+    gpu_rows()
+
+
+def gpu_rows() -> None:
+    """The same figures as recorded by the GPU suite (scripts/gpu_suite.sh), for comparison."""
+    import json
+
+    fixtures = HERE.parent / "fixtures" / "gpu"
+    try:
+        meta = json.loads((fixtures / "suite.json").read_text())["meta"]
+        probe = json.loads((fixtures / "probe_scale.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return
+    warm = meta.get("warm", {})
+    fused = probe["paths"]["fused"]
+    print(f"\n{'recorded: ' + str(meta['ranks']) + ' GPUs, ' + meta['backend'] + ', torch ' + meta['torch']:38s}"
+          f" {'seconds':>9s}")
+    for name, secs in [
+        ("engine start", meta["engine_start_s"]),
+        ("process group formation", meta["group_s"]),
+        (f"warm rerun ({warm.get('scenario')}, fix)", warm.get("warm_s", float("nan"))),
+        ("re-form the group", warm.get("reform_group_s", float("nan"))),
+        (f"probe {probe['tensors']} tensors / {probe['bytes'] / 1e9:.2f} GB", fused["probe_ms"] / 1e3),
+        ("  floor: bytes / copy bandwidth", probe["floor_ms"] / 1e3),
+        ("  fused kernel alone", fused["kernel_ms"] / 1e3),
+    ]:
+        print(f"{name:38s} {secs:9.4f}")
+    print(f"{'  shipped per rank (pickled rows)':38s} {fused['pickled_bytes'] / 1024:8.1f} KB")
 
 
 if __name__ == "__main__":
