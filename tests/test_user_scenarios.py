@@ -163,3 +163,22 @@ def test_scenario_declaration_errors():
     s.step(lambda ctx: None, name="a")
     with pytest.raises(WorkbenchError, match="already has a step 'a'"):
         s.step(lambda ctx: None, name="a")
+
+
+def test_a_session_whose_ranks_were_re_formed_says_so_instead_of_filling_junk_frames(healthy):
+    s = healthy.session(sc)
+    s.step()
+    healthy.dirty = True
+    healthy.form_group()  # what recover() and another session's start do: every rank's state is dropped
+    with pytest.raises(WorkbenchError, match="re-formed"):
+        s.step()
+    assert len(s.frames) == 1
+    s.reset()
+    assert s.step().ok and len(s.frames) == 1
+
+
+def test_px_calls_on_a_stopped_cluster_are_one_clear_error():
+    c = wb.Cluster(ranks=1, backend="gloo")
+    for call in (c.activate, lambda: c.push(x=1), lambda: c.probe("x")):
+        with pytest.raises(ClusterError, match="stopped"):
+            call()

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import math
 import os
 import platform
 import re
@@ -34,6 +33,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.errors import BundleError
+from workbench.frames import jsonable
 from workbench.record import SCHEMA_VERSION, RunRecord
 
 FORMAT = "workbench-bundle"
@@ -174,8 +174,8 @@ def portable(rec: RunRecord) -> RunRecord:
     """A copy of ``rec`` with machine paths replaced by placeholders: what a bundle stores."""
     prefixes = _path_prefixes()
     tables = {name: _scrub_frame(df, prefixes) for name, df in _tables(rec).items()}
-    return dataclasses.replace(rec, manifest=scrub(_json_safe(rec.manifest), prefixes),
-                               notes=scrub(_json_safe(rec.notes), prefixes), **tables)
+    return dataclasses.replace(rec, manifest=scrub(jsonable(rec.manifest), prefixes),
+                               notes=scrub(jsonable(rec.notes), prefixes), **tables)
 
 
 def _scrub_frame(df: pd.DataFrame, prefixes: list[tuple[str, str]]) -> pd.DataFrame:
@@ -215,23 +215,6 @@ def _plain(v: Any) -> Any:
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
         return v.tolist()
     return v
-
-
-def _json_safe(v: Any) -> Any:
-    """Strict JSON for the manifest: non-finite floats as strings, numpy scalars as Python."""
-    if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    if v is None or v is pd.NA:
-        return None
-    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, (str, int, float, bool)):
-        return v
-    return str(v)
 
 
 def _findings_or_none(rec: RunRecord) -> pd.DataFrame | None:

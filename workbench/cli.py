@@ -53,6 +53,7 @@ def print_summary(session: Any) -> None:
     import pandas as pd
 
     from workbench.findings import status
+    from workbench.frames import last_step
 
     label = f"fix {session.fix}" if session.fix else "bug path"
     print(f"\n== {session.scenario.name} · {label} · {session.cluster.world_size} ranks "
@@ -79,7 +80,7 @@ def print_summary(session: Any) -> None:
             print(f"  ... {len(t) - 24} more rows (see --json or --report)")
         out = session.outputs
         if len(out):
-            out = out[out["step_index"] == out["step_index"].max()]
+            out = last_step(out)
             print("\n  outputs:")
             print(out[["rank", "name", "dtype", "shape", "nan", "ref_max_abs_diff", "fingerprint"]]
                   .to_string(index=False))
@@ -100,11 +101,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
         runs[0].run()
         print_summary(runs[0])
+        runs[0].close()  # free the ranks' models before the next run; the frames stay
         for fix in fixes:
             if fix != args.fix:
                 s = cluster.session(sc, fix=fix, poison=not args.no_poison, **params)
                 s.run()
                 print_summary(s)
+                s.close()
                 runs.append(s)
         records = [RunRecord.from_session(s) for s in runs]
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")

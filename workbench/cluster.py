@@ -89,6 +89,7 @@ class Cluster:
         self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
         self._dead: set[int] = set()
         self.dirty = False  # a step failed: the group may hold mispaired messages
+        self.generation = 0  # bumped whenever the group (and every rank's session state) is re-formed
         self.step_deadline: float | None = None  # a session step's deadline; None: self.deadline
         self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
@@ -118,7 +119,11 @@ class Cluster:
         self._client[self._ids].use_cloudpickle()
         self.pids = dict(enumerate(self._client[self._ids].apply_sync(os.getpid)))
         self.start_s = time.perf_counter() - t0
-        self.form_group()
+        try:
+            self.form_group()
+        except BaseException:
+            self.stop()  # the caller never gets this object: leave no engine behind
+            raise
         return self
 
     def form_group(self) -> None:
@@ -137,6 +142,7 @@ class Cluster:
                                "\n  ".join(f.line() for f in outcome.failures.values()))
         self.port = port
         self.dirty = False
+        self.generation += 1
         self.group_s = time.perf_counter() - t0
         self.devices = {r: v["device"] for r, v in outcome.values.items()}
         self._set_threads()
@@ -267,23 +273,24 @@ class Cluster:
     def activate(self) -> None:
         """Register ``%px`` / ``%%px`` for these engines and give each cell ``torch``, ``dist``,
         ``wbr`` (``workbench.rank.phases``), ``rank``, ``world_size`` and ``device``."""
+        self._check_usable()
         view = self._client[self._ids]
         view.activate()
-        view.execute("import torch\nimport torch.distributed as dist\nfrom workbench.rank import phases as wbr\n"
-                     "rank, world_size, device = wbr.here()", block=True)
+        self._execute("import torch\nimport torch.distributed as dist\nfrom workbench.rank import phases as wbr\n"
+                      "rank, world_size, device = wbr.here()")
 
     def push(self, **objects: Any) -> None:
         """Make client objects (a model class, a config) visible to ``%%px`` cells on every rank."""
         import cloudpickle
 
+        self._check_usable()
         for obj in objects.values():
             _ship_by_value(obj)
         # One cloudpickle blob, not ipyparallel's own canning: that rebuilds a class and its
         # methods separately, and zero-argument super() then fails on the engines.
         view = self._client[self._ids]
-        view.push({"_wb_blob": cloudpickle.dumps(objects)}, block=True)
-        view.execute("import cloudpickle as _wb_cp\nglobals().update(_wb_cp.loads(_wb_blob))\ndel _wb_blob",
-                     block=True)
+        self._wait(view.push({"_wb_blob": cloudpickle.dumps(objects)}, block=False), "push")
+        self._execute("import cloudpickle as _wb_cp\nglobals().update(_wb_cp.loads(_wb_blob))\ndel _wb_blob")
 
     def probe(self, *names: str) -> Any:
         """Probe variables that ``%%px`` cells defined on every rank: one DataFrame, rows only.
@@ -296,16 +303,28 @@ class Cluster:
         self._check_usable()
         view = self._client[self._ids]
         spec = repr(list(names))
-        view.execute(
-            "from workbench.rank import phases as _wbr\n"
-            f"_wb_rows = _wbr.probe_rows({{_n: globals()[_n] for _n in {spec} if _n in globals()}})",
-            block=True,
-        )
-        rows = [row for per_rank in view.pull("_wb_rows", block=True) for row in per_rank]
+        self._execute("from workbench.rank import phases as _wbr\n"
+                      f"_wb_rows = _wbr.probe_rows({{_n: globals()[_n] for _n in {spec} if _n in globals()}})")
+        rows = [row for per_rank in self._wait(view.pull("_wb_rows", block=False), "pull") for row in per_rank]
         missing = set(names) - {r["name"].split(".")[0] for r in rows}
         if missing:
             raise ClusterError(f"no variable(s) {sorted(missing)} on the engines (define them in a %%px cell)")
         return table(rows, COLUMNS)
+
+    def _execute(self, code: str) -> None:
+        self._wait(self._client[self._ids].execute(code, block=False), "execute")
+
+    def _wait(self, ar: Any, what: str) -> Any:
+        """An ipyparallel result under the cluster's deadline: a clear error, never a hung kernel."""
+        try:
+            return ar.get(timeout=self.deadline)
+        except Exception as exc:
+            if type(exc).__name__ == "TimeoutError":
+                for r in range(self.world_size):
+                    self._busy[r] = ar
+                raise ClusterError(f"{what} on the engines did not finish within {self.deadline:g}s; "
+                                   "cluster.recover() brings the ranks back") from None
+            raise ClusterError(f"{what} on the engines failed: {exc}") from None
 
     # -- health -----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -368,7 +387,12 @@ class Cluster:
                     why = "after a peer died" if death_seen else f"past the {timeout:g}s deadline"
                     out.failures[r] = RankFailure(r, "timeout", "Timeout", f"still running {why}")
                 break
-            pending[open_[0]].wait(0.05)
+            try:
+                pending[open_[0]].wait(0.05)
+            except KeyboardInterrupt:
+                for r in open_:  # interrupted, not finished: later calls must know these ranks are busy
+                    self._busy[r] = pending[r]
+                raise
         for r, ar in pending.items():
             if r in out.failures:
                 continue

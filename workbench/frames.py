@@ -98,16 +98,29 @@ class Frame:
 
 
 def jsonable(v: Any) -> Any:
-    """Strict-JSON value: non-finite floats become the strings 'nan', 'inf', '-inf'."""
-    if v is None or v is pd.NA:
-        return None
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    """Strict-JSON value: non-finite floats become 'nan'/'inf'/'-inf', numpy values Python ones."""
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [jsonable(x) for x in v]
-    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
-        return jsonable(v.item())
-    return v
+    if v is None or v is pd.NA:
+        return None
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        v = v.tolist()  # numpy scalars and arrays (Parquet gives arrays back for list columns)
+        if isinstance(v, list):
+            return [jsonable(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (str, int, float, bool)):
+        return v
+    return str(v)
+
+
+def last_step(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the latest step in a stacked history (all of ``df`` when it has no steps)."""
+    if df.empty or "step_index" not in df:
+        return df
+    return df[df["step_index"] == df["step_index"].max()]
 
 
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:

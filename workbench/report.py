@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from workbench import viz
+from workbench.frames import last_step
 from workbench.record import RunRecord
 
 CSS = """
@@ -147,7 +148,7 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
     buffers = interesting_buffers(rec)
     if buffers:
         page.h(3, "Buffer values per rank")
-        last = rec.tensors[rec.tensors["step_index"] == rec.tensors["step_index"].max()]
+        last = last_step(rec.tensors)
         for name in buffers:
             page.fig(viz.buffer_values(rec.tensors, name))
             rows = last[last["name"] == name].copy()
@@ -156,7 +157,7 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
                              if c in rows]])
     _ledger_section(page, rec)
     if len(rec.outputs):
-        out = rec.outputs[rec.outputs["step_index"] == rec.outputs["step_index"].max()]
+        out = last_step(rec.outputs)
         page.h(3, "Outputs")
         page.fig(viz.outputs_view(out, title=f"{rec.label} · outputs"))
         cols = [c for c in ("rank", "name", "dtype", "shape", "nan", "inf", "ref_max_abs_diff", "fingerprint")
@@ -229,10 +230,9 @@ def render(records: Iterable[RunRecord]) -> str:
 
 
 def _last_outputs(rec: RunRecord, label: str) -> pd.DataFrame:
-    out = rec.outputs
+    out = last_step(rec.outputs).copy()
     if out.empty:
         return out
-    out = out[out["step_index"] == out["step_index"].max()].copy()
     out.insert(0, "run", label)
     return out
 

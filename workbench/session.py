@@ -18,7 +18,7 @@ import pandas as pd
 
 from workbench import collectives, scenarios
 from workbench.errors import UnknownName, WorkbenchError
-from workbench.frames import Frame
+from workbench.frames import Frame, last_step
 from workbench.rank import remote
 from workbench.scenario import Scenario
 
@@ -41,6 +41,7 @@ class Session:
         self.frames: list[Frame] = []
         self.started_at: float | None = None
         self._begun = False
+        self._generation = -1  # the cluster generation this session's rank state lives in
         self.ledger_dir = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")  # ranks append, the client reads
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
@@ -68,6 +69,7 @@ class Session:
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
         self.started_at = time.time()
         self._begun = True
+        self._generation = cluster.generation
 
     def step(self) -> Frame:
         """Run the next step on every rank and probe what each rank then holds."""
@@ -75,6 +77,10 @@ class Session:
             raise WorkbenchError(f"all {len(self.steps)} steps ran; call reset() to start again")
         if not self._begun:
             self._begin()
+        elif self._generation != self.cluster.generation:
+            raise WorkbenchError(
+                f"the ranks were re-formed (recover or restart) after {len(self.frames)} step(s) of this session, "
+                "so they no longer hold its objects: s.recover() replays the steps so far, s.reset() starts over")
         index = len(self.frames)
         name, fn = self.scenario.steps[index]
         deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
@@ -90,25 +96,31 @@ class Session:
         return frame
 
     def run(self, until: str | None = None) -> list[Frame]:
-        """Step through ``until`` (inclusive) or to the end; stops early if a rank died."""
+        """Step through ``until`` (inclusive) or to the end; stops early if a rank died or hung."""
         if until is not None and until not in self.steps:
             raise UnknownName(f"step of {self.scenario.name}", until, self.steps)
         out = []
         while not self.done:
             frame = self.step()
             out.append(frame)
-            if "died" in set(frame.events["kind"]) or frame.step == until:
+            if {"died", "timeout"} & set(frame.events["kind"]) or frame.step == until:
                 break
         return out
 
     def reset(self) -> Session:
         """Drop the frames and the ranks' objects; the next step starts from the first."""
-        if self._begun and self.cluster.alive:
-            self.cluster.call(remote.end_session, self.id)
+        self.close()
         self.frames = []
         self._begun = False
         self.attempt += 1  # a fresh ledger sequence on the ranks
         return self
+
+    def close(self) -> None:
+        """Free what the ranks hold for this session (models, ledger file); the frames stay here."""
+        if self._begun and self.cluster.alive and not self.cluster.needs_recovery \
+                and self._generation == self.cluster.generation:
+            self.cluster.call(remote.end_session, self.id)
+        self._begun = False
 
     # -- reading ----------------------------------------------------------------------
     @property
@@ -151,9 +163,11 @@ class Session:
         self._begin()
         for name, fn in self.scenario.steps[:failed]:
             out = self.cluster.call(remote.run_step, self.id, fn, [], step=name, timeout=self.cluster.deadline)
-            if out.failures or any(v["error"] for v in out.values.values()):
-                raise WorkbenchError(f"replaying step {name!r} after recovery failed: "
-                                     + "; ".join(f.line() for f in out.failures.values()))
+            errors = [f.line() for f in out.failures.values()]
+            errors += [f"rank {r} error: {v['error']['error']}: {v['error']['message'][:300]}"
+                       for r, v in sorted(out.values.items()) if v["error"]]
+            if errors:
+                raise WorkbenchError(f"replaying step {name!r} after recovery failed: " + "; ".join(errors))
         info["replayed"] = self.steps[:failed]
         return info
 
@@ -220,9 +234,8 @@ class Comparison:
         """Last outputs per rank of both runs, a ``run`` column telling them apart."""
         parts = []
         for label, s in (("bug", self.bug), ("fix: " + str(self.fix), self.fixed)):
-            df = s.outputs
+            df = last_step(s.outputs).copy()
             if len(df):
-                df = df[df["step_index"] == df["step_index"].max()].copy()
                 df.insert(0, "run", label)
                 parts.append(df)
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()

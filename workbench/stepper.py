@@ -12,6 +12,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from workbench import viz
+from workbench.errors import WorkbenchError
 from workbench.session import Session
 
 NO_FIX = "(bug path)"
@@ -62,25 +63,34 @@ class Stepper:
                 lines.append(f"<span style='color:#b00'>rank {rank}: {html.escape(msg[:200])}</span>")
         self.status.value = "<br>".join(lines)
 
-    def step(self) -> None:
-        if not self.session.done:
-            self.session.step()
+    def _guarded(self, action) -> None:
+        """Run a button's action; a workbench error shows in the status line, not in a lost log."""
+        try:
+            action()
+        except WorkbenchError as exc:
+            self._update()
+            self.status.value += f"<br><span style='color:#b00'>{html.escape(str(exc))}</span>"
+            return
         self._update()
+
+    def step(self) -> None:
+        self._guarded(lambda: None if self.session.done else self.session.step())
 
     def run(self) -> None:
-        self.session.run()
-        self._update()
+        self._guarded(self.session.run)
 
     def restart(self) -> None:
-        self.session.reset()
-        self._update()
+        self._guarded(self.session.reset)
 
     def _on_fix(self, change: dict) -> None:
         fix = None if change["new"] == NO_FIX else change["new"]
         old = self.session
-        old.reset()
-        self.session = Session(old.cluster, old.scenario, fix=fix, poison=old.poison, params=old.params)
-        self._update()
+
+        def switch() -> None:
+            old.close()  # free the ranks; the old session's frames stay with whoever holds it
+            self.session = Session(old.cluster, old.scenario, fix=fix, poison=old.poison, params=old.params)
+
+        self._guarded(switch)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 
 from workbench import rankgroups
 from workbench.findings import STATUSES
+from workbench.frames import last_step
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
@@ -202,8 +203,8 @@ def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str, *
                max_rows: int | None = MAX_ROWS) -> go.Figure:
     """Last-step status of the bug path above the fix, on the same ranks and tensors."""
     fig = make_subplots(rows=2, cols=1, subplot_titles=["bug path", f"fix: {fix}"], vertical_spacing=0.25)
-    top = _status_heatmap(_last_step(bug_tensors), group=group, max_rows=max_rows)
-    bottom = _status_heatmap(_last_step(fix_tensors), showscale=False, group=group, max_rows=max_rows)
+    top = _status_heatmap(last_step(bug_tensors), group=group, max_rows=max_rows)
+    bottom = _status_heatmap(last_step(fix_tensors), showscale=False, group=group, max_rows=max_rows)
     fig.add_trace(top, row=1, col=1)
     fig.add_trace(bottom, row=2, col=1)
     rows = max(len(top.y), len(bottom.y), 1)
@@ -212,8 +213,3 @@ def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str, *
     fig.update_layout(title=f"Bug vs fix '{fix}' after the last step", height=360 + 80 * rows, margin={"l": left})
     return fig
 
-
-def _last_step(history: pd.DataFrame) -> pd.DataFrame:
-    if "step_index" not in history or history.empty:
-        return history
-    return history[history["step_index"] == history["step_index"].max()]
