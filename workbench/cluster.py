@@ -332,21 +332,23 @@ class Cluster:
             raise ClusterError("the cluster is stopped; call start() or restart()")
         if self._dead:
             raise ClusterError(f"rank(s) {sorted(self._dead)} died; call cluster.restart() for fresh engines")
-        for r, ar in list(self._busy.items()):
-            if ar.ready():
-                del self._busy[r]
+        self._prune_busy()
         if self._busy:
             raise ClusterError(
                 f"rank(s) {sorted(self._busy)} are still inside an earlier call past its deadline; "
                 "wait for the collective timeout to release them (cluster.wait_idle()) or call cluster.restart()")
 
+    def _prune_busy(self) -> dict[int, Any]:
+        """Forget ranks whose late call has finished; the ones still busy."""
+        for r, ar in list(self._busy.items()):
+            if ar.ready():
+                del self._busy[r]
+        return self._busy
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait for ranks stuck past a deadline to come back; True when all did."""
         end = time.monotonic() + (self.timeout + 10 if timeout is None else timeout)
-        while self._busy and time.monotonic() < end:
-            for r, ar in list(self._busy.items()):
-                if ar.ready():
-                    del self._busy[r]
+        while self._prune_busy() and time.monotonic() < end:
             time.sleep(0.05)
         return not self._busy
 
