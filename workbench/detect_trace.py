@@ -19,6 +19,8 @@ from typing import Any
 
 import pandas as pd
 
+from workbench.frames import fmt
+
 REFERENCE = "reference"
 RTOL = 1e-2  # relative gap in absmax / mean|x| that counts as "departs"
 ATOL = 1e-6
@@ -64,10 +66,6 @@ def _first_departure(rows: pd.DataFrame, against: pd.DataFrame, rtol: float) -> 
     return None
 
 
-def _fmt(v: Any) -> str:
-    return "nan" if v is None or v != v else f"{v:.4g}"
-
-
 def analyse(trace: pd.DataFrame, rtol: float = RTOL) -> list[dict]:
     """Per (rank, run): the first non-finite call and the first departures, as dicts."""
     out: list[dict] = []
@@ -97,8 +95,8 @@ def analyse(trace: pd.DataFrame, rtol: float = RTOL) -> list[dict]:
                 out.append({"rank": rank, "run": run, "kind": f"departs from {label}", "severity": severity,
                             "module": r.module,
                             "finding": f"rank {rank}{where}: first output departing from {label} at "
-                                       f"`{r.module}` ({r.type}; absmax {_fmt(r.absmax)} vs {_fmt(o.absmax)}, "
-                                       f"mean|x| {_fmt(r.meanabs)} vs {_fmt(o.meanabs)})"})
+                                       f"`{r.module}` ({r.type}; absmax {fmt(r.absmax)} vs {fmt(o.absmax)}, "
+                                       f"mean|x| {fmt(r.meanabs)} vs {fmt(o.meanabs)})"})
     return out
 
 

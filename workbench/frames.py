@@ -116,6 +116,16 @@ def jsonable(v: Any) -> Any:
     return str(v)
 
 
+def fmt(v: Any) -> str:
+    """One short number for tables and hover text: 4 significant digits, 'nan' for missing."""
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    try:
+        return f"{v:.4g}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def last_step(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of the latest step in a stacked history (all of ``df`` when it has no steps)."""
     if df.empty or "step_index" not in df:

@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from workbench import viz
-from workbench.frames import last_step
+from workbench.frames import fmt, last_step
 from workbench.record import RunRecord
 
 CSS = """
@@ -152,7 +152,7 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
         for name in buffers:
             page.fig(viz.buffer_values(rec.tensors, name))
             rows = last[last["name"] == name].copy()
-            rows["head"] = rows["head"].map(lambda h: "[" + ", ".join(_fmt(v) for v in list(h or [])[:8]) + "]")
+            rows["head"] = rows["head"].map(lambda h: "[" + ", ".join(fmt(v) for v in list(h or [])[:8]) + "]")
             page.table(rows[[c for c in ("step", "rank", "dtype", "nan", "poisoned", "head", "fingerprint")
                              if c in rows]])
     _ledger_section(page, rec)
@@ -172,13 +172,7 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
         page.table(t)
 
 
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "nan"
-    try:
-        return f"{v:.4g}"
-    except (TypeError, ValueError):
-        return str(v)
+
 
 
 def _finding_counts(records: list[RunRecord], found: list[pd.DataFrame]) -> pd.DataFrame:

@@ -10,7 +10,7 @@ from plotly.subplots import make_subplots
 
 from workbench import rankgroups
 from workbench.findings import STATUSES
-from workbench.frames import last_step
+from workbench.frames import fmt, last_step
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
@@ -71,7 +71,7 @@ def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool |
                 trow.append(f"{label}<br>{n}<br>missing")
                 continue
             zrow.append(code[c.status] + 0.5)
-            head = ", ".join(_fmt(v) for v in list(c.head if c.head is not None else [])[:4])
+            head = ", ".join(fmt(v) for v in list(c.head if c.head is not None else [])[:4])
             extra = "" if how == "identical" else f"<br>{c.contents} distinct content(s)"
             trow.append(f"{label}<br>{n}<br>{c.status}: {c.detail}<br>{c.dtype} {c.shape} {c.kind}<br>"
                         f"head [{head}]{extra}")
@@ -103,12 +103,6 @@ def status_matrix(tensors: pd.DataFrame, title: str = "What every rank holds", *
     fig.update_layout(title=title, height=200 + 40 * rows, margin={"b": 160, "l": left},
                       xaxis={"tickangle": -60, "tickfont": {"size": 9}})
     return fig
-
-
-def _fmt(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "nan"
-    return f"{v:.4g}"
 
 
 def _signed_log(v: float) -> float:
@@ -154,7 +148,7 @@ def buffer_values(history: pd.DataFrame, name: str, *, group: bool | None = None
                 x=list(range(len(head))), y=[_signed_log(v) for v in head], mode="lines+markers",
                 name=label, legendgroup=label, showlegend=label not in shown,
                 line={"color": palette[e["ranks"][0] % len(palette)]},
-                customdata=[[_fmt(v), r.dtype] for v in head],
+                customdata=[[fmt(v), r.dtype] for v in head],
                 hovertemplate=label + " [%{x}] = %{customdata[0]} (%{customdata[1]})<extra></extra>",
             ), row=1, col=j)
             shown.add(label)
@@ -170,7 +164,7 @@ def _folded_trace(e: dict, shown: set[str]) -> go.Scatter:
         head = list(r.head) if r.head is not None else []
         xs += [*range(len(head)), None]
         ys += [*(_signed_log(v) for v in head), None]
-        cd += [*([label, _fmt(v), r.dtype] for v in head), [label, "", ""]]
+        cd += [*([label, fmt(v), r.dtype] for v in head), [label, "", ""]]
     label = e["label"]
     showlegend = label not in shown
     shown.add(label)
