@@ -49,9 +49,9 @@ def _run(cluster, fix, overheads=None):
 
 def live(ranks: int, repeats: int, timeout: float, bug: bool) -> dict:
     import workbench as wb
-    from workbench import rankgroups, viz
-    from workbench.record import RunRecord
-    from workbench.report import render
+    from workbench import viz
+    from workbench.analysis import rankgroups
+    from workbench.postmortem.report import render
 
     row: dict = {"ranks": ranks}
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def live(ranks: int, repeats: int, timeout: float, bug: bool) -> dict:
             heads = {tuple(round(v, 4) for v in list(h)[:3]) for h in inv["head"]}
             row["bug: inv_freq heads"] = str(sorted(heads))
             t1 = time.perf_counter()
-            html = render([RunRecord.from_session(b), RunRecord.from_session(s)])
+            html = render([b.record(), s.record()])
             row["bug+fix report"] = time.perf_counter() - t1
             row["report MB"] = len(html) / 1e6
     return row
@@ -103,7 +103,7 @@ def live(ranks: int, repeats: int, timeout: float, bug: bool) -> dict:
 # -- synthetic frames -------------------------------------------------------------------
 def synthetic_step(n_ranks: int, n_tensors: int, step: str, index: int, odd: int = 3) -> pd.DataFrame:
     """Rank 0 right, ranks 1.. the same garbage (fp32 bytes read as bf16, poison), rank ``odd`` zeros."""
-    from workbench.synthetic import incident_step
+    from workbench.analysis.synthetic import incident_step
 
     return incident_step(n_ranks, n_tensors, step=step, index=index, odd=odd, weight_numel=1024)
 
@@ -118,10 +118,11 @@ def _timed(fn, repeats: int = 3):
 
 
 def views(n_ranks: int, n_tensors: int = 60, steps: int = 4) -> dict:
-    from workbench import rankgroups, viz
-    from workbench.frames import EVENT_COLUMNS, OUTPUT_COLUMNS, table
-    from workbench.record import RunRecord
-    from workbench.report import render
+    from workbench import viz
+    from workbench.analysis import rankgroups
+    from workbench.analysis.frames import EVENT_COLUMNS, OUTPUT_COLUMNS, table
+    from workbench.postmortem.record import RunRecord
+    from workbench.postmortem.report import render
 
     names = ["load", "cast", "wrap_fsdp1", "forward"][:steps]
     hist = pd.concat([synthetic_step(n_ranks, n_tensors, s, i) for i, s in enumerate(names)], ignore_index=True)

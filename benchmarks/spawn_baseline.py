@@ -32,7 +32,7 @@ def main(scenario: str = "fsdp1-rotary-meta-init", fix: str | None = "cast-param
          timeout: float = 8.0) -> float:
     import torch.multiprocessing as mp
 
-    from workbench.cluster import free_port
+    from workbench.live.engines import free_port
 
     t0 = time.perf_counter()
     mp.spawn(worker, args=(world, free_port(), scenario, fix, timeout), nprocs=world, join=True)

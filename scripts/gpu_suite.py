@@ -3,7 +3,7 @@
 Meant for a machine with N GPUs (``--backend nccl``, the default when there are GPUs),
 runs anywhere (``--backend gloo`` on CPU). Per run it writes flat files into ``--out``:
 ``<scenario>__<run>.json`` (manifest, final-step status per rank, findings, outputs,
-events, notes, timings; strict JSON) and, when ``workbench.bundle`` exists, a bundle
+events, notes, timings; strict JSON) and, when ``workbench.postmortem.bundle`` exists, a bundle
 beside it. Then ``suite.json`` + ``suite.txt`` (the table) and exit status 0 when every
 bug path showed its bug and every fix not marked a non-fix came out clean.
 
@@ -67,7 +67,7 @@ def _records(df) -> list[dict[str, Any]]:
 
 def rank_view(session) -> dict[int, str]:
     """What each rank showed after the last step: tensor statuses, output health, failures."""
-    from workbench import findings
+    from workbench.analysis import findings
 
     shown: dict[int, list[str]] = {r: [] for r in range(session.cluster.world_size)}
     for f in session.frames:
@@ -117,14 +117,14 @@ def judge(session, record) -> dict[str, Any]:
 
 
 def save_bundle(session, record, path: Path) -> str:
-    """Save through workbench.bundle when that module exists; return what happened."""
+    """Save through workbench.postmortem.bundle when that module exists; return what happened."""
     try:
-        from workbench import bundle
+        from workbench.postmortem import bundle
     except ImportError:
-        return "no workbench.bundle"
+        return "no workbench.postmortem.bundle"
     save = getattr(bundle, "save", None)
     if save is None:
-        return "workbench.bundle has no save()"
+        return "workbench.postmortem.bundle has no save()"
     last_exc = None
     for obj in (session, record):
         try:
@@ -177,7 +177,6 @@ EXTRA_RUNS: dict[str, list[tuple[str, str | None, dict[str, Any]]]] = {
 
 def run_one(cluster, name: str, fix: str | None, out: Path, log, fresh_group: bool = False,
             params: dict[str, Any] | None = None, label: str | None = None) -> dict[str, Any]:
-    from workbench.record import RunRecord
 
     label = label or fix or "bug"
     t0 = time.perf_counter()
@@ -194,7 +193,7 @@ def run_one(cluster, name: str, fix: str | None, out: Path, log, fresh_group: bo
         error = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
     wall = time.perf_counter() - t0
-    record = RunRecord.from_session(session)
+    record = session.record()
     verdict = judge(session, record)
     shown = rank_view(session)
     stem = f"{name}__{label}".replace("@", "_at_")

@@ -22,8 +22,8 @@ TIMEOUT_S = 8.0  # tests/conftest.py TEST_TIMEOUT_S: findings quote the timeout
 
 
 def record(cluster, name: str, out_dir: Path) -> Path:
-    from workbench import bundle, scenarios
-    from workbench.record import RunRecord
+    from workbench import scenarios
+    from workbench.postmortem import bundle
 
     sc = scenarios.get(name)
     records = []
@@ -32,7 +32,7 @@ def record(cluster, name: str, out_dir: Path) -> Path:
             cluster.restart()  # a rank the previous run killed or left stuck
         s = cluster.session(sc, fix=fix)
         s.run()
-        rec = RunRecord.from_session(s)
+        rec = s.record()
         s.reset()
         f = rec.findings()
         print(f"  {rec.label:32s} {len(rec.steps)} steps, {len(f)} findings, {len(rec.events)} failed-rank events")

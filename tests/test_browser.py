@@ -60,7 +60,7 @@ class Console:
 # -- the HTML report -------------------------------------------------------------------
 @pytest.mark.parametrize("bundle_path", BUNDLES, ids=[b.name.removesuffix(".wbundle") for b in BUNDLES])
 def test_report_draws_every_figure_offline(browser, bundle_path):
-    from workbench import bundle, report
+    from workbench.postmortem import bundle, report
 
     b = bundle.load(bundle_path)
     ARTIFACTS.mkdir(exist_ok=True)

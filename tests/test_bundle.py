@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import workbench as wb
-from workbench import bundle, report, viz
+from workbench import viz
 from workbench.errors import BundleError
-from workbench.record import RunRecord
+from workbench.postmortem import bundle, report
+from workbench.postmortem.record import RunRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle"
@@ -65,7 +66,7 @@ def _assert_same_record(a: RunRecord, b: RunRecord) -> None:
 def test_live_session_saves_and_loads_into_the_same_views(healthy, tmp_path):
     s = healthy.session("fsdp1-rotary-meta-init", fix="cast-params-only")
     s.run()
-    live = RunRecord.from_session(s)
+    live = s.record()
     path = s.save(tmp_path / "live")
     assert path.name == "live.wbundle" and path.is_file()
     loaded = wb.load(path)

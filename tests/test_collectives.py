@@ -7,7 +7,7 @@ import threading
 import pandas as pd
 import pytest
 
-from workbench.collectives import (
+from workbench.analysis.collectives import (
     OPEN,
     describe,
     diagnose,

@@ -6,8 +6,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from workbench import findings
-from workbench.frames import COLUMNS, table
+from workbench.analysis import findings
+from workbench.analysis.frames import COLUMNS, table
 from workbench.rank import poison, reference
 from workbench.rank.models import qwen3_config
 from workbench.rank.probe import probe_tensors

@@ -14,8 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workbench import bundle, report, scenarios, viz
-from workbench.record import RunRecord
+from workbench import scenarios, viz
+from workbench.postmortem import bundle, report
+from workbench.postmortem.record import RunRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLES = ROOT / "fixtures" / "bundles"
@@ -91,7 +92,7 @@ def test_fresh_run_matches_recorded_findings(healthy, name):
         fix = rec.manifest.get("fix")
         s = cluster.session(name, fix=fix, poison=rec.manifest.get("poison", True))
         s.run()
-        fresh = RunRecord.from_session(s)
+        fresh = s.record()
         s.reset()
         label = f"{name} ({rec.label})"
         assert fresh.steps == rec.steps, label

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.findings import status
+from workbench.analysis.findings import status
 
 INV = "model.model.rotary_emb.inv_freq"
 SCENARIO = "fsdp1-rotary-meta-init"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workbench import Scenario
-from workbench.collectives import first_divergence
+from workbench.analysis.collectives import first_divergence
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.detect_trace import first_fault
-from workbench.findings import status
-from workbench.record import RunRecord
+from workbench.analysis.findings import status
+from workbench.analysis.trace import first_fault
 
 SCENARIO = "fsdp2-nonpersistent-buffer-sync"
 INV = "model.model.rotary_emb.inv_freq"
@@ -47,7 +46,7 @@ def logits(s) -> dict:
 
 
 def trace_findings(s):
-    f = RunRecord.from_session(s).findings()
+    f = s.record().findings()
     return f[f["detector"] == "forward trace"]
 
 

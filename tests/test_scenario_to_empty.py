@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.detect_trace import first_fault
-from workbench.findings import status
-from workbench.record import RunRecord
+from workbench.analysis.findings import status
+from workbench.analysis.trace import first_fault
 
 SCENARIO = "to-empty-clobbers-buffers"
 BIAS = "model.router.expert_bias"
@@ -58,7 +57,7 @@ def test_routing_collapses_and_detectors_name_the_router(bug):
         assert load["ref_max_abs_diff"] > 100
         assert output(bug, rank, "hidden")["nan"] == 0  # gates come from unbiased scores: nothing crashes
         assert first_fault(bug.trace, rank) == "router"
-    f = RunRecord.from_session(bug).findings()
+    f = bug.record().findings()
     tr = f[f["detector"] == "forward trace"]
     assert set(tr["rank"]) == {0, 1} and tr["finding"].str.contains("departing from the reference at `router`").all()
 
@@ -75,7 +74,7 @@ def test_meta_only_materialization_keeps_the_zeros_and_balanced_load(cluster, po
         assert load["ref_max_abs_diff"] == 0.0 and max(load["head"]) < 128
     assert (status(s.frames[-1].tensors)["status"] == "ok").all()
     assert output(s, 0, "global_expert_load")["head"] == [2 * v for v in output(s, 0, "expert_load")["head"]]
-    f = RunRecord.from_session(s).findings()
+    f = s.record().findings()
     assert f[f["detector"] == "forward trace"].empty
 
 

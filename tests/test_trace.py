@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from workbench.detect_trace import first_fault, forward_trace
-from workbench.findings import findings
-from workbench.frames import table
+from workbench.analysis.findings import findings
+from workbench.analysis.frames import table
+from workbench.analysis.trace import first_fault, forward_trace
 from workbench.rank import trace as rank_trace
 from workbench.rank.trace import TRACE_COLUMNS, module_name, trace_forward
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import workbench as wb
+from workbench.analysis.findings import status
 from workbench.errors import ClusterError, WorkbenchError
-from workbench.findings import status
 
 
 class Scaled(nn.Module):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from workbench import rankgroups, viz
-from workbench.synthetic import incident_step
+from workbench import viz
+from workbench.analysis import rankgroups
+from workbench.analysis.synthetic import incident_step
 
 
 def synthetic_step(n_ranks: int, n_tensors: int = 12, odd: int | None = 3, step: str = "wrap_fsdp1") -> pd.DataFrame:

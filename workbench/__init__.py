@@ -21,20 +21,20 @@ from workbench.scenario import Scenario
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Cluster": ("workbench.cluster", "Cluster"),
-    "start": ("workbench.cluster", "start"),
-    "Session": ("workbench.session", "Session"),
-    "Comparison": ("workbench.session", "Comparison"),
-    "Frame": ("workbench.frames", "Frame"),
+    "Cluster": ("workbench.live.cluster", "Cluster"),
+    "start": ("workbench.live.cluster", "start"),
+    "Session": ("workbench.live.session", "Session"),
+    "Comparison": ("workbench.live.session", "Comparison"),
+    "Frame": ("workbench.analysis.frames", "Frame"),
     "scenario_names": ("workbench.scenarios", "names"),
-    "load": ("workbench.bundle", "load"),
-    "Bundle": ("workbench.bundle", "Bundle"),
-    "Stepper": ("workbench.stepper", "Stepper"),
+    "load": ("workbench.postmortem.bundle", "load"),
+    "Bundle": ("workbench.postmortem.bundle", "Bundle"),
+    "Stepper": ("workbench.live.stepper", "Stepper"),
     "viz": ("workbench.viz", None),
-    "findings": ("workbench.findings", None),
-    "report": ("workbench.report", None),
-    "bundle": ("workbench.bundle", None),
-    "collectives": ("workbench.collectives", None),
+    "findings": ("workbench.analysis.findings", None),
+    "report": ("workbench.postmortem.report", None),
+    "bundle": ("workbench.postmortem.bundle", None),
+    "collectives": ("workbench.analysis.collectives", None),
 }
 
 __all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]

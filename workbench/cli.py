@@ -36,7 +36,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def run_json(session: Any) -> dict[str, Any]:
     """The CLI's --json shape: frames with per-rank errors and tensor rows, outputs by name."""
-    from workbench.frames import records
+    from workbench.analysis.frames import records
 
     outputs: dict[str, list] = {}
     if session.frames:
@@ -52,8 +52,8 @@ def run_json(session: Any) -> dict[str, Any]:
 def print_summary(session: Any) -> None:
     import pandas as pd
 
-    from workbench.findings import status
-    from workbench.frames import last_step
+    from workbench.analysis.findings import status
+    from workbench.analysis.frames import last_step
 
     label = f"fix {session.fix}" if session.fix else "bug path"
     print(f"\n== {session.scenario.name} · {label} · {session.cluster.world_size} ranks "
@@ -88,8 +88,8 @@ def print_summary(session: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import workbench as wb
-    from workbench import bundle, scenarios
-    from workbench.record import RunRecord
+    from workbench import scenarios
+    from workbench.postmortem import bundle
 
     sc = scenarios.resolve(args.scenario)
     sc.check_fix(args.fix)
@@ -109,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print_summary(s)
                 s.close()
                 runs.append(s)
-        records = [RunRecord.from_session(s) for s in runs]
+        records = [s.record() for s in runs]
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     if args.json:
         doc = run_json(runs[0])
@@ -132,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def report_from_bundle(path: str | Path, out: str | Path) -> Path:
-    from workbench import bundle, report
+    from workbench.postmortem import bundle, report
 
     return report.write(bundle.load(path), out)
 

@@ -1,7 +1,7 @@
 """The fused probe kernels (Triton): one read of every byte per dtype group.
 
 Imported only by ``workbench.rank.probe`` when it probes CUDA tensors. The fingerprint
-here must stay bit-identical to ``probe._fingerprint_lanes`` (the plain torch path).
+here must stay bit-identical to ``fingerprint._fingerprint_lanes`` (the plain torch path).
 
 One program summarises BLOCK * ITERS 32-bit words of one tensor. A whole block with only
 finite values (the common case) takes the fast loop: plain min/max/sum and the hash, no

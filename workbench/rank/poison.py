@@ -74,7 +74,7 @@ def track(t: torch.Tensor, poison: bool) -> None:
         poison_(t)
         _TRACKED[t.data_ptr()] = (True, None, t.numel())
     else:
-        from workbench.rank.probe import _fingerprint
+        from workbench.rank.fingerprint import _fingerprint
 
         _TRACKED[t.data_ptr()] = (False, int(_fingerprint(t.reshape(-1))), t.numel())
     _STATE["materialized"] += 1
@@ -96,7 +96,7 @@ def written_state(t: torch.Tensor) -> str | None:
         left = poison_count(t)
         n = 0 if left is None else int(left)
         return "never written" if n == t.numel() else ("partly written" if n else "written")
-    from workbench.rank.probe import _fingerprint
+    from workbench.rank.fingerprint import _fingerprint
 
     return "never written" if int(_fingerprint(t.reshape(-1))) == fp else "written"
 

@@ -27,14 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank.fingerprint import _M32, _fingerprint_lanes
 from workbench.rank.poison import POISON_BITS, poison_count
 
 HEAD = 8
 RAW_SMALL = 256  # bytes kept whole for tensors up to this size
 RAW_LARGE = 64  # bytes kept from the start of larger tensors
-_M32 = 0xFFFFFFFF
-# Odd 32-bit multipliers (golden ratio, murmur3 and xxhash primes).
-_K1, _K2, _K3, _K4 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
 
 COLUMNS = [
     "rank", "name", "kind", "dtype", "device", "is_meta", "shape", "numel",
@@ -80,32 +78,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- the plain torch path (any device, any dtype) -------------------------------------
-def _words(flat: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``flat`` as little-endian uint32 words in int64, zero-padded."""
-    b = flat.contiguous().view(torch.uint8) if flat.element_size() != 1 or flat.dtype != torch.uint8 else flat
-    b = b.reshape(-1)
-    pad = (-b.numel()) % 4
-    if pad or b.storage_offset() % 4:
-        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
-    return b.view(torch.int32).to(torch.int64) & _M32
-
-
-def _fingerprint_lanes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = _words(flat)
-    idx = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
-    a = ((w ^ ((idx * _K1) & _M32)) * _K2) & _M32
-    a = a ^ (a >> 15)
-    c = (((w + idx * _K3) & _M32) * _K4) & _M32
-    c = c ^ (c >> 13)
-    return a.sum() & _M32, c.sum() & _M32
-
-
-def _fingerprint(flat: torch.Tensor) -> torch.Tensor:
-    """Position-sensitive hash of the bytes as a 0-d int64: lane 1 in the high word."""
-    h1, h2 = _fingerprint_lanes(flat)
-    return (h1 << 32) | h2
-
-
 def _stats(flat: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """[nan, inf, poisoned, min, max, mean] over finite values, and the head, on device."""
     x = flat if flat.dtype == torch.float64 else flat.float()

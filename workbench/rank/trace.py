@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.rank.probe import _fingerprint, _local
+from workbench.rank.fingerprint import _fingerprint
+from workbench.rank.probe import _local
 
 TRACE_COLUMNS = [
     "rank", "run", "call", "module", "type", "dtype", "shape", "numel",

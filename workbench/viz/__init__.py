@@ -2,6 +2,7 @@
 
 The same functions draw a live session and a loaded bundle. ``tensors`` holds the
 rank x tensor views; further modules add their own (collectives swimlanes, ...).
+May import ``analysis`` (and ``rank`` column lists); never ``postmortem`` or ``live``.
 """
 
 from workbench.viz.collectives import swimlane

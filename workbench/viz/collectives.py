@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from workbench.collectives import OPEN, Divergence, describe, first_divergence
+from workbench.analysis.collectives import OPEN, Divergence, describe, first_divergence
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 STATE_MARKS = {OPEN: ("circle-open", "#d62728", "hung (still inside)"),

@@ -8,9 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench import rankgroups
-from workbench.findings import STATUSES
-from workbench.frames import fmt, last_step
+from workbench.analysis import rankgroups
+from workbench.analysis.findings import STATUSES
+from workbench.analysis.frames import fmt, last_step
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
@@ -44,7 +44,7 @@ def _grouping(n_ranks: int, group: bool | None) -> bool:
 
 
 def _rank_rows(tensors: pd.DataFrame, group: bool | None, max_rows: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(groups, cells): one group per rank, or ranks folded by :mod:`workbench.rankgroups`."""
+    """(groups, cells): one group per rank, or ranks folded by :mod:`workbench.analysis.rankgroups`."""
     merged = rankgroups.with_status(tensors)
     ranks = sorted({int(r) for r in merged["rank"]})
     if _grouping(len(ranks), group):
@@ -91,7 +91,7 @@ def status_matrix(tensors: pd.DataFrame, title: str = "What every rank holds", *
 
     Past ``GROUP_ABOVE`` ranks (or with ``group=True``) ranks holding identical tensors
     share one row ("ranks 1-7 (7 identical)"); past ``max_rows`` rows the rest is
-    summarised (see :func:`workbench.rankgroups.group_identical_ranks`).
+    summarised (see :func:`workbench.analysis.rankgroups.group_identical_ranks`).
     """
     trace = _status_heatmap(tensors, group=group, max_rows=max_rows)
     fig = go.Figure(trace)

@@ -16,20 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from workbench import collectives, scenarios
+from workbench import scenarios
+from workbench.analysis import collectives
+from workbench.analysis.frames import Frame, last_step
 from workbench.errors import UnknownName, WorkbenchError
-from workbench.frames import Frame, last_step
+from workbench.postmortem import bundle
+from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
 from workbench.rank import remote
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
-    from workbench.cluster import Cluster
+    from workbench.live.engines import Engines
 
 
 class Session:
     """One run of a scenario (one fix, one poison setting) on a cluster's ranks."""
 
-    def __init__(self, cluster: Cluster, scenario: str | Scenario, fix: str | None = None,
+    def __init__(self, cluster: Engines, scenario: str | Scenario, fix: str | None = None,
                  poison: bool = True, params: dict[str, Any] | None = None):
         self.cluster = cluster
         self.scenario = scenarios.resolve(scenario)
@@ -178,14 +181,43 @@ class Session:
 
     def findings(self) -> pd.DataFrame:
         """What the detectors say about every step so far (same code as a loaded bundle)."""
-        from workbench.record import RunRecord
+        return self.record().findings()
 
-        return RunRecord.from_session(self).findings()
+    def record(self) -> RunRecord:
+        """This run as plain tables plus a manifest: what bundles, reports and views take."""
+        c = self.cluster
+        notes = [{"step": f.step, "rank": r, "note": n} for f in self.frames for r, ns in f.notes.items() for n in ns]
+        manifest = {
+            "schema": SCHEMA_VERSION,
+            "scenario": self.scenario.name,
+            "title": self.scenario.title,
+            "incident": self.scenario.incident,
+            "fix": self.fix,
+            "fixes": dict(self.scenario.fixes),
+            "poison": self.poison,
+            "params": dict(self.params),
+            "steps": self.steps,
+            "steps_run": [f.step for f in self.frames],
+            "hangs": [f.hang.to_dict() for f in self.frames if getattr(f, "hang", None) is not None],
+            "elapsed": [{str(r): t for r, t in f.elapsed.items()} for f in self.frames],
+            "ranks": c.world_size,
+            "backend": c.backend,
+            "devices": {str(r): d for r, d in c.devices.items()},
+            "timeout_s": c.timeout,
+            "seed": self.params.get("seed"),
+            "started_at": self.started_at,
+            "saved_at": time.time(),
+            "versions": versions(),
+        }
+        return RunRecord(manifest, self.history, self.outputs, self.events, notes, trace=self.trace,
+                         ledger=self.ledger)
+
+    def records(self) -> list[RunRecord]:
+        """What the postmortem layer saves: one record (a Comparison gives two)."""
+        return [self.record()]
 
     def save(self, path: str | os.PathLike) -> Path:
         """Save this run as a postmortem bundle (see ``workbench.bundle``); returns the file."""
-        from workbench import bundle
-
         return bundle.save(self, path)
 
     @property
@@ -239,6 +271,10 @@ class Comparison:
                 df.insert(0, "run", label)
                 parts.append(df)
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    def records(self) -> list[RunRecord]:
+        """The bug path's record, then the fix's: what a bundle of the comparison holds."""
+        return [self.bug.record(), self.fixed.record()]
 
     def __repr__(self) -> str:
         return f"<Comparison bug vs fix={self.fix}>"

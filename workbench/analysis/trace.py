@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.frames import fmt
+from workbench.analysis.frames import fmt
 
 REFERENCE = "reference"
 RTOL = 1e-2  # relative gap in absmax / mean|x| that counts as "departs"

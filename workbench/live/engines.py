@@ -1,4 +1,4 @@
-"""Live ranks: ipyparallel engines holding one torch.distributed process group.
+"""Engines: ipyparallel engines holding one torch.distributed process group.
 
 Rank = engine order. The group forms over a TCP store on 127.0.0.1 with a free port.
 Every call collects per-rank outcomes under a deadline, so a stuck collective or a dead
@@ -15,14 +15,11 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
-
-if TYPE_CHECKING:
-    from workbench.session import Session
 
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
 
@@ -70,8 +67,12 @@ class Outcome:
             raise RankErrors(self.failures, self.values)
 
 
-class Cluster:
-    """N engines, one rank each, and the process group among them."""
+class Engines:
+    """N engines, one rank each, and the process group among them.
+
+    Knows nothing of sessions or scenarios: it runs functions on ranks and keeps the
+    ranks usable. ``Cluster`` (live/cluster.py) is the notebook-facing desk on top.
+    """
 
     def __init__(self, ranks: int = 2, backend: str = "auto", timeout: float = 60.0,
                  port: int | None = None, env: dict[str, str] | None = None):
@@ -96,7 +97,7 @@ class Cluster:
         self.group_s: float | None = None
 
     # -- life cycle -------------------------------------------------------------------
-    def start(self) -> Cluster:
+    def start(self) -> Engines:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
@@ -178,7 +179,7 @@ class Cluster:
         self._busy.clear()
         self._dead.clear()
 
-    def restart(self) -> Cluster:
+    def restart(self) -> Engines:
         """Fresh engines and a fresh group: the way out of a dead or stuck rank."""
         self.stop()
         self.pids = {}
@@ -217,7 +218,7 @@ class Cluster:
             info["seconds"])
         return info
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Engines:
         return self if self._client is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -229,7 +230,8 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = "stopped" if not self.alive else ("needs restart" if self._dead else "busy" if self._busy else "ready")
-        return f"<Cluster ranks={self.world_size} backend={self.backend} timeout={self.timeout:g}s {state}>"
+        return (f"<{type(self).__name__} ranks={self.world_size} backend={self.backend} "
+                f"timeout={self.timeout:g}s {state}>")
 
     # -- running ----------------------------------------------------------------------
     def _view(self, rank: int):
@@ -243,7 +245,7 @@ class Cluster:
             if not 0 <= r < self.world_size:
                 raise ClusterError(f"rank {r} does not exist; ranks are 0..{self.world_size - 1}")
         for obj in (fn, *args):
-            _ship_by_value(obj)
+            ship_by_value(obj)
         return {r: self._view(r).apply_async(fn, *args, **kwargs) for r in ranks}
 
     def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
@@ -263,68 +265,6 @@ class Cluster:
     def deadline(self) -> float:
         """A call's default deadline: past the collective timeout, so gloo's own error wins."""
         return self.timeout * 1.5 + 10
-
-    def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Session:
-        from workbench.session import Session
-
-        return Session(self, scenario, fix=fix, poison=poison, params=params)
-
-    # -- free-form %%px cells ------------------------------------------------------------
-    def activate(self) -> None:
-        """Register ``%px`` / ``%%px`` for these engines and give each cell ``torch``, ``dist``,
-        ``wbr`` (``workbench.rank.phases``), ``rank``, ``world_size`` and ``device``."""
-        self._check_usable()
-        view = self._client[self._ids]
-        view.activate()
-        self._execute("import torch\nimport torch.distributed as dist\nfrom workbench.rank import phases as wbr\n"
-                      "rank, world_size, device = wbr.here()")
-
-    def push(self, **objects: Any) -> None:
-        """Make client objects (a model class, a config) visible to ``%%px`` cells on every rank."""
-        import cloudpickle
-
-        self._check_usable()
-        for obj in objects.values():
-            _ship_by_value(obj)
-        # One cloudpickle blob, not ipyparallel's own canning: that rebuilds a class and its
-        # methods separately, and zero-argument super() then fails on the engines.
-        view = self._client[self._ids]
-        self._wait(view.push({"_wb_blob": cloudpickle.dumps(objects)}, block=False), "push")
-        self._execute("import cloudpickle as _wb_cp\nglobals().update(_wb_cp.loads(_wb_blob))\ndel _wb_blob")
-
-    def probe(self, *names: str) -> Any:
-        """Probe variables that ``%%px`` cells defined on every rank: one DataFrame, rows only.
-
-        Runs in the engines' own namespace, so whatever a cell named ``model`` is found
-        there; only the probe's small rows come back, never the tensors.
-        """
-        from workbench.frames import COLUMNS, table
-
-        self._check_usable()
-        view = self._client[self._ids]
-        spec = repr(list(names))
-        self._execute("from workbench.rank import phases as _wbr\n"
-                      f"_wb_rows = _wbr.probe_rows({{_n: globals()[_n] for _n in {spec} if _n in globals()}})")
-        rows = [row for per_rank in self._wait(view.pull("_wb_rows", block=False), "pull") for row in per_rank]
-        missing = set(names) - {r["name"].split(".")[0] for r in rows}
-        if missing:
-            raise ClusterError(f"no variable(s) {sorted(missing)} on the engines (define them in a %%px cell)")
-        return table(rows, COLUMNS)
-
-    def _execute(self, code: str) -> None:
-        self._wait(self._client[self._ids].execute(code, block=False), "execute")
-
-    def _wait(self, ar: Any, what: str) -> Any:
-        """An ipyparallel result under the cluster's deadline: a clear error, never a hung kernel."""
-        try:
-            return ar.get(timeout=self.deadline)
-        except Exception as exc:
-            if type(exc).__name__ == "TimeoutError":
-                for r in range(self.world_size):
-                    self._busy[r] = ar
-                raise ClusterError(f"{what} on the engines did not finish within {self.deadline:g}s; "
-                                   "cluster.recover() brings the ranks back") from None
-            raise ClusterError(f"{what} on the engines failed: {exc}") from None
 
     # -- health -----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -407,7 +347,7 @@ class Cluster:
         return out
 
 
-def _ship_by_value(obj: Any) -> None:
+def ship_by_value(obj: Any) -> None:
     """Send functions from local files (tests, notebooks' helper modules) by value.
 
     Engines import what is installed (torch, workbench); a module the client loaded
@@ -457,9 +397,3 @@ def _set_num_threads(n: int) -> int:
 
     torch.set_num_threads(n)
     return n
-
-
-def start(ranks: int = 2, backend: str = "auto", timeout: float = 60.0, port: int | None = None,
-          env: dict[str, str] | None = None) -> Cluster:
-    """Start ``ranks`` engines and form their process group (the notebook's first cell)."""
-    return Cluster(ranks=ranks, backend=backend, timeout=timeout, port=port, env=env).start()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from workbench.findings import STATUSES, status
+from workbench.analysis.findings import STATUSES, status
 
 GROUP_COLUMNS = ["group", "label", "ranks", "first", "size", "how"]
 CELL_COLUMNS = ["group", "name", "status", "detail", "dtype", "shape", "kind", "head", "contents", "present"]
@@ -58,7 +58,7 @@ def _check(tensors: pd.DataFrame) -> None:
 
 
 def with_status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
-    """The probe rows with ``status`` and ``detail`` from :func:`workbench.findings.status`."""
+    """The probe rows with ``status`` and ``detail`` from :func:`workbench.analysis.findings.status`."""
     _check(tensors)
     st = status(tensors, reference_rank)
     out = tensors.reset_index(drop=True).copy()

@@ -32,9 +32,9 @@ from typing import Any
 
 import pandas as pd
 
+from workbench.analysis.frames import jsonable
 from workbench.errors import BundleError
-from workbench.frames import jsonable
-from workbench.record import SCHEMA_VERSION, RunRecord
+from workbench.postmortem.record import SCHEMA_VERSION, RunRecord
 
 FORMAT = "workbench-bundle"
 BUNDLE_SCHEMA = 1  # the layout of this file; RunRecord manifests carry their own ``schema``
@@ -86,12 +86,12 @@ class Bundle:
         raise BundleError(f"bundle has no run for fix {fix!r}; it has: {', '.join(have)}")
 
     def render(self) -> str:
-        from workbench import report
+        from workbench.postmortem import report
 
         return report.render(self.records)
 
     def report(self, path: str | os.PathLike) -> Path:
-        from workbench import report
+        from workbench.postmortem import report
 
         return report.write(self.records, path)
 
@@ -101,17 +101,17 @@ class Bundle:
 
 
 def as_records(obj: Any) -> list[RunRecord]:
-    """RunRecords from a Session, Comparison, RunRecord, Bundle, or an iterable of them."""
-    from workbench.session import Comparison, Session
+    """RunRecords from a RunRecord, a Bundle, anything that hands out its records (a live
+    Session or Comparison: ``obj.records()``), or an iterable of them.
 
+    Duck-typed on purpose: the postmortem layer must not import the live layer.
+    """
     if isinstance(obj, RunRecord):
         return [obj]
-    if isinstance(obj, Session):
-        return [RunRecord.from_session(obj)]
-    if isinstance(obj, Comparison):
-        return [RunRecord.from_session(obj.bug), RunRecord.from_session(obj.fixed)]
     if isinstance(obj, Bundle):
         return list(obj.records)
+    if callable(getattr(obj, "records", None)):
+        return list(obj.records())
     if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes, dict)):
         out: list[RunRecord] = []
         for item in obj:

@@ -21,8 +21,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from workbench import viz
-from workbench.frames import fmt, last_step
-from workbench.record import RunRecord
+from workbench.analysis.frames import fmt, last_step
+from workbench.postmortem.record import RunRecord
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}

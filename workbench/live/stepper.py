@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from workbench import viz
 from workbench.errors import WorkbenchError
-from workbench.session import Session
+from workbench.live.session import Session
 
 NO_FIX = "(bug path)"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from workbench.frames import table
+from workbench.analysis.frames import table
 from workbench.rank.poison import poison_
 from workbench.rank.probe import COLUMNS, probe_tensors
 

@@ -213,7 +213,7 @@ def reinterpretations(tensors: pd.DataFrame, reference_rank: int = 0) -> list[di
 
 
 def _forward_trace(*args, **kwargs) -> list[dict]:
-    from workbench.detect_trace import forward_trace
+    from workbench.analysis.trace import forward_trace
 
     return forward_trace(*args, **kwargs)
 

@@ -47,7 +47,7 @@ class Frame:
     notes: dict[int, list[str]] = field(default_factory=dict)
     trace: pd.DataFrame = field(default_factory=lambda: table([], TRACE_COLUMNS))  # forward trace rows
     ledger: pd.DataFrame = field(default_factory=pd.DataFrame)  # collectives this step issued, per rank
-    hang: Any = None  # workbench.collectives.Hang when the step did not finish on every rank
+    hang: Any = None  # workbench.analysis.collectives.Hang when the step did not finish on every rank
 
     @classmethod
     def build(cls, step: str, index: int, scenario: str, fix: str | None,

@@ -1,0 +1,52 @@
+"""A finished (or paused) run as plain tables plus a manifest: what bundles and reports use.
+
+A live Session (``Session.record()``) and a loaded bundle both become ``RunRecord`` objects, so every view and
+the HTML report go through one code path whatever the source.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from workbench.analysis import findings
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class RunRecord:
+    manifest: dict[str, Any]
+    tensors: pd.DataFrame
+    outputs: pd.DataFrame
+    events: pd.DataFrame
+    notes: list[dict[str, Any]] = field(default_factory=list)
+    trace: pd.DataFrame = field(default_factory=pd.DataFrame)  # forward-trace rows, all steps
+    ledger: pd.DataFrame = field(default_factory=pd.DataFrame)  # collectives ledger, all steps and ranks
+
+    @property
+    def label(self) -> str:
+        fix = self.manifest.get("fix")
+        return f"fix: {fix}" if fix else "bug path"
+
+    @property
+    def steps(self) -> list[str]:
+        return list(self.manifest.get("steps_run", []))
+
+    def findings(self) -> pd.DataFrame:
+        return findings.history_findings(self.tensors, self.outputs, self.events, trace=self.trace)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "ipyparallel", "workbench", "plotly", "pandas"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
