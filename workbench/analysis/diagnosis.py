@@ -322,8 +322,9 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         mechanism = "mispaired"
     else:
         what = "; ".join(f"rank {r}: {collectives.describe(c)}" for r, c in sorted(calls.items()) if c)
-        how = (f"the ranks' collectives part at group {div.group} call #{div.seq} in step `{div.step}` "
-               f"({'different ' + {'op': 'collectives', 'dtype': 'dtypes', 'size': 'sizes', 'root': 'roots'}.get(div.kind, div.kind) if div.kind != 'extra' else 'an extra call'})")
+        words = {"op": "different collectives", "dtype": "different dtypes", "size": "different sizes",
+                 "root": "different roots"}.get(div.kind, "an extra call")
+        how = f"the ranks' collectives part at group {div.group} call #{div.seq} in step `{div.step}` ({words})"
         mechanism = "collective-mismatch"
     if split:
         evidence.insert(0, {"step": split[0], "rank": None, "what": "dtype split",
@@ -350,10 +351,10 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         src = t[(t["rank"] == sender) & (t["name"] == pick["source"])].iloc[0]
         same = pick["source"] == pick["name"]
         shift = f" from byte {pick['offset']}" if pick["offset"] else ""
-        head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}` is rank {sender}'s "
-                + (f"{dt(src['dtype'])} bytes{shift} read as {dt(row['dtype'])}" if same and src["dtype"] != row["dtype"]
-                   else f"{dt(src['dtype'])} bytes of `{short(pick['source'], among)}`{shift}"
-                   + (f" read as {dt(row['dtype'])}" if src["dtype"] != row["dtype"] else "")))
+        read_as = f" read as {dt(row['dtype'])}" if src["dtype"] != row["dtype"] else ""
+        of = "" if same else f" of `{short(pick['source'], among)}`"
+        head = f"rank {pick['rank']}'s `{short(pick['name'], among)}` is rank {sender}'s {dt(src['dtype'])} bytes" \
+               f"{of}{shift}{read_as}"
         sentence = f"{head}: {how}, {what}{tail}"
         return Diagnosis("reinterpreted", sentence, first_step, [pick["rank"]], pick["name"], call, _ev(evidence))
     if mechanism == "mispaired":
@@ -459,7 +460,8 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
         sentence = (f"{_names(names, among)} on {_ranks(ranks)} {'was' if len(names) == 1 else 'were'} never "
                     f"written after materialisation at step `{step}`"
                     + (f": `{read[0]}` read the unwritten bytes" if read else ": still unwritten at the last step")
-                    + out + ("; every rank holds the same garbage, so a cross-rank check sees nothing" if agree else ""))
+                    + out + ("; every rank holds the same garbage, so a cross-rank check sees nothing"
+                             if agree else ""))
         return Diagnosis("never-written", sentence, step, ranks, names[0], None, _ev(ev))
     ref = at_first[at_first["status"] == "reference"]
     if len(ref):

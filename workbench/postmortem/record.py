@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import findings
+from workbench.analysis import diagnosis, findings
 
 SCHEMA_VERSION = 1
 
@@ -38,6 +38,10 @@ class RunRecord:
 
     def findings(self) -> pd.DataFrame:
         return findings.history_findings(self.tensors, self.outputs, self.events, trace=self.trace)
+
+    def diagnose(self) -> diagnosis.Diagnosis:
+        """The first cause of what went wrong in this run, in one sentence (``clean`` when nothing did)."""
+        return diagnosis.diagnose(self)
 
 
 def versions() -> dict[str, str]:
