@@ -217,3 +217,17 @@ def test_gpu_bundles_bug_named_fix_clean(path):
         assert d.step == "cast"
     else:
         assert d.mechanism == EXPECT[rec.manifest["scenario"]][0], d.sentence
+
+
+def test_report_opens_with_what_happened_and_lists_each_finding_once():
+    from workbench.postmortem import report
+
+    b = bundle.load(ROOT / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle")
+    page = report.render(b)
+    head = page[:page.index("id='environment'")]
+    assert "What happened" in head and "rank 1&#x27;s `inv_freq` is rank 0&#x27;s fp32 bytes read as bf16" in head
+    assert "wb-fig-1" in head  # the diagnosis figure comes before any other
+    assert "first seen at `cast`, still there at `forward`" in page
+    assert "It parts from the bug path at step `cast`" in head
+    bug = page[page.index("id='run-0'"):page.index("id='run-1'")]
+    assert bug.count("2 tensor(s) with bfloat16 on rank 1, float32 on rank 0") == 1  # was once per step

@@ -257,3 +257,29 @@ def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.Da
         more = {k: pick(v) for k, v in extra.items() if v is not None}
         parts.append(findings(step, pick(tensors), pick(outputs), pick(events), **more))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=FINDING_COLUMNS)
+
+
+def deduplicated(found: pd.DataFrame, steps: list[str] | None = None) -> pd.DataFrame:
+    """One row per finding repeated across steps, with where it was first and last seen.
+
+    A dtype split found at ``cast`` is found again at every later step; a reader wants it
+    once: "first seen at `cast`, still there at `forward`".
+    """
+    cols = ["severity", "rank", "name", "detector", "finding", "seen"]
+    if found.empty:
+        return pd.DataFrame(columns=cols)
+    steps = steps or list(dict.fromkeys(found["step"]))
+    last = steps[-1] if steps else None
+    rows = []
+    keys = ["severity", "rank", "name", "detector", "finding"]
+    for key, g in found.fillna({"name": ""}).groupby(keys, sort=False, dropna=False):
+        at = list(dict.fromkeys(g["step"]))
+        if len(at) == 1:
+            seen = f"at `{at[0]}`" + (" (the last step)" if at[0] == last and len(steps) > 1 else "")
+        else:
+            seen = f"first seen at `{at[0]}`, " + (f"still there at `{at[-1]}`" if at[-1] == last
+                                                   else f"last seen at `{at[-1]}`")
+        rows.append({**dict(zip(keys, key)), "seen": seen, "_order": steps.index(at[0]) if at[0] in steps else 0})
+    out = pd.DataFrame(rows).sort_values("_order", kind="stable").drop(columns="_order").reset_index(drop=True)
+    out["rank"] = out["rank"].astype("Int64")
+    return out[cols]
