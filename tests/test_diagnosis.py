@@ -189,6 +189,9 @@ def test_catalogue_bug_paths_name_the_cause_and_fixes_are_clean(name):
     mechanism, words = EXPECT[name]
     d = b.bug.diagnose()
     assert d.mechanism == mechanism, d.sentence
+    if name == "fsdp1-rotary-meta-init":  # the figure marks where the story starts: rank 1's split at `cast`
+        cell = d.grid.set_index(["step", "rank"]).loc[("cast", 1)]
+        assert cell["status"] == "fault" and cell["label"] == "dtype split (bf16)"
     for w in words:
         assert w in d.sentence, d.sentence
     for rec in b:

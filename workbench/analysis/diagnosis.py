@@ -503,6 +503,7 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
     rows = []
     for i, s in enumerate(run.steps):
         st = run.status[s]
+        split = _split_cells(run, s, d)
         for rank in run.ranks:
             mine = st[st["rank"] == rank] if len(st) else st
             bad = mine[mine["status"].isin(BAD)] if len(mine) else mine
@@ -511,6 +512,8 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
                                  else "hung"), stuck[(s, rank)]
             elif (s, rank) in errors:
                 status, label = "failed", str(errors[(s, rank)])
+            elif split and rank in split:
+                status, label = "fault", f"dtype split ({split[rank]})"
             elif len(bad):
                 counts = bad["status"].value_counts()
                 status, label = "fault", ", ".join(f"{n} {k}" for k, n in counts.items())
@@ -520,6 +523,19 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
                 status, label = "not run", "no rows"
             rows.append({"step": s, "step_index": i, "rank": rank, "status": status, "label": label})
     return pd.DataFrame(rows, columns=GRID_COLUMNS)
+
+
+def _split_cells(run: _Run, step: str, d: Diagnosis | None) -> dict[int, str]:
+    """rank -> its dtype, for the ranks whose copy of the diagnosed tensor has another dtype than rank 0's at
+    the step the diagnosis starts in (meta copies included: the split is in the dtype, not the data)."""
+    if d is None or d.step != step or not d.tensor:
+        return {}
+    t = run.at(run.tensors, step)
+    g = t[t["name"] == d.tensor]
+    ref = g[g["rank"] == 0]["dtype"]
+    if ref.empty:
+        return {}
+    return {int(r): dt(x) for r, x in zip(g["rank"], g["dtype"]) if x != ref.iloc[0]}
 
 
 # -- comparisons ----------------------------------------------------------------------------------
