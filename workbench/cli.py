@@ -154,6 +154,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Rerun every run of a bundle as recorded and say, per run, whether it reproduced exactly."""
+    import workbench as wb
+    from workbench.postmortem import bundle, rerun
+
+    b = bundle.load(args.bundle)
+    ranks = max(int(r.manifest.get("ranks") or 0) for r in b)
+    limit = args.max_ranks or 4 * (os.cpu_count() or 1)
+    for rec in b:
+        rerun.check(rec)
+    if ranks > limit:
+        raise WorkbenchError(f"the bundle was recorded on {ranks} ranks; this machine starts at most {limit} "
+                             "(--max-ranks to raise it)")
+    m = b[0].manifest
+    backend = m.get("backend") or "auto" if args.backend == "recorded" else args.backend
+    with wb.start(ranks=ranks, backend=backend, timeout=float(m.get("timeout_s") or 60.0)) as cluster:
+        results = b.rerun(cluster)
+    for r in results:
+        print(r.message)
+    return 0 if all(r.exact for r in results) else 1
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
     nb = Path(__file__).resolve().parent.parent / "notebooks"
     os.execvp(sys.executable, [sys.executable, "-m", "jupyter", "lab", str(nb if nb.is_dir() else Path.cwd())])
@@ -182,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
     rp.add_argument("-o", "--output", default=None, metavar="FILE", help="HTML file (default: BUNDLE-name.html)")
     rp.set_defaults(fn=cmd_report)
+    rr = sub.add_parser("rerun", help="rerun a bundle's runs as recorded and diff them against the recording")
+    rr.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
+    rr.add_argument("--backend", default="recorded", choices=["recorded", "auto", "gloo", "nccl"])
+    rr.add_argument("--max-ranks", type=int, default=None, help="most ranks to start (default: 4 per CPU core)")
+    rr.set_defaults(fn=cmd_rerun)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
     return p
 

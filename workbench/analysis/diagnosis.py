@@ -539,8 +539,9 @@ def _split_cells(run: _Run, step: str, d: Diagnosis | None) -> dict[int, str]:
 
 
 # -- comparisons ----------------------------------------------------------------------------------
-def parted(bug: Any, fix: Any) -> dict[str, Any] | None:
-    """The first step where two runs hold different bytes (or dtypes) for some (rank, tensor), or different outputs."""
+def parted(bug: Any, fix: Any, names: tuple[str, str] = ("the bug path", "the fix")) -> dict[str, Any] | None:
+    """The first step where two runs hold different bytes (or dtypes) for some (rank, tensor), or different
+    outputs; ``names`` says the two runs in the words of the answer."""
     a, b = _Run.of(bug), _Run.of(fix)
     for s in a.steps:
         if s not in b.steps:
@@ -550,11 +551,11 @@ def parted(bug: Any, fix: Any) -> dict[str, Any] | None:
         m = m.sort_values(["rank"], kind="stable")
         for r in m.itertuples(index=False):
             if r.side != "both":
-                side = "the bug path" if r.side == "left_only" else "the fix"
+                side = names[0] if r.side == "left_only" else names[1]
                 return {"step": s, "rank": int(r.rank), "name": r.name, "what": f"only {side} has it"}
             if r.dtype_bug != r.dtype_fix:
                 return {"step": s, "rank": int(r.rank), "name": r.name,
-                        "what": f"{dt(r.dtype_bug)} on the bug path, {dt(r.dtype_fix)} with the fix"}
+                        "what": f"{dt(r.dtype_bug)} in {names[0]}, {dt(r.dtype_fix)} in {names[1]}"}
             if r.fingerprint_bug != r.fingerprint_fix:
                 return {"step": s, "rank": int(r.rank), "name": r.name, "what": "different bytes"}
         oa, ob = a.at(a.outputs, s), b.at(b.outputs, s)
@@ -563,8 +564,22 @@ def parted(bug: Any, fix: Any) -> dict[str, Any] | None:
             fb = dict(zip(zip(ob["rank"], ob["name"]), ob["fingerprint"])) if len(ob) else {}
             for key in sorted(set(fa) | set(fb), key=str):
                 if fa.get(key) != fb.get(key):
-                    return {"step": s, "rank": int(key[0]), "name": key[1], "what": "different outputs"}
+                    return {"step": s, "rank": int(key[0]), "name": key[1],
+                            "what": "different outputs" + _head_gap(oa, ob, key)}
     return None
+
+
+def _head_gap(a: pd.DataFrame, b: pd.DataFrame, key: tuple) -> str:
+    """How far apart the first values of one output are: rounding (1e-7) reads differently from a bug."""
+    def head(df: pd.DataFrame) -> list[float]:
+        row = df[(df["rank"] == key[0]) & (df["name"] == key[1])]
+        return [float(v) for v in list(row["head"].iloc[0])] if len(row) and row["head"].iloc[0] is not None else []
+
+    ha, hb = head(a), head(b)
+    gaps = [abs(x - y) for x, y in zip(ha, hb) if x == x and y == y]
+    if not gaps or len(ha) != len(hb):
+        return ""
+    return f" (first {len(gaps)} values differ by at most {fmt(max(gaps))})"
 
 
 def diagnose_comparison(bug: Any, fix: Any) -> Diagnosis:

@@ -47,10 +47,22 @@ class RunRecord:
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "cpu": _cpu()}
     for pkg in ("torch", "transformers", "ipyparallel", "workbench", "plotly", "pandas"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
     return out
+
+
+def _cpu() -> str:
+    """The CPU model: float kernels (and so the last bits of a forward) depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
