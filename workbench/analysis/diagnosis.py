@@ -355,6 +355,13 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         of = "" if same else f" of `{short(pick['source'], among)}`"
         head = f"rank {pick['rank']}'s `{short(pick['name'], among)}` is rank {sender}'s {dt(src['dtype'])} bytes" \
                f"{of}{shift}{read_as}"
+        if pick.get("shift"):
+            slid = abs(int(pick["shift"]))
+            es = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dt(row["dtype"]))
+            elems = f", {slid // es} {dt(row['dtype'])} elements" if es else ""
+            why = " (the extra bucket's size)" if _num(call.get("bytes")) and int(call["bytes"]) == slid else ""
+            head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}` holds rank {sender}'s bytes of it slid by "
+                    f"{slid} B{elems}{why}")
         sentence = f"{head}: {how}, {what}{tail}"
         return Diagnosis("reinterpreted", sentence, first_step, [pick["rank"]], pick["name"], call, _ev(evidence))
     if mechanism == "mispaired":
