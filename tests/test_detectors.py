@@ -115,6 +115,10 @@ def test_reinterpretation_names_a_stream_that_slid_by_a_bucket():
     assert found["source"] == "w" and found["shift"] == 256 and found["at"] == 256 and found["offset"] == 0
     assert found["finding"] == ("rank 1 `w` (bfloat16) = rank 0's own bytes shifted up by 256 B "
                                 "(128 bfloat16 elements): byte 256 here is byte 0 there")
+    # the NCCL headline: rank 1's bucket holds two 64 B buffers ahead of the weights, rank 0 sent 256 B of fp32 first
+    slid = torch.cat([torch.randn(64).to(torch.bfloat16), w[:-64]])  # 64 elements: byte k here = byte k - 128 there
+    (found,) = findings.reinterpretations(frame([("w", w)], [("w", slid)]))
+    assert found["shift"] == 128 and "shifted up by 128 B (64 bfloat16 elements)" in found["finding"]
     # a copy whose first bytes are right and whose tail differs is no reinterpretation
     tail = w.clone()
     tail[-100:] = 0

@@ -218,6 +218,10 @@ def test_gpu_bundles_bug_named_fix_clean(path):
         assert "rank 0 sent an extra fp32 bucket (broadcast #1, 256 B: `inv_freq`, `original_inv_freq`) that rank 1 " \
                "received into its bf16 bucket" in d.sentence
         assert d.step == "cast"
+        if "3.4MB" in path.name:  # NCCL returned silently: rank 1's weights are rank 0's stream slid by 64 elements
+            assert d.mechanism == "reinterpreted" and d.sentence.startswith(
+                "rank 1's `layers.0.self_attn.q_proj.weight` and 14 more of its tensors hold rank 0's bytes slid by "
+                "64 bf16 elements (128 B):"), d.sentence
     else:
         assert d.mechanism == EXPECT[rec.manifest["scenario"]][0], d.sentence
 

@@ -358,10 +358,12 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         if pick.get("shift"):
             slid = abs(int(pick["shift"]))
             es = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dt(row["dtype"]))
-            elems = f", {slid // es} {dt(row['dtype'])} elements" if es else ""
+            amount = f"{slid // es} {dt(row['dtype'])} elements ({slid} B)" if es and slid % es == 0 else f"{slid} B"
             why = " (the extra bucket's size)" if _num(call.get("bytes")) and int(call["bytes"]) == slid else ""
-            head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}` holds rank {sender}'s bytes of it slid by "
-                    f"{slid} B{elems}{why}")
+            alike = [m for m in re_rows if m.get("shift") == pick["shift"] and m["rank"] == pick["rank"]]
+            more = f" and {len(alike) - 1} more of its tensors" if len(alike) > 1 else ""
+            head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}`{more} hold rank {sender}'s bytes slid by "
+                    f"{amount}{why}")
         sentence = f"{head}: {how}, {what}{tail}"
         return Diagnosis("reinterpreted", sentence, first_step, [pick["rank"]], pick["name"], call, _ev(evidence))
     if mechanism == "mispaired":
