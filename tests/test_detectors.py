@@ -123,3 +123,24 @@ def test_reinterpretation_names_a_stream_that_slid_by_a_bucket():
     tail = w.clone()
     tail[-100:] = 0
     assert findings.reinterpretations(frame([("w", w)], [("w", tail)])) == []
+
+
+def test_every_uninitialised_allocation_under_a_step_is_poisoned_and_tracked():
+    poison.reset_tracking()
+    with poison.poisoned(True), poison.allocations():
+        # a user's own materialisation path (Megatron-FSDP's fix), not to_empty
+        m = nn.Linear(4, 4, device="meta")._apply(lambda t: torch.empty_like(t, device="cpu"))
+        e = torch.empty(6)
+        s = torch.empty_strided((2, 3), (3, 1))
+        n = torch.zeros(2).new_empty(5)
+        g = torch.ones(4)
+        g.resize_(10)
+    assert poison.written_state(m.weight) == "never written" and int(poison.poison_count(m.weight)) == 16
+    assert all(int(poison.poison_count(t)) == t.numel() for t in (e, s, n))
+    assert g[:4].tolist() == [1.0] * 4 and int(poison.poison_count(g)) == 6  # only the grown part
+    m.weight.data[0].fill_(0.5)
+    assert poison.written_state(m.weight) == "partly written"
+    outside = torch.empty(6)  # no step running: the allocator is torch's own again
+    assert poison.written_state(outside) is None
+    with poison.poisoned(True), poison.allocations(), torch.device("meta"):
+        assert nn.Embedding(10, 4).weight.is_meta  # building on meta still builds on meta

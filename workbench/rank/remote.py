@@ -42,7 +42,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     t0 = time.perf_counter()
     book = ledger.get_ledger(session_id)
     try:
-        with ledger.recording(book, step) if book is not None else contextlib.nullcontext():
+        with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), poison.allocations():
             fn(ctx)
     except BaseException as exc:
         error = {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-6000:]}
