@@ -439,6 +439,10 @@ def _diagnose(run: _Run) -> Diagnosis:
         return Diagnosis("outputs-only", sentence, bad_out[0]["step"], ranks, None, None,
                          _ev([{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]}
                               for b in bad_out]))
+    planned = len(run.manifest.get("steps") or run.steps)
+    if len(run.steps) < planned:
+        return Diagnosis("clean", f"clean so far: {len(run.steps)} of {planned} steps ran on every rank, the ranks "
+                         "agree and no detector fired on the latest state", None)
     return Diagnosis("clean", f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
                      "detector fired on the final state", None)
 
