@@ -6,6 +6,7 @@ May import ``analysis`` (and ``rank`` column lists); never ``postmortem`` or ``l
 """
 
 from workbench.viz.collectives import swimlane
+from workbench.viz.diagnosis import figure as diagnosis_figure
 from workbench.viz.tensors import buffer_values, comparison, outputs_view, short, status_matrix
 
-__all__ = ["buffer_values", "comparison", "outputs_view", "short", "status_matrix", "swimlane"]
+__all__ = ["buffer_values", "comparison", "diagnosis_figure", "outputs_view", "short", "status_matrix", "swimlane"]
