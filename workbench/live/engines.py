@@ -100,6 +100,7 @@ class Engines:
         self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
         self.group_s: float | None = None
+        self.imports_s: float | None = None  # engines importing torch and the rank layer, before the group
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Engines:
@@ -125,6 +126,9 @@ class Engines:
         self._client[self._ids].use_cloudpickle()
         self.pids = dict(enumerate(self._client[self._ids].apply_sync(os.getpid)))
         self.start_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._client[self._ids].apply_sync(_import_rank_layer)  # timed apart from the group's own formation
+        self.imports_s = time.perf_counter() - t1
         try:
             self.form_group()
         except BaseException:
@@ -397,6 +401,10 @@ def _kill(pids: Any) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=5)
+
+
+def _import_rank_layer() -> None:
+    import workbench.rank.context  # noqa: F401  (imports torch; on GPUs also initialises CUDA lazily)
 
 
 def _set_num_threads(n: int) -> int:
