@@ -97,6 +97,46 @@ def test_report_draws_every_figure_offline(browser, bundle_path):
     assert (ARTIFACTS / f"report-{name}.png").stat().st_size > 10_000
 
 
+# -- the status views at 2 and 8 ranks -------------------------------------------------
+@pytest.mark.parametrize("n", [2, 8])
+def test_status_view_reads_at_a_glance(browser, n):
+    """Categorical legend (a swatch per status, no colour bar), rows tall enough to read at any rank
+    count, tick labels without the shared prefix and the full name on hover; screenshots kept."""
+    import plotly.io as pio
+
+    from workbench import viz
+    from workbench.analysis.diagnosis import diagnose
+    from workbench.analysis.synthetic import incident_step
+    from workbench.postmortem import bundle
+    from workbench.viz.diagnosis import figure as diagnosis_figure
+
+    t = incident_step(n, odd=None if n == 2 else 3)
+    figs = [viz.status_matrix(t, title=f"synthetic incident, {n} ranks", group=False)]
+    if n == 2:
+        figs.append(diagnosis_figure(diagnose(bundle.load(BUNDLES[[b.name for b in BUNDLES].index(
+            "fsdp1-rotary-meta-init.wbundle")]).bug)))
+    heat = figs[0].data[0]
+    assert not any(x.startswith("model.") for x in heat.x) and "model.rotary_emb.inv_freq" in heat.text[0][0]
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"status-{n}-ranks.html"
+    path.write_text("".join(pio.to_html(f, full_html=False, include_plotlyjs=i == 0, div_id=f"f{i}")
+                            for i, f in enumerate(figs)), encoding="utf-8")
+    page = browser.new_page(viewport={"width": 1100, "height": 800})
+    console = Console(page)
+    page.goto(path.as_uri(), wait_until="load")
+    page.wait_for_function("() => document.querySelectorAll('.main-svg').length >= 2", timeout=30_000)
+    got = page.evaluate("""() => { const gd = document.getElementById('f0');
+        return {colorbars: gd.querySelectorAll('.colorbar').length,
+                legend: Array.from(gd.querySelectorAll('.legend .traces .legendtext')).map(e => e.textContent),
+                plot_h: gd._fullLayout.yaxis._length}; }""")
+    page.screenshot(path=str(ARTIFACTS / f"status-{n}-ranks.png"), full_page=True)
+    page.close()
+    assert got["colorbars"] == 0
+    assert sorted(got["legend"]) == sorted(heat.meta["statuses"]) and len(got["legend"]) >= 3
+    assert got["plot_h"] / n >= viz.tensors.ROW_PX_MIN - 1, got  # every rank row is readable
+    assert console.errors == [], console.errors
+
+
 # -- JupyterLab ------------------------------------------------------------------------
 TOUR = ROOT / "notebooks" / "00_tour.ipynb"
 

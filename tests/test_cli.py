@@ -41,9 +41,12 @@ def test_run_writes_json_in_the_frames_vocabulary_and_a_report(tmp_path):
     out = cli("run", "fsdp1-rotary-meta-init", "--timeout", "8", "--json", str(js), "--report", str(html),
               "--set", "seq_len=8")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "tensors that matter" in out.stdout
+    summary = out.stdout[out.stdout.index("== fsdp1-rotary-meta-init"):]
+    assert summary.splitlines()[2].startswith("  diagnosis (reinterpreted): rank 1's `inv_freq` is rank 0's fp32")
+    assert "tensors not ok after 'forward'" in summary and len(summary.splitlines()) < 25  # grouped, not per tensor
     doc = json.loads(js.read_text())
-    assert {"scenario", "fix", "backend", "ranks", "frames", "outputs"} <= set(doc)
+    assert {"scenario", "fix", "backend", "ranks", "frames", "outputs", "diagnosis"} <= set(doc)
+    assert doc["diagnosis"]["mechanism"] == "reinterpreted" and doc["diagnosis"]["step"] == "cast"
     assert doc["backend"] == "gloo" and doc["ranks"] == 2 and doc["params"]["seq_len"] == 8
     assert [f["step"] for f in doc["frames"]] == ["load", "cast", "wrap_fsdp1", "forward"]
     wrap = doc["frames"][2]

@@ -105,3 +105,17 @@ def test_never_written_is_an_error_when_a_forward_read_it():
     outputs = pd.DataFrame([{"rank": 1, "name": "logits"}])
     (row,) = findings.never_written("forward", t, outputs, EMPTY)
     assert row["severity"] == "error" and row["finding"].startswith("a forward read 1 tensor(s) never written")
+
+
+def test_reinterpretation_names_a_stream_that_slid_by_a_bucket():
+    # NCCL paired rank 0's 256 B fp32 bucket with rank 1's bf16 bucket: rank 1's bytes are rank 0's, 256 B later
+    w = torch.randn(8192).to(torch.bfloat16)
+    slid = torch.cat([torch.randn(128).to(torch.bfloat16), w[:-128]])  # byte k here = byte k - 256 there
+    (found,) = findings.reinterpretations(frame([("w", w)], [("w", slid)]))
+    assert found["source"] == "w" and found["shift"] == 256 and found["at"] == 256 and found["offset"] == 0
+    assert found["finding"] == ("rank 1 `w` (bfloat16) = rank 0's own bytes shifted up by 256 B "
+                                "(128 bfloat16 elements): byte 256 here is byte 0 there")
+    # a copy whose first bytes are right and whose tail differs is no reinterpretation
+    tail = w.clone()
+    tail[-100:] = 0
+    assert findings.reinterpretations(frame([("w", w)], [("w", tail)])) == []

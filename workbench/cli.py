@@ -45,19 +45,39 @@ def run_json(session: Any) -> dict[str, Any]:
     return {
         "scenario": session.scenario.name, "fix": session.fix, "backend": session.cluster.backend,
         "ranks": session.cluster.world_size, "poison": session.poison, "params": session.params,
+        "diagnosis": session.diagnose().to_dict(),
         "frames": [f.to_dict() for f in session.frames], "outputs": outputs,
     }
 
 
-def print_summary(session: Any) -> None:
+def status_summary(tensors: Any) -> Any:
+    """One row per (rank, status) that is not ok: how many tensors, a few of their names."""
     import pandas as pd
 
+    from workbench.analysis.diagnosis import short
     from workbench.analysis.findings import status
+
+    st = status(tensors)
+    st = st[~st["status"].isin(["ok", "meta", "sharded"])]
+    names = list(dict.fromkeys(tensors["name"]))
+    rows = [{"rank": int(r), "status": s, "tensors": len(g),
+             "names": ", ".join(short(n, names) for n in list(g["name"])[:3]) + (" ..." if len(g) > 3 else "")}
+            for (r, s), g in st.groupby(["rank", "status"], sort=True)]
+    return pd.DataFrame(rows, columns=["rank", "status", "tensors", "names"])
+
+
+def print_summary(session: Any) -> None:
+    """The diagnosis first, then one line per step, then what is wrong per rank, grouped (not one row per
+    tensor), then the outputs."""
+    import pandas as pd
+
     from workbench.analysis.frames import last_step
 
     label = f"fix {session.fix}" if session.fix else "bug path"
     print(f"\n== {session.scenario.name} · {label} · {session.cluster.world_size} ranks "
           f"· {session.cluster.backend} · poison {'on' if session.poison else 'off'}")
+    d = session.diagnose()
+    print(f"\n  diagnosis ({d.mechanism}): {d.sentence}\n")
     for f in session.frames:
         errs = "; ".join(f"rank {r}: {m[:110]}" for r, m in f.rank_errors.items())
         times = " ".join(f"r{r}={t:.2f}s" for r, t in sorted(f.elapsed.items()))
@@ -65,19 +85,10 @@ def print_summary(session: Any) -> None:
     last = session.frames[-1] if session.frames else None
     if last is None or last.tensors.empty:
         return
-    st = status(last.tensors)
-    bad = set(st[st["status"] != "ok"]["name"])
-    t = last.tensors.merge(st, on=["rank", "name"])
-    # Every rank's copy of the non-persistent buffers (the usual suspects), plus each
-    # rank's own copies that are not ok.
-    t = t[(t["kind"] == "non-persistent buffer") | (t["status"] != "ok")].copy()
-    t["head"] = t["head"].map(lambda h: "[" + ", ".join(f"{v:.4g}" for v in list(h)[:4]) + "]")
-    with pd.option_context("display.width", 200, "display.max_colwidth", 60, "display.max_rows", 40):
-        print(f"\n  tensors that matter after '{last.step}' ({len(bad)} of {last.tensors['name'].nunique()} "
-              "not ok on some rank):")
-        print(t[["rank", "name", "dtype", "nan", "poisoned", "status", "head"]].head(24).to_string(index=False))
-        if len(t) > 24:
-            print(f"  ... {len(t) - 24} more rows (see --json or --report)")
+    summary = status_summary(last.tensors)
+    with pd.option_context("display.width", 200, "display.max_colwidth", 90, "display.max_rows", 40):
+        print(f"\n  tensors not ok after '{last.step}' ({last.tensors['name'].nunique()} tensors per rank):")
+        print(summary.to_string(index=False) if len(summary) else "  none")
         out = session.outputs
         if len(out):
             out = last_step(out)
@@ -144,6 +155,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Rerun every run of a bundle as recorded and say, per run, whether it reproduced exactly."""
+    import workbench as wb
+    from workbench.postmortem import bundle, rerun
+
+    b = bundle.load(args.bundle)
+    ranks = max(int(r.manifest.get("ranks") or 0) for r in b)
+    limit = args.max_ranks or 4 * (os.cpu_count() or 1)
+    for rec in b:
+        rerun.check(rec)
+    if ranks > limit:
+        raise WorkbenchError(f"the bundle was recorded on {ranks} ranks; this machine starts at most {limit} "
+                             "(--max-ranks to raise it)")
+    m = b[0].manifest
+    backend = m.get("backend") or "auto" if args.backend == "recorded" else args.backend
+    with wb.start(ranks=ranks, backend=backend, timeout=float(m.get("timeout_s") or 60.0)) as cluster:
+        results = b.rerun(cluster)
+    for r in results:
+        print(r.message)
+    return 0 if all(r.exact for r in results) else 1
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
     nb = Path(__file__).resolve().parent.parent / "notebooks"
     os.execvp(sys.executable, [sys.executable, "-m", "jupyter", "lab", str(nb if nb.is_dir() else Path.cwd())])
@@ -172,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
     rp.add_argument("-o", "--output", default=None, metavar="FILE", help="HTML file (default: BUNDLE-name.html)")
     rp.set_defaults(fn=cmd_report)
+    rr = sub.add_parser("rerun", help="rerun a bundle's runs as recorded and diff them against the recording")
+    rr.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
+    rr.add_argument("--backend", default="recorded", choices=["recorded", "auto", "gloo", "nccl"])
+    rr.add_argument("--max-ranks", type=int, default=None, help="most ranks to start (default: 4 per CPU core)")
+    rr.set_defaults(fn=cmd_rerun)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
     return p
 

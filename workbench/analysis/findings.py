@@ -180,36 +180,78 @@ def _informative(b: bytes) -> bool:
     return len(set(b)) >= 4
 
 
+def _byte_windows(row: object) -> list[tuple[int, bytes]]:
+    """(byte offset, bytes) the probe kept of one tensor: its first bytes, then the fixed-offset windows."""
+    from workbench.rank.probe import WINDOW, WINDOW_OFFSETS
+
+    out = [(0, bytes.fromhex(getattr(row, "raw", None) or ""))]
+    win = getattr(row, "windows", None)
+    if isinstance(win, str) and win:
+        b = bytes.fromhex(win)
+        out += [(off, b[i * WINDOW:(i + 1) * WINDOW]) for i, off in enumerate(WINDOW_OFFSETS)
+                if (i + 1) * WINDOW <= len(b)]
+    return [(o, b) for o, b in out if b]
+
+
 def reinterpretations(tensors: pd.DataFrame, reference_rank: int = 0) -> list[dict]:
-    """Each diverging (rank, tensor) whose leading bytes occur in a reference-rank tensor's bytes."""
+    """Each diverging (rank, tensor) whose kept bytes occur in a reference-rank tensor's kept bytes.
+
+    Every kept window of the diverging copy (its first bytes, then the fixed-offset windows) is
+    looked for in every kept window of the reference rank, the same tensor first: bytes of
+    another dtype (fp32 read as bf16), of another tensor, or of the same tensor at another offset
+    (a stream that slid by a bucket's worth of bytes) are all named.
+    """
     if tensors.empty or "raw" not in tensors:
         return []
     st = status(tensors, reference_rank).set_index(["rank", "name"])["status"]
     ref = tensors[tensors["rank"] == reference_rank]
-    ref_raw = [(r.name, r.dtype, bytes.fromhex(r.raw or "")) for r in ref.itertuples(index=False)]
+    ref_raw = [(r.name, r.dtype, _byte_windows(r)) for r in ref.itertuples(index=False)]
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
     out = []
     for row in tensors[tensors["rank"] != reference_rank].itertuples(index=False):
-        if st.get((row.rank, row.name)) not in ("differs", "dtype", "nan", "inf", "poison"):
+        if st.get((row.rank, row.name)) not in ("differs", "dtype", "nan", "inf", "poison", "reference"):
             continue
-        mine = bytes.fromhex(row.raw or "")
-        probe = mine[:MIN_MATCH]
-        if len(probe) < MIN_MATCH or not _informative(probe):
+        hit = _find(_byte_windows(row), sorted(ref_raw, key=lambda x: x[0] != row.name), (row.name, row.dtype))
+        if hit is None:
             continue
-        # the same tensor first, then the others in rank-0 order
-        for name, dtype, theirs in sorted(ref_raw, key=lambda x: x[0] != row.name):
-            at = theirs.find(probe)
-            if at < 0:
-                continue
-            n = min(len(mine), len(theirs) - at)
-            if mine[:n] != theirs[at: at + n]:
-                continue
-            where = "" if at == 0 else f" from byte {at}"
+        at, name, dtype, src_at = hit
+        shift = at - src_at
+        if name == row.name and shift and dtype == row.dtype:
+            es = sizes.get(str(row.dtype))
+            elems = f" ({abs(shift) // es} {row.dtype} elements)" if es and shift % es == 0 else ""
+            what = (f"rank {reference_rank}'s own bytes shifted {'up' if shift > 0 else 'down'} by {abs(shift)} B"
+                    f"{elems}: byte {at} here is byte {src_at} there")
+        else:
+            mine = f" from byte {at}" if at else ""
+            where = f" from byte {src_at}" if src_at else ""
             what = (f"rank {reference_rank} {dtype} bytes of `{name}`{where} reinterpreted as {row.dtype}"
                     if dtype != row.dtype else f"rank {reference_rank} bytes of `{name}`{where}")
-            out.append({"rank": int(row.rank), "name": row.name, "source": name, "offset": at,
-                        "finding": f"rank {row.rank} `{row.name}` ({row.dtype}) = {what}"})
-            break
+            what = what + (f" (seen{mine})" if mine else "")
+        out.append({"rank": int(row.rank), "name": row.name, "source": name, "offset": src_at, "at": at,
+                    "shift": shift if name == row.name else None,
+                    "finding": f"rank {row.rank} `{row.name}` ({row.dtype}) = {what}"})
     return out
+
+
+def _find(mine: list[tuple[int, bytes]], refs: list[tuple[str, str, list[tuple[int, bytes]]]],
+          me: tuple[str, str]) -> tuple[int, str, str, int] | None:
+    """(my byte offset, source tensor, its dtype, source byte offset) of the first window of mine found in refs;
+    a window equal to the reference's same bytes of the same tensor (the part that is right) is no answer."""
+    for at, b in mine:
+        probe = b[:MIN_MATCH]
+        if len(probe) < MIN_MATCH or not _informative(probe):
+            continue
+        for name, dtype, windows in refs:
+            for off, theirs in windows:
+                pos = theirs.find(probe)
+                if pos < 0:
+                    continue
+                n = min(len(b), len(theirs) - pos)
+                if (name, dtype, off + pos) == (*me, at):
+                    continue
+                if b[:n] == theirs[pos: pos + n]:
+                    return at, name, dtype, off + pos
+    return None
 
 
 def _forward_trace(*args, **kwargs) -> list[dict]:
@@ -257,3 +299,29 @@ def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.Da
         more = {k: pick(v) for k, v in extra.items() if v is not None}
         parts.append(findings(step, pick(tensors), pick(outputs), pick(events), **more))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=FINDING_COLUMNS)
+
+
+def deduplicated(found: pd.DataFrame, steps: list[str] | None = None) -> pd.DataFrame:
+    """One row per finding repeated across steps, with where it was first and last seen.
+
+    A dtype split found at ``cast`` is found again at every later step; a reader wants it
+    once: "first seen at `cast`, still there at `forward`".
+    """
+    cols = ["severity", "rank", "name", "detector", "finding", "seen"]
+    if found.empty:
+        return pd.DataFrame(columns=cols)
+    steps = steps or list(dict.fromkeys(found["step"]))
+    last = steps[-1] if steps else None
+    rows = []
+    keys = ["severity", "rank", "name", "detector", "finding"]
+    for key, g in found.fillna({"name": ""}).groupby(keys, sort=False, dropna=False):
+        at = list(dict.fromkeys(g["step"]))
+        if len(at) == 1:
+            seen = f"at `{at[0]}`" + (" (the last step)" if at[0] == last and len(steps) > 1 else "")
+        else:
+            seen = f"first seen at `{at[0]}`, " + (f"still there at `{at[-1]}`" if at[-1] == last
+                                                   else f"last seen at `{at[-1]}`")
+        rows.append({**dict(zip(keys, key)), "seen": seen, "_order": steps.index(at[0]) if at[0] in steps else 0})
+    out = pd.DataFrame(rows).sort_values("_order", kind="stable").drop(columns="_order").reset_index(drop=True)
+    out["rank"] = out["rank"].astype("Int64")
+    return out[cols]

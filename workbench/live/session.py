@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from workbench import scenarios
-from workbench.analysis import collectives
+from workbench.analysis import collectives, diagnosis
 from workbench.analysis.frames import Frame, last_step
 from workbench.errors import UnknownName, WorkbenchError
 from workbench.postmortem import bundle
@@ -187,6 +187,10 @@ class Session:
         """What the detectors say about every step so far (same code as a loaded bundle)."""
         return self.record().findings()
 
+    def diagnose(self) -> diagnosis.Diagnosis:
+        """The first cause of what went wrong so far, in one sentence, with its evidence (``clean`` if none)."""
+        return diagnosis.diagnose(self.record())
+
     def record(self) -> RunRecord:
         """This run as plain tables plus a manifest: what bundles, reports and views take."""
         c = self.cluster
@@ -279,6 +283,10 @@ class Comparison:
     def records(self) -> list[RunRecord]:
         """The bug path's record, then the fix's: what a bundle of the comparison holds."""
         return [self.bug.record(), self.fixed.record()]
+
+    def diagnose(self) -> diagnosis.Diagnosis:
+        """The bug run's diagnosis, the fix's own, and the first step where the two runs part."""
+        return diagnosis.diagnose_comparison(self.bug.record(), self.fixed.record())
 
     def __repr__(self) -> str:
         return f"<Comparison bug vs fix={self.fix}>"

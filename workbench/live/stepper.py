@@ -30,12 +30,13 @@ class Stepper:
         self.run_all = widgets.Button(description="Run all", icon="fast-forward")
         self.reset = widgets.Button(description="Reset", icon="undo")
         self.status = widgets.HTML()
+        self.diagnosis = widgets.HTML()  # the current diagnosis, under the buttons
         self.next.on_click(lambda _: self.step())
         self.run_all.on_click(lambda _: self.run())
         self.reset.on_click(lambda _: self.restart())
         self.fix.observe(self._on_fix, names="value")
         self.widget = widgets.VBox([widgets.HBox([self.next, self.run_all, self.reset, self.fix]),
-                                    self.status, self.figure])
+                                    self.diagnosis, self.status, self.figure])
         self._update()
 
     def _figure(self) -> go.Figure:
@@ -49,19 +50,26 @@ class Stepper:
     def _update(self) -> None:
         fresh = self._figure()
         with self.figure.batch_update():
-            trace = self.figure.data[0]
-            new = fresh.data[0]
-            for attr in ("z", "x", "y", "text", "colorscale", "zmin", "zmax", "showscale", "colorbar", "hoverinfo"):
-                setattr(trace, attr, getattr(new, attr))
-            self.figure.layout.title = fresh.layout.title
-            self.figure.layout.height = fresh.layout.height
+            # the whole figure: the status view has one trace per status (a categorical legend)
+            self.figure.data = ()
+            self.figure.add_traces(list(fresh.data))
+            self.figure.layout = fresh.layout
         s = self.session
+        self.diagnosis.value = self._diagnosis()
         lines = [f"<b>{html.escape(s.scenario.name)}</b> · step {len(s.frames)}/{len(s.steps)}"
                  f" · next: {html.escape(str(s.next_step))}"]
         if s.last is not None:
             for rank, msg in s.last.rank_errors.items():
                 lines.append(f"<span style='color:#b00'>rank {rank}: {html.escape(msg[:200])}</span>")
         self.status.value = "<br>".join(lines)
+
+    def _diagnosis(self) -> str:
+        if not self.session.frames:
+            return ""
+        d = self.session.diagnose()
+        color = "#2ca02c" if d.clean else "#b00"
+        return (f"<div style='border-left:4px solid {color};padding:2px 8px;margin:4px 0'>"
+                f"<b>diagnosis ({html.escape(d.mechanism)})</b>: {html.escape(d.sentence)}</div>")
 
     def _guarded(self, action) -> None:
         """Run a button's action; a workbench error shows in the status line, not in a lost log."""

@@ -95,6 +95,15 @@ class Bundle:
 
         return report.write(self.records, path)
 
+    def rerun(self, cluster: Any) -> list[Any]:
+        """Run every recorded run again on ``cluster`` (fix, params, seed, poison, world size as recorded) and
+        diff each against its recording: a list of ``workbench.postmortem.rerun.Rerun`` (print them)."""
+        from workbench.postmortem import rerun
+
+        for rec in self.records:  # every run checked before the first starts
+            rerun.check(rec, getattr(cluster, "world_size", None))
+        return [rerun.rerun_record(rec, cluster) for rec in self.records]
+
     def __repr__(self) -> str:
         runs = ", ".join(r.label for r in self.records)
         return f"<Bundle {self.scenario}: {runs}>"

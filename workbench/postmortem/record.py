@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import findings
+from workbench.analysis import diagnosis, findings
 
 SCHEMA_VERSION = 1
 
@@ -39,14 +39,30 @@ class RunRecord:
     def findings(self) -> pd.DataFrame:
         return findings.history_findings(self.tensors, self.outputs, self.events, trace=self.trace)
 
+    def diagnose(self) -> diagnosis.Diagnosis:
+        """The first cause of what went wrong in this run, in one sentence (``clean`` when nothing did)."""
+        return diagnosis.diagnose(self)
+
 
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "cpu": _cpu()}
     for pkg in ("torch", "transformers", "ipyparallel", "workbench", "plotly", "pandas"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
     return out
+
+
+def _cpu() -> str:
+    """The CPU model: float kernels (and so the last bits of a forward) depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

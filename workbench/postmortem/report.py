@@ -21,8 +21,10 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from workbench import viz
+from workbench.analysis import diagnosis, findings
 from workbench.analysis.frames import fmt, last_step
 from workbench.postmortem.record import RunRecord
+from workbench.viz.diagnosis import figure as diagnosis_figure
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -137,7 +139,7 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
         page.table(events[[c for c in ("step", "rank", "kind", "error", "message") if c in events]])
     if len(found):
         page.h(3, "Findings")
-        page.table(found)
+        page.table(findings.deduplicated(found, rec.steps))
     else:
         page.p("No findings: every rank holds the same tensors and outputs are clean.")
     page.h(3, "What every rank holds, step by step")
@@ -175,6 +177,27 @@ def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> No
 
 
 
+def _what_happened(page: _Page, records: list[RunRecord]) -> None:
+    """The diagnosis of the bug run first (sentence, then figure), then one line per other run."""
+    page.h(2, "What happened", anchor="what-happened")
+    bug = next((r for r in records if not r.manifest.get("fix")), records[0])
+    d = diagnosis.diagnose(bug)
+    page.parts.append(f"<p class='diagnosis'><b>{html.escape(bug.label)}</b>: {html.escape(d.sentence)}</p>")
+    if not d.clean:
+        page.fig(diagnosis_figure(d))
+    for rec in records:
+        if rec is bug:
+            continue
+        c = diagnosis.diagnose_comparison(bug, rec) if not d.clean else None
+        part = c.parted if c is not None else None
+        own = c.fix if c is not None else diagnosis.diagnose(rec)
+        where = (f" It parts from the bug path at step `{part['step']}` (rank {part['rank']} "
+                 f"`{diagnosis.short(part['name'], list(dict.fromkeys(rec.tensors['name'])))}`: {part['what']})."
+                 if part else "")
+        page.parts.append(f"<p class='diagnosis'><b>{html.escape(rec.label)}</b>: {html.escape(own.sentence)}."
+                          f"{html.escape(where)}</p>")
+
+
 def _finding_counts(records: list[RunRecord], found: list[pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for rec, f in zip(records, found):
@@ -196,8 +219,9 @@ def render(records: Iterable[RunRecord]) -> str:
     page = _Page()
     page.h(1, f"{first.get('scenario', '?')}: {first.get('title', '')}")
     nav = " ".join(f"<a href='#run-{i}'>{html.escape(r.label)}</a>" for i, r in enumerate(records))
-    page.parts.append(f"<nav><a href='#environment'>environment</a> {nav}"
+    page.parts.append(f"<nav><a href='#what-happened'>what happened</a> <a href='#environment'>environment</a> {nav}"
                       + (" <a href='#compare'>bug vs fix</a>" if len(records) > 1 else "") + "</nav>")
+    _what_happened(page, records)
     page.h(2, "Environment", anchor="environment")
     page.table(environment(records), max_rows=100, cls="env")
     page.h(3, "Parameters")

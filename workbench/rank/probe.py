@@ -33,10 +33,15 @@ from workbench.rank.poison import POISON_BITS, poison_count
 HEAD = 8
 RAW_SMALL = 256  # bytes kept whole for tensors up to this size
 RAW_LARGE = 64  # bytes kept from the start of larger tensors
+# Bytes kept at fixed offsets further in (``windows``: the windows that fit, concatenated): a transfer whose
+# stream slid by a bucket's worth of bytes (NCCL pairing a 256 B bucket with a larger one) shows as one rank's
+# window equal to another rank's bytes at another offset. 128 bytes a large tensor.
+WINDOW_OFFSETS = (256, 4096)
+WINDOW = 64
 
 COLUMNS = [
     "rank", "name", "kind", "dtype", "device", "is_meta", "shape", "numel",
-    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw",
+    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw", "windows",
 ]
 _NO_DATA = {"nan": None, "inf": None, "poisoned": None, "min": None, "max": None, "mean": None, "head": []}
 
@@ -103,6 +108,18 @@ def _raw_len(nbytes: int) -> int:
     return nbytes if nbytes <= RAW_SMALL else RAW_LARGE
 
 
+def _n_windows(nbytes: int) -> int:
+    return sum(1 for off in WINDOW_OFFSETS if nbytes >= off + WINDOW) if nbytes > RAW_SMALL else 0
+
+
+def _windows(flat: torch.Tensor) -> torch.Tensor:
+    """The bytes at ``WINDOW_OFFSETS`` that lie inside ``flat`` (offsets are multiples of every element size)."""
+    es = flat.element_size()
+    n = _n_windows(flat.numel() * es)
+    parts = [flat[off // es: (off + WINDOW) // es].contiguous().view(torch.uint8) for off in WINDOW_OFFSETS[:n]]
+    return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=flat.device)
+
+
 def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
     """The plain path's device parts: 6 stats, 2 fingerprint lanes, head, raw bytes."""
     with torch.no_grad():
@@ -113,7 +130,7 @@ def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
         raw = flat[: (raw_n + es - 1) // es].contiguous().view(torch.uint8)[:raw_n]
         dev = flat.device
         return [torch.stack([s.to(dev, torch.float64) for s in (*stats, h1, h2)]), head.to(torch.float64),
-                raw.to(torch.float64)]
+                raw.to(torch.float64), _windows(flat)]
 
 
 # -- the fused path (CUDA + Triton) ---------------------------------------------------
@@ -249,7 +266,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         }
         rows.append(row)
         if meta or row["numel"] == 0 or t.is_complex():
-            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="")
+            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="")
             continue
         if t.is_cuda:
             if use_fused is None:
@@ -268,6 +285,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         stats, raw = _fused([t for _, t in members])
         groups.append((dtype, members))
         parts += [stats.reshape(-1), raw.double().reshape(-1)]
+        parts += [_windows(t.reshape(-1)) for _, t in members]
     host = _to_host(parts)
     pos = 0
     for row, flat in plain:
@@ -279,7 +297,10 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         n_raw = _raw_len(row["numel"] * flat.element_size())
         raw = host[pos: pos + n_raw].astype("uint8").tobytes()
         pos += n_raw
+        n_win = _n_windows(row["numel"] * flat.element_size()) * WINDOW
         _fill(row, s, head, raw)
+        row["windows"] = host[pos: pos + n_win].astype("uint8").tobytes().hex()
+        pos += n_win
     for dtype, members in groups:
         T = len(members)
         stats = host[pos: pos + 8 * T]
@@ -287,6 +308,10 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         words = host[pos: pos + (RAW_SMALL // 4) * T]
         pos += (RAW_SMALL // 4) * T
         _fill_fused(members, dtype, stats, words)
+        for row, t in members:
+            n_win = _n_windows(t.numel() * t.element_size()) * WINDOW
+            row["windows"] = host[pos: pos + n_win].astype("uint8").tobytes().hex()
+            pos += n_win
     return rows
 
 

@@ -26,6 +26,37 @@ def short(name: str) -> str:
     return name
 
 
+def shorten(names: list[str]) -> dict[str, str]:
+    """Full name -> axis label: the dotted prefix every name shares is dropped (the full name stays in the
+    hover text), so ``model.model.layers.0.mlp.up_proj.weight`` reads ``layers.0.mlp.up_proj.weight``."""
+    parts = [str(n).split(".") for n in names]
+    k = 0
+    if len(parts) > 1:
+        while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
+            k += 1
+    else:
+        return {n: short(n) for n in names}
+    return {n: ".".join(p[k:]) for n, p in zip(names, parts)}
+
+
+def legend_entries(statuses: list[str], show: bool = True) -> list[go.Scatter]:
+    """One legend swatch per status present: a categorical legend instead of a colour bar."""
+    return [go.Scatter(x=[None], y=[None], mode="markers", name=st, showlegend=show, legendgroup=st,
+                       marker={"symbol": "square", "size": 12, "color": COLORS[st]}, hoverinfo="skip")
+            for st in STATUSES if st in statuses]
+
+
+ROW_PX_MIN, ROW_PX_MAX = 26, 56
+
+
+def status_height(rows: int, names: list[str]) -> tuple[int, int]:
+    """(figure height, bottom margin): rows stay readable at any rank count, tick labels fit below."""
+    labels = shorten(names).values() if names else [""]
+    bottom = int(40 + 5.2 * max(len(x) for x in labels) * 0.87)  # labels at -60 degrees, ~5.2 px a character
+    row_px = max(ROW_PX_MIN, min(ROW_PX_MAX, 240 // max(rows, 1)))
+    return 90 + bottom + row_px * rows, bottom
+
+
 def _discrete_scale() -> list[list]:
     n = len(STATUSES)
     scale = []
@@ -61,16 +92,18 @@ def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool |
     names = list(dict.fromkeys(tensors["name"]))
     code = {s: i for i, s in enumerate(STATUSES)}
     at = {(int(c.group), c.name): c for c in cells.itertuples(index=False)}
-    z, text = [], []
+    z, text, seen = [], [], set()
     for gid, label, how in zip(groups["group"], groups["label"], groups["how"]):
         zrow, trow = [], []
         for n in names:
             c = at.get((int(gid), n))
             if c is None:
                 zrow.append(code["missing"] + 0.5)
+                seen.add("missing")
                 trow.append(f"{label}<br>{n}<br>missing")
                 continue
             zrow.append(code[c.status] + 0.5)
+            seen.add(c.status)
             head = ", ".join(fmt(v) for v in list(c.head if c.head is not None else [])[:4])
             extra = "" if how == "identical" else f"<br>{c.contents} distinct content(s)"
             trow.append(f"{label}<br>{n}<br>{c.status}: {c.detail}<br>{c.dtype} {c.shape} {c.kind}<br>"
@@ -78,10 +111,11 @@ def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool |
         z.append(zrow)
         text.append(trow)
     n = len(STATUSES)
+    labels = shorten(names)
     return go.Heatmap(
-        z=z, x=[short(x) for x in names], y=list(groups["label"]), text=text, hoverinfo="text",
-        colorscale=_discrete_scale(), zmin=0, zmax=n, showscale=showscale, xgap=1, ygap=2,
-        colorbar={"tickvals": [i + 0.5 for i in range(n)], "ticktext": STATUSES, "title": "status"},
+        z=z, x=[labels[x] for x in names], y=list(groups["label"]), text=text, hoverinfo="text",
+        colorscale=_discrete_scale(), zmin=0, zmax=n, showscale=False, xgap=1, ygap=2,
+        meta={"statuses": sorted(seen)},  # for the legend: one swatch per status drawn
     )
 
 
@@ -94,14 +128,16 @@ def status_matrix(tensors: pd.DataFrame, title: str = "What every rank holds", *
     summarised (see :func:`workbench.analysis.rankgroups.group_identical_ranks`).
     """
     trace = _status_heatmap(tensors, group=group, max_rows=max_rows)
-    fig = go.Figure(trace)
+    fig = go.Figure([trace, *legend_entries(trace.meta["statuses"])])
     rows = len(trace.y)
     ranks = tensors["rank"].nunique()
     if rows < ranks:
         title = f"{title} · {ranks} ranks in {rows} row{'s' if rows > 1 else ''}"
     left = max(80, 6 * max(len(str(y)) for y in trace.y))
-    fig.update_layout(title=title, height=200 + 40 * rows, margin={"b": 160, "l": left},
-                      xaxis={"tickangle": -60, "tickfont": {"size": 9}})
+    height, bottom = status_height(rows, list(dict.fromkeys(tensors["name"])))
+    fig.update_layout(title=title, height=height, margin={"b": bottom, "l": left, "t": 60},
+                      xaxis={"tickangle": -60, "tickfont": {"size": 9}, "showgrid": False},
+                      yaxis={"showgrid": False}, legend={"title": "status"}, plot_bgcolor="white")
     return fig
 
 
@@ -201,9 +237,16 @@ def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str, *
     bottom = _status_heatmap(last_step(fix_tensors), showscale=False, group=group, max_rows=max_rows)
     fig.add_trace(top, row=1, col=1)
     fig.add_trace(bottom, row=2, col=1)
+    for entry in legend_entries(sorted(set(top.meta["statuses"]) | set(bottom.meta["statuses"]))):
+        fig.add_trace(entry, row=1, col=1)
     rows = max(len(top.y), len(bottom.y), 1)
     left = max(80, 6 * max(len(str(y)) for y in [*top.y, *bottom.y]))
-    fig.update_xaxes(tickangle=-60, tickfont={"size": 9})
-    fig.update_layout(title=f"Bug vs fix '{fix}' after the last step", height=360 + 80 * rows, margin={"l": left})
+    names = list(dict.fromkeys([*bug_tensors["name"], *fix_tensors["name"]]))
+    height, bottom_px = status_height(rows, names)
+    fig.update_layout(margin={"b": bottom_px})
+    fig.update_xaxes(tickangle=-60, tickfont={"size": 9}, showgrid=False)
+    fig.update_yaxes(showgrid=False)
+    fig.update_layout(title=f"Bug vs fix '{fix}' after the last step", height=2 * height, margin={"l": left},
+                      legend={"title": "status"}, plot_bgcolor="white")
     return fig
 
