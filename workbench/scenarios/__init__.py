@@ -19,6 +19,7 @@ CATALOGUE: dict[str, str] = {
     "fsdp1-rotary-meta-init": "workbench.scenarios.fsdp1_rotary_meta_init",
     "fsdp2-nonpersistent-buffer-sync": "workbench.scenarios.fsdp2_nonpersistent_buffer_sync",
     "to-empty-clobbers-buffers": "workbench.scenarios.to_empty_clobbers_buffers",
+    "weight-sync-order-desync": "workbench.scenarios.weight_sync_order_desync",
 }
 
 

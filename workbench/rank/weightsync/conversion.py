@@ -1,0 +1,389 @@
+"""Conversion tasks and the exporting extractor on the trainer ranks (Megatron-Bridge-like).
+
+Exporting HF-named weights from a model-parallel trainer is itself collective work, so
+every trainer rank must walk the export in lockstep:
+
+- an **expert task** (one local expert's weight on an expert-parallel rank) all-gathers
+  that weight over the EP group: the output is EP times its input, and yields one
+  HF-named tensor per EP rank's copy of that local expert;
+- a **dense task** runs the mapping's ``broadcast_from_pp_rank``: on the first call the
+  mapping all-gathers every stage's tensor spec (shape, dtype) as objects and caches it
+  (``_tensor_spec_output_cache``); later calls skip that collective, non-owners allocate
+  ``torch.empty(shape, dtype)`` from the cached spec and receive the owner's broadcast.
+
+``WeightConversionTask`` is frozen and holds its mapping, so a task list built once and
+reused keeps every mapping's cache across syncs (the stale-cache incident);
+``get_conversion_tasks`` builds fresh mappings every call.
+
+The toy mesh folds both parallelisms onto the same trainer ranks: the routed experts of
+every MoE layer are split over all ranks (EP = ranks), and the dense parameters are split
+into pipeline stages (PP = ranks: stage 0 holds the embedding and the first layers, the
+last stage the last layers, the final norm and the LM head). A real Megatron mesh needs
+PP x EP ranks for this; the collectives each rank issues per task are the same kinds.
+
+``ConversionExtractor`` is SkyRL's ``MegatronWeightExtractor`` in small: buckets of task
+indices (expert tasks first), ``extract_weights`` regrouping each bucket by output dtype
+(fp32 for routing-critical suffixes), and three ways to build the receiver's metadata
+(``metadata=``): ``"raw"`` (raw export order, the PR #1816 state), ``"mirrored-local"``
+(the mirrored regrouping, decided from the dtype of tensors this rank owns: a rank that
+owns an fp32 tensor of the bucket walks the bucket once per output dtype, the others once)
+and ``"one-plan"`` (one chunk-plan generator feeds both metadata and stream).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.broadcast import dtype_name
+
+SYNC_FP32_SUFFIXES = ("e_score_correction_bias",)
+EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
+METADATA_MODES = ("raw", "mirrored-local", "one-plan")
+DEFAULT_BUCKET_BYTES = 1 << 30  # SkyRL's default 1 GB: a toy model is one bucket
+
+TOY_SHAPE: dict[str, Any] = {
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1, "max_position_embeddings": 64,
+}
+
+
+def sync_dtype_for(name: str, default: torch.dtype, native: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor travels in: its native dtype for routing-critical names, else ``default``."""
+    if native is not None and name.endswith(SYNC_FP32_SUFFIXES):
+        return native
+    return default
+
+
+# -- the toy model --------------------------------------------------------------------------
+def toy_config(**shape: Any):
+    """A tiny DeepseekV3 (layer 0 dense, the rest MoE with an fp32 ``e_score_correction_bias``)."""
+    from transformers import DeepseekV3Config
+
+    kw = {**TOY_SHAPE, **{k: v for k, v in shape.items() if k in TOY_SHAPE}}
+    return DeepseekV3Config(q_lora_rank=None, n_group=1, topk_group=1, tie_word_embeddings=False,
+                            attn_implementation="eager", **kw)
+
+
+def build_model(config, seed: int, bias_offset: float = 30.0, bias_std: float = 7e-4) -> torch.nn.Module:
+    """Seeded fp32 model; each router bias = a per-layer offset + per-expert noise (as reported)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 7)
+    for p in model.parameters():
+        if p.dim() == 1:  # norms start at ones: perturb them so every tensor's bytes are its own
+            p.data += 0.05 * torch.randn(p.shape, generator=g)
+    for i, (_, bias) in enumerate(router_biases(model)):
+        bias.data = bias_offset + 4.0 * i + bias_std * torch.randn(bias.shape, generator=g)
+    return model
+
+
+def router_biases(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, b) for n, b in model.named_buffers() if n.endswith(SYNC_FP32_SUFFIXES)]
+
+
+def hf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's exportable tensors in raw order: parameters, each router bias right after its gate."""
+    out: list[tuple[str, torch.Tensor]] = []
+    biases = dict(router_biases(model))
+    for name, p in model.named_parameters():
+        out.append((name, p))
+        bias = name[: -len("weight")] + "e_score_correction_bias"
+        if name.endswith(".gate.weight") and bias in biases:
+            out.append((bias, biases[bias]))
+    return out
+
+
+def hf_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a correct sync delivers: every HF name (experts one by one) in its sync dtype."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf_tensors(model):
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            prefix, w = name.rsplit(".", 1)
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.{w}"] = t[e].detach().to(dtype)
+        else:
+            out[name] = t.detach().to(sync_dtype_for(name, dtype, t.dtype))
+    return out
+
+
+def load_hf_weight(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """vLLM's ``load_weights`` for one tensor: copy by name (per-expert names into the fused weight)."""
+    m = EXPERT_RE.match(name)
+    try:
+        if m:
+            fused = model.get_parameter(f"{m['prefix']}.{m['w']}")
+            target = fused.data[int(m["e"])]
+        else:
+            target = _named(model, name).data
+    except (AttributeError, IndexError):
+        raise WorkbenchError(f"the receiver's model has no tensor {name!r}") from None
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise WorkbenchError(f"tensor {name!r}: received shape {list(tensor.shape)}, the model holds "
+                             f"{list(target.shape)}")
+    target.copy_(tensor)
+
+
+def _named(model: torch.nn.Module, name: str) -> torch.Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
+# -- mesh, mappings, tasks ------------------------------------------------------------------
+@dataclass
+class Mesh:
+    """The trainer ranks: this rank's pipeline stage and expert-parallel rank (folded: both = rank)."""
+
+    rank: int
+    size: int
+    num_layers: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None
+
+    def stage_of(self, name: str) -> int:
+        if name.startswith("model.embed_tokens"):
+            return 0
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            return int(m.group(1)) * self.size // self.num_layers
+        return self.size - 1  # final norm, LM head
+
+
+class ParamMapping:
+    """A dense parameter's mapping; caches the pipeline broadcast's tensor spec after the first call."""
+
+    def __init__(self, hf_name: str, mesh: Mesh):
+        self.hf_name = hf_name
+        self.mesh = mesh
+        self._tensor_spec_output_cache: dict[str, list[Any]] = {}
+
+    def broadcast_from_pp_rank(self, tensor: torch.Tensor | None, cache_key: str | None = None) -> torch.Tensor:
+        m = self.mesh
+        if cache_key is not None and cache_key in self._tensor_spec_output_cache:
+            specs = self._tensor_spec_output_cache[cache_key]  # no collective: the spec of the first call
+        else:
+            spec = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            specs = [None] * m.size
+            dist.all_gather_object(specs, spec, group=m.group)
+            if cache_key is not None:
+                self._tensor_spec_output_cache[cache_key] = specs
+        src = next((r for r, s in enumerate(specs) if s is not None), None)
+        if src is None:
+            raise WorkbenchError(f"no pipeline stage holds {self.hf_name!r}")
+        if tensor is None:
+            shape, dtype = specs[src]
+            tensor = torch.empty(shape, dtype=dtype, device=m.device)
+        else:
+            tensor = tensor.detach().contiguous()
+        dist.broadcast(tensor, src=src, group=m.group)
+        return tensor
+
+
+class ExpertMapping(ParamMapping):
+    """A local expert's weight: all-gathered over the expert-parallel group on every call."""
+
+    def gather_from_ep_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        m = self.mesh
+        local = tensor.detach().contiguous().view(-1)
+        out = torch.empty(m.size * local.numel(), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(out, local, group=m.group)
+        return out.view(m.size, *tensor.shape)
+
+
+@dataclass(frozen=True)
+class WeightConversionTask:
+    """One exported weight: its trainer-side name, owner stage, mapping and (if local) the tensor."""
+
+    param_name: str
+    global_param_name: str
+    mapping: ParamMapping
+    pp_rank: int  # owner stage; -1: expert-parallel (every rank holds its own experts)
+    param_weight: torch.Tensor | None
+    numel: int
+    local_expert: int | None = None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.local_expert is not None
+
+    def hf_names(self, ep_size: int, experts_per_rank: int) -> list[str]:
+        if not self.is_expert:
+            return [self.global_param_name]
+        prefix, w = self.global_param_name.rsplit(".", 1)
+        return [f"{prefix}.{r * experts_per_rank + self.local_expert}.{w}" for r in range(ep_size)]
+
+
+def get_conversion_tasks(model: torch.nn.Module, mesh: Mesh) -> list[WeightConversionTask]:
+    """Fresh tasks with fresh mappings (empty caches), in the model's raw order."""
+    tasks = []
+    for name, t in hf_tensors(model):
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            n_local = t.shape[0] // mesh.size
+            for i in range(n_local):
+                local = t[mesh.rank * n_local + i]
+                tasks.append(WeightConversionTask(f"{name}.local{i}", name, ExpertMapping(name, mesh), -1, local,
+                                                  local.numel() * mesh.size, local_expert=i))
+        else:
+            stage = mesh.stage_of(name)
+            tasks.append(WeightConversionTask(name, name, ParamMapping(name, mesh), stage,
+                                              t if stage == mesh.rank else None, t.numel()))
+    return tasks
+
+
+def export_hf_weights(tasks: list[WeightConversionTask], mesh: Mesh,
+                      experts_per_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of ``tasks``, issuing each task's collectives as it goes."""
+    for task in tasks:
+        if task.is_expert:
+            gathered = task.mapping.gather_from_ep_ranks(task.param_weight)
+            yield from zip(task.hf_names(mesh.size, experts_per_rank), gathered.unbind(0))
+        else:
+            yield task.global_param_name, task.mapping.broadcast_from_pp_rank(task.param_weight,
+                                                                              cache_key=task.global_param_name)
+
+
+def bucket_index_groups(tasks: list[WeightConversionTask], bucket_bytes: int, itemsize: int = 2) -> list[list[int]]:
+    """Task indices per bucket: expert tasks first (one layer's experts never split), then the rest."""
+    experts = [i for i, t in enumerate(tasks) if t.is_expert]
+    dense = [i for i, t in enumerate(tasks) if not t.is_expert]
+    units: list[list[int]] = []
+    for i in experts:
+        layer = tasks[i].global_param_name.split(".experts")[0]
+        if units and tasks[units[-1][0]].global_param_name.split(".experts")[0] == layer:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    units += [[i] for i in dense]
+    groups: list[list[int]] = [[]]
+    size = 0
+    for unit in units:
+        n = sum(tasks[i].numel for i in unit) * itemsize
+        if groups[-1] and size + n > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].extend(unit)
+        size += n
+    return [g for g in groups if g]
+
+
+@dataclass
+class WeightChunk:
+    """SkyRL's chunk: equal-length lists; one dtype per chunk here."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensors: list[torch.Tensor]
+
+
+class ConversionExtractor:
+    """Buckets of conversion tasks, exported into chunks for the sender, and the receiver's metadata."""
+
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, dtype: torch.dtype = torch.bfloat16,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reuse_tasks: bool = False, metadata: str = "raw"):
+        if metadata not in METADATA_MODES:
+            raise WorkbenchError(f"unknown metadata mode {metadata!r}; valid: {', '.join(METADATA_MODES)}")
+        self.model, self.mesh, self.dtype = model, mesh, dtype
+        self.bucket_bytes, self.reuse_tasks, self.metadata_mode = bucket_bytes, reuse_tasks, metadata
+        self.bucket_index_groups: list[list[int]] | None = None
+        self._tasks: list[WeightConversionTask] | None = None
+        self.experts_per_rank = model.config.n_routed_experts // mesh.size
+        self.task_builds = 0
+
+    # the incident's two task policies
+    def tasks(self) -> list[WeightConversionTask]:
+        """Reused: built once, mappings (and their caches) live on. Else: fresh every call."""
+        if self.reuse_tasks and self._tasks is not None:
+            return self._tasks
+        tasks = get_conversion_tasks(self.model, self.mesh)
+        self.task_builds += 1
+        if self.bucket_index_groups is None:
+            self.bucket_index_groups = bucket_index_groups(tasks, self.bucket_bytes)
+        if self.reuse_tasks:
+            self._tasks = tasks
+        return tasks
+
+    def _export(self, tasks: list[WeightConversionTask]) -> Iterator[tuple[str, torch.Tensor]]:
+        return export_hf_weights(tasks, self.mesh, self.experts_per_rank)
+
+    def _buckets(self) -> Iterator[list[WeightConversionTask]]:
+        tasks = self.tasks()
+        for group in self.bucket_index_groups:
+            yield [tasks[i] for i in group]
+
+    # the stream
+    def extract_weights(self) -> Iterator[WeightChunk]:
+        """Per bucket: export, group by output dtype (first seen first), one chunk per dtype."""
+        yield from (c for c in self.iter_chunk_plan(materialize=True) if c.tensors)
+
+    def iter_chunk_plan(self, materialize: bool) -> Iterator[WeightChunk]:
+        """Per bucket, per output dtype: one chunk. ``extract_weights`` streams it; under ``one-plan``
+        the metadata reads it too (without tensors), so the two cannot disagree."""
+        for bucket in self._buckets():
+            groups: dict[torch.dtype, WeightChunk] = {}
+            for name, t in self._export(bucket):
+                out = sync_dtype_for(name, self.dtype, t.dtype)
+                c = groups.setdefault(out, WeightChunk([], [], [], []))
+                c.names.append(name)
+                c.dtypes.append(dtype_name(out))
+                c.shapes.append(list(t.shape))
+                if materialize:
+                    c.tensors.append(t.to(out))
+            yield from groups.values()
+
+    # the receiver's plan
+    def get_weight_metadata(self) -> dict[str, list[Any]]:
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[list[int]] = []
+
+        def add(name: str, out: torch.dtype, t: torch.Tensor) -> None:
+            names.append(name)
+            dtypes.append(dtype_name(out))
+            shapes.append(list(t.shape))
+
+        if self.metadata_mode == "one-plan":
+            for c in self.iter_chunk_plan(materialize=False):
+                names += c.names
+                dtypes += c.dtypes
+                shapes += c.shapes
+        elif self.metadata_mode == "raw":
+            for bucket in self._buckets():
+                for name, t in self._export(bucket):
+                    add(name, sync_dtype_for(name, self.dtype, t.dtype), t)
+        else:  # mirrored-local
+            for bucket in self._buckets():
+                seen = self.local_out_dtypes(bucket)
+                if len(seen) == 1:  # no second dtype seen here: raw order, one walk
+                    for name, t in self._export(bucket):
+                        add(name, sync_dtype_for(name, self.dtype, t.dtype), t)
+                    continue
+                # the mirrored regrouping, one walk per output dtype keeping that dtype's names
+                for out_dtype in seen:
+                    for name, t in self._export(bucket):
+                        out = sync_dtype_for(name, self.dtype, t.dtype)
+                        if out == out_dtype:
+                            add(name, out, t)
+        return {"names": names, "dtype_names": dtypes, "shapes": shapes}
+
+    def local_out_dtypes(self, bucket: list[WeightConversionTask]) -> list[torch.dtype]:
+        """Output dtypes of a bucket as this rank sees them: only tensors it owns show their dtype."""
+        seen: list[torch.dtype] = [self.dtype]
+        for task in bucket:
+            native = None if task.param_weight is None else task.param_weight.dtype
+            out = sync_dtype_for(task.global_param_name, self.dtype, native)
+            if out not in seen:
+                seen.append(out)
+        return seen
