@@ -147,7 +147,7 @@ def score(ctx, sync: int) -> None:
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:
     want = cv.hf_state(trainer, torch.bfloat16)
     have = cv.hf_state(inference, torch.bfloat16)
-    wrong = [n for n, t in want.items() if not _same_bytes(t, have[n])]
+    wrong = [n for n, t in want.items() if not _same_bytes(t, have[n].to(t.dtype))]
     with torch.no_grad():
         a = inference(tokens).logits.float().log_softmax(-1)
         b = trainer(tokens).logits.float().log_softmax(-1)

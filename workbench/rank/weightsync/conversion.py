@@ -299,6 +299,7 @@ class ConversionExtractor:
         self.bucket_bytes, self.reuse_tasks, self.metadata_mode = bucket_bytes, reuse_tasks, metadata
         self.bucket_index_groups: list[list[int]] | None = None
         self._tasks: list[WeightConversionTask] | None = None
+        self.last_tasks: list[WeightConversionTask] = []  # the tasks the latest walk used
         self.experts_per_rank = model.config.n_routed_experts // mesh.size
         self.task_builds = 0
 
@@ -306,8 +307,10 @@ class ConversionExtractor:
     def tasks(self) -> list[WeightConversionTask]:
         """Reused: built once, mappings (and their caches) live on. Else: fresh every call."""
         if self.reuse_tasks and self._tasks is not None:
+            self.last_tasks = self._tasks
             return self._tasks
         tasks = get_conversion_tasks(self.model, self.mesh)
+        self.last_tasks = tasks
         self.task_builds += 1
         if self.bucket_index_groups is None:
             self.bucket_index_groups = bucket_index_groups(tasks, self.bucket_bytes)
