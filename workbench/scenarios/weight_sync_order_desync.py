@@ -134,11 +134,19 @@ def deliver(ctx, check: bool) -> None:
 
 
 def score(ctx, sync: int) -> None:
-    """The worker against the trainer: names holding the right bytes, and the log-prob gap on fixed tokens."""
+    """The worker against the trainer: names holding the right bytes, and the log-prob gap on fixed tokens.
+
+    Also declares the trainer's values as what every worker tensor should hold
+    (``ctx.expect``), so the reference detector names each tensor that came out wrong.
+    """
     if ctx.rank != WORKER:
         return
+    trainer = dict(ctx.trainer.named_parameters()) | dict(ctx.trainer.named_buffers())
+    for name, _ in [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()]:
+        if name in trainer and "rotary_emb" not in name:
+            ctx.expect(f"inference.{name}", trainer[name].detach().clone())
     gap, wrong, total = compare(ctx.inference, ctx.trainer, ctx.tokens)
-    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync)
+    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap)
     ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
     ctx.note(f"sync {sync}: {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap {gap:.3g}"
              + (f"; first wrong: {', '.join(wrong[:3])}" if wrong else ""))
