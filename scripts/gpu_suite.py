@@ -296,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         f"torch={torch.__version__} nccl={torch.cuda.nccl.version() if gpus else '-'}")
     t0 = time.perf_counter()
     cluster = wb.start(ranks=ranks, backend=backend, timeout=args.timeout)
-    log(f"cluster up: engines {cluster.start_s:.1f}s, group {cluster.group_s:.2f}s, devices {cluster.devices}")
+    log(f"cluster up: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, group {cluster.group_s:.2f}s, "
+        f"devices {cluster.devices}")
     results: list[dict[str, Any]] = []
     fresh = backend == "nccl" and not args.shared_group
     meta = {"backend": backend, "ranks": ranks, "gpus": gpus, "torch": torch.__version__,
-            "engine_start_s": cluster.start_s, "group_s": cluster.group_s, "devices": cluster.devices}
+            "engine_start_s": cluster.start_s, "imports_s": cluster.imports_s, "group_s": cluster.group_s,
+            "devices": cluster.devices}
     try:
         for name in names:
             try:
