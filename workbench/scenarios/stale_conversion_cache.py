@@ -32,7 +32,14 @@ import torch
 from workbench.rank.weightsync import broadcast as bc
 from workbench.rank.weightsync import conversion as cv
 from workbench.scenario import Scenario
-from workbench.scenarios.weight_sync_order_desync import build_roles, deliver, extractor, score, stream
+from workbench.scenarios.weight_sync_order_desync import (
+    build_roles,
+    deliver,
+    extractor,
+    forget_expectations,
+    score,
+    stream,
+)
 
 SCENARIO = Scenario(
     name="stale-conversion-cache",
@@ -52,6 +59,7 @@ REBUILD = SCENARIO.fix(
 
 def sync(ctx, n: int) -> None:
     """Metadata walk, stream walk and delivery, as one sync; notes what the mapping caches hold."""
+    forget_expectations(ctx)
     ex = ctx.extractor
     before = ex.task_builds
     meta = ex.get_weight_metadata()
@@ -88,6 +96,7 @@ def score_1(ctx) -> None:
 @SCENARIO.step
 def train_step(ctx) -> None:
     """Every value moves; the owner keeps the router bias fp32 again (same object, new data)."""
+    forget_expectations(ctx)
     g = torch.Generator().manual_seed(ctx.params["seed"] + 1000)
     biases = {id(b) for _, b in cv.router_biases(ctx.trainer)}
     with torch.no_grad():
@@ -105,6 +114,7 @@ def train_step(ctx) -> None:
 @SCENARIO.step
 def offload_reload(ctx) -> None:
     """Offload the trainer's weights to CPU and back: new storage, the same parameter objects."""
+    forget_expectations(ctx)
     for t in [*ctx.trainer.parameters(), *ctx.trainer.buffers()]:
         t.data = t.data.to("cpu", copy=True)
     for t in [*ctx.trainer.parameters(), *ctx.trainer.buffers()]:

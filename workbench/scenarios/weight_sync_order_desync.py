@@ -86,6 +86,11 @@ def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
              + ("; sender" if ctx.rank == SENDER else "; inference worker"))
 
 
+def forget_expectations(ctx) -> None:
+    """Expectations hold for the score step only: between syncs the worker is stale by design."""
+    ctx.expected.clear()
+
+
 def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExtractor:
     p = ctx.params
     return cv.ConversionExtractor(ctx.trainer, ctx.mesh, torch.bfloat16, p["bucket_bytes"], reuse_tasks, metadata)
@@ -93,6 +98,7 @@ def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExt
 
 def make_plan(ctx, metadata: str, stage: int) -> None:
     """Every trainer rank builds the metadata (walking the export: collectives); the sender keeps it."""
+    forget_expectations(ctx)
     ctx.extractor = extractor(ctx, metadata)
     meta = ctx.extractor.get_weight_metadata()
     ctx.plan = bc.Plan.from_metadata(meta)
@@ -103,6 +109,7 @@ def make_plan(ctx, metadata: str, stage: int) -> None:
 
 def stream(ctx, stage: int) -> None:
     """Every trainer rank walks ``extract_weights``; the sender packs the stream, the others drain it."""
+    forget_expectations(ctx)
     threshold = ctx.params["threshold_bytes"]
     chunks = ctx.extractor.extract_weights()
     if ctx.rank == SENDER:
@@ -120,6 +127,7 @@ def stream(ctx, stage: int) -> None:
 
 def deliver(ctx, check: bool) -> None:
     """The update request (the plan) goes to the worker, then the packed bytes."""
+    forget_expectations(ctx)
     threshold = ctx.params["threshold_bytes"]
     box = [ctx.plan.to_metadata() if ctx.rank == SENDER else None]
     dist.broadcast_object_list(box, src=SENDER, device=_obj_device(ctx))
