@@ -39,6 +39,7 @@ TINY: dict[str, Any] = {
     "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_attention_heads": 2, "num_key_value_heads": 2,
     "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1, "max_position_embeddings": 64,
+    "initializer_range": 0.2,  # 10x the default: peaky enough logits that wrong weights show in log-probs
 }
 
 
@@ -74,6 +75,19 @@ def build_model(config, seed: int, dtype: torch.dtype = torch.bfloat16, device: 
     model = model.to(device=device, dtype=dtype)
     for i, (_, b) in enumerate(router_biases(model)):
         b.data = (bias_offset + 4.0 * i + bias_std * torch.randn(b.shape, generator=g)).to(device, torch.float32)
+    return model
+
+
+@torch.no_grad()
+def training_step(model: nn.Module, seed: int, lr: float = 0.01, bias_step: float = 1e-3) -> nn.Module:
+    """Stand-in for an optimizer step, in place: each weight moves by ``lr`` of its own scale,
+    each router bias entry by +-``bias_step`` (aux-loss-free balancing's update). Seeded."""
+    g = torch.Generator().manual_seed(seed + 11)
+    for p in model.parameters():
+        noise = torch.randn(p.shape, generator=g) * lr * float(p.float().std().clamp(min=1e-3))
+        p += noise.to(p.device, p.dtype)
+    for _, b in router_biases(model):
+        b += (bias_step * torch.sign(torch.randn(b.shape, generator=g))).to(b.device, b.dtype)
     return model
 
 
