@@ -69,7 +69,7 @@ def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
     """Trainer replica on every rank (bf16, router bias in ``bias_dtype``); the worker's own model on rank 1."""
     p = ctx.params
     ctx.config = cv.toy_config(**p)
-    trainer = cv.build_model(ctx.config, p["seed"]).to(torch.bfloat16).to(ctx.device)
+    trainer = cv.build_model(ctx.config, p["seed"], dtype=torch.bfloat16, device=ctx.device)
     for _, b in cv.router_biases(trainer):
         b.data = b.data.to(bias_dtype)
     ctx.trainer = trainer
@@ -77,10 +77,8 @@ def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
     g = torch.Generator().manual_seed(p["seed"] + 100)
     ctx.tokens = torch.randint(1, ctx.config.vocab_size, (1, p["seq_len"]), generator=g).to(ctx.device)
     if ctx.rank == WORKER:
-        inference = cv.build_model(ctx.config, p["seed"] + 1).to(torch.bfloat16).to(ctx.device)
-        for _, b in cv.router_biases(inference):
-            b.data = b.data.float()  # the worker keeps the routing bias fp32
-        ctx.inference = inference
+        # the worker's stale copy; it keeps the routing bias fp32
+        ctx.inference = cv.build_model(ctx.config, p["seed"] + 1, dtype=torch.bfloat16, device=ctx.device)
     owner = ctx.mesh.stage_of(cv.router_biases(trainer)[0][0])
     ctx.note(f"trainer stage {ctx.rank}" + (" (owns the MoE layer and its router bias)" if owner == ctx.rank else "")
              + ("; sender" if ctx.rank == SENDER else "; inference worker"))

@@ -41,19 +41,21 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync import model as model_mod
 from workbench.rank.weightsync.broadcast import dtype_name
 
-SYNC_FP32_SUFFIXES = ("e_score_correction_bias",)
-EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
+SYNC_FP32_SUFFIXES = (model_mod.BIAS_SUFFIX,)
 METADATA_MODES = ("raw", "mirrored-local", "one-plan")
 DEFAULT_BUCKET_BYTES = 1 << 30  # SkyRL's default 1 GB: a toy model is one bucket
 
-TOY_SHAPE: dict[str, Any] = {
-    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1, "max_position_embeddings": 64,
-}
+# Part 1's tiny DeepseekV3 with a dense layer in front: two layers, two pipeline stages.
+TOY_SHAPE: dict[str, Any] = {**model_mod.TINY, "num_hidden_layers": 2, "first_k_dense_replace": 1}
+
+toy_config = model_mod.tiny_config
+build_model = model_mod.build_model
+router_biases = model_mod.router_biases
+load_hf_weight = model_mod.load_hf_weight
+hf_tensors = model_mod._raw  # parameters in model order, each router bias right after its gate
 
 
 def sync_dtype_for(name: str, default: torch.dtype, native: torch.dtype | None) -> torch.dtype:
@@ -63,82 +65,9 @@ def sync_dtype_for(name: str, default: torch.dtype, native: torch.dtype | None) 
     return default
 
 
-# -- the toy model --------------------------------------------------------------------------
-def toy_config(**shape: Any):
-    """A tiny DeepseekV3 (layer 0 dense, the rest MoE with an fp32 ``e_score_correction_bias``)."""
-    from transformers import DeepseekV3Config
-
-    kw = {**TOY_SHAPE, **{k: v for k, v in shape.items() if k in TOY_SHAPE}}
-    return DeepseekV3Config(q_lora_rank=None, n_group=1, topk_group=1, tie_word_embeddings=False,
-                            attn_implementation="eager", **kw)
-
-
-def build_model(config, seed: int, bias_offset: float = 30.0, bias_std: float = 7e-4) -> torch.nn.Module:
-    """Seeded fp32 model; each router bias = a per-layer offset + per-expert noise (as reported)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed + 7)
-    for p in model.parameters():
-        if p.dim() == 1:  # norms start at ones: perturb them so every tensor's bytes are its own
-            p.data += 0.05 * torch.randn(p.shape, generator=g)
-    for i, (_, bias) in enumerate(router_biases(model)):
-        bias.data = bias_offset + 4.0 * i + bias_std * torch.randn(bias.shape, generator=g)
-    return model
-
-
-def router_biases(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, b) for n, b in model.named_buffers() if n.endswith(SYNC_FP32_SUFFIXES)]
-
-
-def hf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's exportable tensors in raw order: parameters, each router bias right after its gate."""
-    out: list[tuple[str, torch.Tensor]] = []
-    biases = dict(router_biases(model))
-    for name, p in model.named_parameters():
-        out.append((name, p))
-        bias = name[: -len("weight")] + "e_score_correction_bias"
-        if name.endswith(".gate.weight") and bias in biases:
-            out.append((bias, biases[bias]))
-    return out
-
-
 def hf_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """What a correct sync delivers: every HF name (experts one by one) in its sync dtype."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in hf_tensors(model):
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            prefix, w = name.rsplit(".", 1)
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.{w}"] = t[e].detach().to(dtype)
-        else:
-            out[name] = t.detach().to(sync_dtype_for(name, dtype, t.dtype))
-    return out
-
-
-def load_hf_weight(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """vLLM's ``load_weights`` for one tensor: copy by name (per-expert names into the fused weight)."""
-    m = EXPERT_RE.match(name)
-    try:
-        if m:
-            fused = model.get_parameter(f"{m['prefix']}.{m['w']}")
-            target = fused.data[int(m["e"])]
-        else:
-            target = _named(model, name).data
-    except (AttributeError, IndexError):
-        raise WorkbenchError(f"the receiver's model has no tensor {name!r}") from None
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise WorkbenchError(f"tensor {name!r}: received shape {list(tensor.shape)}, the model holds "
-                             f"{list(target.shape)}")
-    target.copy_(tensor)
-
-
-def _named(model: torch.nn.Module, name: str) -> torch.Tensor:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return model.get_buffer(name)
+    return {n: t.to(sync_dtype_for(n, dtype, t.dtype)) for n, t in model_mod.hf_state(model).items()}
 
 
 # -- mesh, mappings, tasks ------------------------------------------------------------------
@@ -229,7 +158,7 @@ def get_conversion_tasks(model: torch.nn.Module, mesh: Mesh) -> list[WeightConve
     """Fresh tasks with fresh mappings (empty caches), in the model's raw order."""
     tasks = []
     for name, t in hf_tensors(model):
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        if name.endswith(model_mod.FUSED):
             n_local = t.shape[0] // mesh.size
             for i in range(n_local):
                 local = t[mesh.rank * n_local + i]
