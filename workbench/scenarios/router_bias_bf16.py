@@ -36,7 +36,7 @@ SCENARIO = Scenario(
     doc=__doc__,
     params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
             "router_scale": 0.01},
-    probe=["sent", "loaded", "inference"],
+    probe=["trainer", "sent", "loaded", "inference"],
     incident="002_79cad179003d2dbf",
 )
 KEEP_FP32 = SCENARIO.fix(
@@ -50,7 +50,7 @@ KEEP_FP32 = SCENARIO.fix(
 def build(ctx) -> None:
     """Trainer shard (router bias fp32: offset ~41, per-expert std 7e-4), the worker's stale copy."""
     colocated.build(ctx)
-    for name, b in wm.router_biases(ctx.trainer):
+    for name, b in wm.router_biases(ctx.trainer_model):
         ctx.note(f"trainer {name}: {wm.distinct_values(b)} distinct values, mean {float(b.mean()):.4f}, "
                  f"spread {float(b.max() - b.min()):.2e}")
 

@@ -46,7 +46,7 @@ SCENARIO = Scenario(
     doc=__doc__,
     params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
             "router_scale": 1.0, "keep_fp32_routing": True},
-    probe=["sent", "loaded", "inference"],
+    probe=["trainer", "sent", "loaded", "inference"],
     incident="002_79cad179003d2dbf",
 )
 PER_RANK = SCENARIO.fix(
@@ -64,16 +64,19 @@ def build(ctx) -> None:
     p = ctx.params
     ctx.config = wm.tiny_config(**p)
     kw = {"router_scale": p["router_scale"]}
-    ctx.trainer = wm.training_step(wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw), p["seed"])
+    ctx.trainer_model = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw)
+    wm.training_step(ctx.trainer_model, p["seed"])
+    # this trainer rank's tensors as it computes with them (native dtypes): what the sync must deliver
+    ctx.trainer = dict(wm.export_hf_weights(ctx.trainer_model, ctx.rank, ctx.world_size, p["layout"]))
     ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
     ctx.worker, ctx.worker_device = ipc.worker_device(ctx.device, ctx.rank, ctx.world_size)
     ctx.inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
-    ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx.trainer, ctx.worker, ctx.world_size, p["layout"])]
-    served_elsewhere = {n: t for n, t in wm.hf_state(ctx.trainer).items() if n not in set(ctx.hosted)}
+    ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx.trainer_model, ctx.worker, ctx.world_size, p["layout"])]
+    served_elsewhere = {n: t for n, t in wm.hf_state(ctx.trainer_model).items() if n not in set(ctx.hosted)}
     for name, t in served_elsewhere.items():
         wm.load_hf_weight(ctx.inference, name, t)
     ctx.loaded = wm.loaded_view(ctx.inference, ctx.hosted)
-    ctx.reference_lp = wm.token_logprobs(ctx.trainer, ctx.tokens)
+    ctx.reference_lp = wm.token_logprobs(ctx.trainer_model, ctx.tokens)
     lp = wm.token_logprobs(ctx.inference, ctx.tokens.to(ctx.worker_device))
     gap = (lp - ctx.reference_lp).abs()
     ctx.gap_before = float(gap.mean())
@@ -86,7 +89,7 @@ def build(ctx) -> None:
 def pack(ctx, keep_suffixes: tuple[str, ...]) -> None:
     """Export this trainer rank's shard, cast for the sync, bucket and pack per dtype."""
     p = ctx.params
-    exported = list(wm.export_hf_weights(ctx.trainer, ctx.rank, ctx.world_size, p["layout"]))
+    exported = list(ctx.trainer.items())
     ctx.sent = dict(wp.cast_for_sync(exported, SYNC_DTYPE, keep_suffixes))
     ctx.packs = wp.pack_for_sync(exported, SYNC_DTYPE, keep_suffixes, p["bucket_bytes"])
     ctx.note(f"packed {len(ctx.sent)} tensors (first {next(iter(ctx.sent))}) into {len(ctx.packs)} buffer(s): "
@@ -123,20 +126,20 @@ def load(ctx) -> None:
     stray = [n for n in written if n not in set(ctx.hosted)]
     ctx.note(f"worker {ctx.worker} loaded {len(written)} tensors from {key}"
              + (f"; {len(stray)} are not its own (e.g. {stray[0]})" if stray else ""))
-    for name, t in wm.hf_state(ctx.trainer).items():  # what each tensor should hold after a right sync
-        ctx.expect(f"inference.{_module_name(name)}", _fused_expected(ctx.trainer, name, t))
+    for name, t in wm.hf_state(ctx.trainer_model).items():  # what each tensor should hold after a right sync
+        ctx.expect(f"inference.{_module_name(name)}", _fused_expected(ctx.trainer_model, name, t))
 
 
 def check(ctx) -> None:
     """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
     lp = wm.token_logprobs(ctx.inference, ctx.tokens.to(ctx.worker_device))
     gap = (lp - ctx.reference_lp).abs()
-    truth = wm.hf_state(ctx.trainer)
+    truth = wm.hf_state(ctx.trainer_model)
     wrong = [n for n in ctx.hosted if not _same(ctx.loaded[n], truth[n])]
     k = ctx.config.num_experts_per_tok
-    scores_t = wm.router_inputs(ctx.trainer, ctx.tokens)
+    scores_t = wm.router_inputs(ctx.trainer_model, ctx.tokens)
     scores_w = wm.router_inputs(ctx.inference, ctx.tokens.to(ctx.worker_device))
-    bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx.trainer)}
+    bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx.trainer_model)}
     bias_w = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx.inference)}
     sets_t = wm.expert_sets(scores_t, bias_t, k)
     sets_w = wm.expert_sets(scores_w, bias_w, k)
