@@ -68,6 +68,7 @@ def _out(s, step: str, name: str) -> float:
     return float(o[(o["step"] == step) & (o["name"] == name)]["head"].iloc[0][0])
 
 
+@pytest.mark.slow
 def test_stage1_silent_then_stage2_hangs_in_an_expert_all_gather_and_recovers(healthy):
     s = healthy.session(SCENARIO)
     s.run(until="score")
@@ -97,6 +98,7 @@ def test_stage1_silent_then_stage2_hangs_in_an_expert_all_gather_and_recovers(he
     assert not healthy.needs_recovery
 
 
+@pytest.mark.slow
 def test_check_streamed_names_fails_on_both_ranks_at_the_first_mismatch_before_loading(healthy):
     s = healthy.session(SCENARIO, fix="check-streamed-names")
     s.run(until="score")
@@ -108,6 +110,7 @@ def test_check_streamed_names_fails_on_both_ranks_at_the_first_mismatch_before_l
     assert _out(s, "score", "names_wrong") >= 40  # nothing loaded: the worker still holds its own stale weights
 
 
+@pytest.mark.slow
 def test_one_chunk_plan_with_the_check_syncs_right_twice(healthy):
     s = healthy.session(SCENARIO, fix="one-chunk-plan+check-streamed-names")
     s.run()

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.pack import dtype_name, dtype_of
 
 DEFAULT_THRESHOLD = 1 << 20  # vLLM: 1 GiB; the toy models here are far below 1 MiB: one buffer
 
@@ -76,18 +77,6 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """``'bfloat16'`` or ``'torch.bfloat16'`` -> ``torch.bfloat16`` (one clear line otherwise)."""
-    dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise WorkbenchError(f"unknown dtype name {name!r} in the weight metadata")
-    return dt
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
 
 
 @dataclass

@@ -42,11 +42,10 @@ import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
 from workbench.rank.weightsync import model as model_mod
-from workbench.rank.weightsync.broadcast import dtype_name
+from workbench.rank.weightsync import pack
+from workbench.rank.weightsync.pack import DEFAULT_BUCKET_BYTES, dtype_name
 
-SYNC_FP32_SUFFIXES = (model_mod.BIAS_SUFFIX,)
 METADATA_MODES = ("raw", "mirrored-local", "one-plan")
-DEFAULT_BUCKET_BYTES = 1 << 30  # SkyRL's default 1 GB: a toy model is one bucket
 
 # Part 1's tiny DeepseekV3 with a dense layer in front: two layers, two pipeline stages.
 TOY_SHAPE: dict[str, Any] = {**model_mod.TINY, "num_hidden_layers": 2, "first_k_dense_replace": 1}
@@ -59,10 +58,9 @@ hf_tensors = model_mod._raw  # parameters in model order, each router bias right
 
 
 def sync_dtype_for(name: str, default: torch.dtype, native: torch.dtype | None) -> torch.dtype:
-    """The dtype a tensor travels in: its native dtype for routing-critical names, else ``default``."""
-    if native is not None and name.endswith(SYNC_FP32_SUFFIXES):
-        return native
-    return default
+    """Part 1's rule (routing-critical suffixes keep their native dtype); ``native=None``: a rank that
+    does not hold the tensor cannot know it and falls back to ``default``."""
+    return default if native is None else pack.sync_dtype_for(name, default, native, pack.ROUTING_SUFFIXES)
 
 
 def hf_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
