@@ -2,8 +2,8 @@
 
 The weight-sync scenarios probe, on every rank, ``trainer.<name>`` (the tensors trainer
 rank ``r`` exports, native dtypes), ``sent.<name>`` (the same after the sync's cast) and
-``loaded.<name>`` (what the inference worker hosted by that rank now holds under each HF
-name). Fingerprints hash the bytes, so equal fingerprints mean equal tensors whatever
+``worker<w>.<name>`` (what inference worker ``w``, hosted by that rank, now holds under each
+HF name). Fingerprints hash the bytes, so equal fingerprints mean equal tensors whatever
 rank or name they sit under. That turns "the output is garbage" into a sentence: worker 1
 ``experts.0.gate_up_proj`` holds trainer rank 1's ``experts.4.gate_up_proj``.
 
@@ -21,6 +21,7 @@ Pure functions of a record's tables: a live session and a loaded bundle read ali
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pandas as pd
@@ -28,6 +29,7 @@ import pandas as pd
 from workbench.analysis.findings import FINDING_COLUMNS
 
 ROUTING_NOTE = "routing:"
+WORKER_RE = re.compile(r"^worker(?P<w>\d+)\.(?P<hf>.*)$")
 MATCH_COLUMNS = ["worker", "rank", "name", "status", "holds_rank", "holds_name", "dtype", "trainer_dtype", "sent_dtype",
                  "finding"]
 
@@ -50,13 +52,11 @@ def _short(name: str) -> str:
     return name.replace("model.layers.", "L").replace(".mlp.", ".")
 
 
-def workers(source: Any, step: str | None = None) -> dict[int, int]:
-    """Engine rank -> the inference worker it hosts (from the outputs' ``worker`` column)."""
-    o = _record(source).outputs
-    if o is None or o.empty or "worker" not in o:
-        return {}
-    o = o.dropna(subset=["worker"])
-    return {int(r): int(w) for r, w in zip(o["rank"], o["worker"])}
+def workers(source: Any) -> dict[int, int]:
+    """Engine rank -> the inference worker it hosts (from the probed ``worker<w>.`` names)."""
+    t = _record(source).tensors
+    hit = t["name"].str.extract(WORKER_RE) if len(t) else pd.DataFrame(columns=["w"])
+    return {int(r): int(w) for r, w in zip(t["rank"][hit["w"].notna()], hit["w"].dropna())}
 
 
 def _split(t: pd.DataFrame, prefix: str) -> pd.DataFrame:
@@ -69,8 +69,9 @@ def match_matrix(source: Any, step: str | None = None) -> pd.DataFrame:
     """Per worker and name it holds: whose tensor is it (see the module doc for the statuses)."""
     rec = _record(source)
     t = _at(rec.tensors, step)
-    host = workers(rec)
-    trainer, sent, loaded = _split(t, "trainer."), _split(t, "sent."), _split(t, "loaded.")
+    trainer, sent = _split(t, "trainer."), _split(t, "sent.")
+    hit = t["name"].str.extract(WORKER_RE)
+    loaded = t[hit["w"].notna()].assign(worker=hit["w"].dropna().astype(int), hf=hit["hf"].dropna())
     by_fp: dict[Any, list[tuple[int, str]]] = {}
     for r in trainer.itertuples():
         by_fp.setdefault(r.fingerprint, []).append((int(r.rank), r.hf))
@@ -79,8 +80,7 @@ def match_matrix(source: Any, step: str | None = None) -> pd.DataFrame:
     sent_of = {(int(r.rank), r.hf): r for r in sent.itertuples()}
     rows = []
     for r in loaded.itertuples():
-        rank = int(r.rank)
-        w = host.get(rank, rank)
+        rank, w = int(r.rank), int(r.worker)
         truth = own.get((w, r.hf)) or any_owner.get(r.hf)
         row = {"worker": w, "rank": rank, "name": r.hf, "status": "stale", "holds_rank": None, "holds_name": None,
                "dtype": r.dtype, "trainer_dtype": None if truth is None else truth.dtype, "sent_dtype": None}

@@ -36,7 +36,7 @@ SCENARIO = Scenario(
     doc=__doc__,
     params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
             "router_scale": 0.01},
-    probe=["trainer", "sent", "loaded", "inference"],
+    probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
 KEEP_FP32 = SCENARIO.fix(
@@ -50,7 +50,7 @@ KEEP_FP32 = SCENARIO.fix(
 def build(ctx) -> None:
     """Trainer shard (router bias fp32: offset ~41, per-expert std 7e-4), the worker's stale copy."""
     colocated.build(ctx)
-    for name, b in wm.router_biases(ctx.trainer_model):
+    for name, b in wm.router_biases(ctx._trainer_model):
         ctx.note(f"trainer {name}: {wm.distinct_values(b)} distinct values, mean {float(b.mean()):.4f}, "
                  f"spread {float(b.max() - b.min()):.2e}")
 
@@ -71,7 +71,7 @@ def share(ctx) -> None:
 def load(ctx) -> None:
     """The worker loads by name; a bf16 bias lands in its fp32 buffer with the bf16 values."""
     colocated.load(ctx)
-    for name, b in wm.router_biases(ctx.inference):
+    for name, b in wm.router_biases(ctx._inference):
         ctx.note(f"worker {ctx.worker} {name}: {wm.distinct_values(b)} distinct values after the sync")
 
 

@@ -46,7 +46,7 @@ SCENARIO = Scenario(
     doc=__doc__,
     params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
             "router_scale": 1.0, "keep_fp32_routing": True},
-    probe=["trainer", "sent", "loaded", "inference"],
+    probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
 PER_RANK = SCENARIO.fix(
@@ -64,20 +64,20 @@ def build(ctx) -> None:
     p = ctx.params
     ctx.config = wm.tiny_config(**p)
     kw = {"router_scale": p["router_scale"]}
-    ctx.trainer_model = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw)
-    wm.training_step(ctx.trainer_model, p["seed"])
+    ctx._trainer_model = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw)
+    wm.training_step(ctx._trainer_model, p["seed"])
     # this trainer rank's tensors as it computes with them (native dtypes): what the sync must deliver
-    ctx.trainer = dict(wm.export_hf_weights(ctx.trainer_model, ctx.rank, ctx.world_size, p["layout"]))
+    ctx.trainer = dict(wm.export_hf_weights(ctx._trainer_model, ctx.rank, ctx.world_size, p["layout"]))
     ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
     ctx.worker, ctx.worker_device = ipc.worker_device(ctx.device, ctx.rank, ctx.world_size)
-    ctx.inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
-    ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx.trainer_model, ctx.worker, ctx.world_size, p["layout"])]
-    served_elsewhere = {n: t for n, t in wm.hf_state(ctx.trainer_model).items() if n not in set(ctx.hosted)}
+    ctx._inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
+    ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx._trainer_model, ctx.worker, ctx.world_size, p["layout"])]
+    served_elsewhere = {n: t for n, t in wm.hf_state(ctx._trainer_model).items() if n not in set(ctx.hosted)}
     for name, t in served_elsewhere.items():
-        wm.load_hf_weight(ctx.inference, name, t)
-    ctx.loaded = wm.loaded_view(ctx.inference, ctx.hosted)
-    ctx.reference_lp = wm.token_logprobs(ctx.trainer_model, ctx.tokens)
-    lp = wm.token_logprobs(ctx.inference, ctx.tokens.to(ctx.worker_device))
+        wm.load_hf_weight(ctx._inference, name, t)
+    expose_worker(ctx, wm.loaded_view(ctx._inference, ctx.hosted))
+    ctx.reference_lp = wm.token_logprobs(ctx._trainer_model, ctx.tokens)
+    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
     gap = (lp - ctx.reference_lp).abs()
     ctx.gap_before = float(gap.mean())
     ctx.output("logprobs_before", lp, worker=ctx.worker, gap_mean=float(gap.mean()), gap_max=float(gap.max()))
@@ -117,30 +117,30 @@ def load(ctx) -> None:
     written: list[str] = []
     try:
         for req in ctx.requests:
-            written += receive.update_weights_ipc(req, key, lambda n, t: wm.load_hf_weight(ctx.inference, n, t),
+            written += receive.update_weights_ipc(req, key, lambda n, t: wm.load_hf_weight(ctx._inference, n, t),
                                                   ctx.worker_device)
     finally:
         dist.barrier()  # the senders keep their buffers until every worker has loaded (SkyRL: barrier)
     ctx.written = written
-    ctx.loaded = wm.loaded_view(ctx.inference, list(dict.fromkeys(ctx.hosted + written)))
+    expose_worker(ctx, wm.loaded_view(ctx._inference, list(dict.fromkeys(ctx.hosted + written))))
     stray = [n for n in written if n not in set(ctx.hosted)]
     ctx.note(f"worker {ctx.worker} loaded {len(written)} tensors from {key}"
              + (f"; {len(stray)} are not its own (e.g. {stray[0]})" if stray else ""))
-    for name, t in wm.hf_state(ctx.trainer_model).items():  # what each tensor should hold after a right sync
-        ctx.expect(f"inference.{_module_name(name)}", _fused_expected(ctx.trainer_model, name, t))
+    for name, t in wm.hf_state(ctx._trainer_model).items():  # what each tensor should hold after a right sync
+        ctx.expect(f"worker{ctx.worker}_model.{_module_name(name)}", _fused_expected(ctx._trainer_model, name, t))
 
 
 def check(ctx) -> None:
     """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
-    lp = wm.token_logprobs(ctx.inference, ctx.tokens.to(ctx.worker_device))
+    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
     gap = (lp - ctx.reference_lp).abs()
-    truth = wm.hf_state(ctx.trainer_model)
-    wrong = [n for n in ctx.hosted if not _same(ctx.loaded[n], truth[n])]
+    truth = wm.hf_state(ctx._trainer_model)
+    wrong = [n for n in ctx.hosted if not _same(ctx._loaded[n], truth[n])]
     k = ctx.config.num_experts_per_tok
-    scores_t = wm.router_inputs(ctx.trainer_model, ctx.tokens)
-    scores_w = wm.router_inputs(ctx.inference, ctx.tokens.to(ctx.worker_device))
-    bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx.trainer_model)}
-    bias_w = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx.inference)}
+    scores_t = wm.router_inputs(ctx._trainer_model, ctx.tokens)
+    scores_w = wm.router_inputs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._trainer_model)}
+    bias_w = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._inference)}
     sets_t = wm.expert_sets(scores_t, bias_t, k)
     sets_w = wm.expert_sets(scores_w, bias_w, k)
     changed = {r: wm.changed_fraction(sets_t[r], sets_w[r]) for r in sets_t}
@@ -161,6 +161,17 @@ def check(ctx) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def expose_worker(ctx, loaded: dict[str, torch.Tensor]) -> None:
+    """Probe the hosted worker under its own id (``worker1.<HF name>``, ``worker1_model.<param>``).
+
+    Rank ``r`` hosts another worker than rank ``r'``, so the same HF name on two ranks is two
+    workers' tensors: named per worker, the cross-rank detectors never compare them.
+    """
+    ctx._loaded = loaded
+    setattr(ctx, f"worker{ctx.worker}", loaded)
+    setattr(ctx, f"worker{ctx.worker}_model", ctx._inference)
+
+
 def _experts(ctx, rank: int) -> str:
     if ctx.params["layout"] == "replicated":
         return "all"
