@@ -58,6 +58,29 @@ def test_provenance_says_which_names_got_whose_bytes():
     assert wo.misloaded(plan, stream)[0] == "'bias' (float32) got b + c"
 
 
+def test_views_mark_the_first_mismatch_and_draw_each_run_per_sync():
+    import pandas as pd
+
+    from workbench.viz import cycles_view, order_view
+
+    plan = wo.order_frame([list(e) for e in zip(PLAN.names, PLAN.dtype_names, PLAN.shapes)])
+    stream = wo.order_frame([list(e) for e in STREAM])
+    fig = order_view(plan, stream)
+    assert "first mismatch at index 1" in fig.layout.annotations[0].text
+    assert fig.layout.title.text.startswith("stream vs plan: 3 of 4 names")
+    red = [w for tr in fig.data for w in tr.marker.line.width if w > 1]
+    assert len(red) == 3  # the plan boxes that got someone else's bytes
+    def out(rows):
+        return pd.DataFrame([{"step": st, "name": n, "head": [v], "sync": k, "names": 4} for st, n, v, k in rows])
+
+    bug = out([("score", "logprob_gap", 0.13, 1), ("score", "names_wrong", 3.0, 1)])
+    fix = out([("score", "logprob_gap", 0.0, 1), ("score", "names_wrong", 0.0, 1),
+               ("score_2", "logprob_gap", 0.0, 2), ("score_2", "names_wrong", 0.0, 2)])
+    cyc = wo.sync_cycles({"bug": bug, "fix": fix})
+    assert cyc[["run", "sync", "names_wrong"]].values.tolist() == [["bug", 1, 3], ["fix", 1, 0], ["fix", 2, 0]]
+    assert len(cycles_view({"bug": bug, "fix": fix}).data) == 4
+
+
 # -- on live ranks --------------------------------------------------------------------------
 def _errors(frame) -> dict[int, str]:
     return {int(e.rank): f"{e.error}: {e.message}" for e in frame.events.itertuples()}
