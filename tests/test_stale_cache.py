@@ -58,8 +58,27 @@ def test_rebuilding_tasks_per_sync_regathers_the_spec_and_sync2_is_right(healthy
 
 
 def test_control_values_change_but_dtype_does_not_so_the_stale_spec_still_fits(healthy):
-    s = healthy.session(SCENARIO, bias_fp32_after_step=False)
+    s = healthy.session(SCENARIO, bias_dtype_sync2="bfloat16")
     s.run()
     assert s.done and all(f.ok for f in s.frames)
     assert any("reused conversion tasks" in n for n in _notes(s, "sync_2", 0))
     assert _out(s, "score_2", "names_wrong") == 0.0  # the new values arrived: the cache holds specs, not values
+
+
+def test_reverse_direction_is_silent_on_gloo_and_sync2_loads_a_wrong_bias(healthy):
+    """fp32 spec cached, bf16 sent: the receive buffer is the larger one, gloo fills half of it and returns."""
+    s = healthy.session(SCENARIO, bias_dtype_sync1="float32", bias_dtype_sync2="bfloat16")
+    s.run()
+    assert s.done and all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]
+    assert _out(s, "score_1", "names_wrong") == 0.0
+    assert _out(s, "score_2", "names_wrong") == 1.0  # the router bias, and nothing else
+    assert any("e_score_correction_bias" in n for n in _notes(s, "score_2", 1))
+    sync2 = s.ledger[s.ledger["step"] == "sync_2"]
+    div = first_divergence(sync2)
+    calls = {r: c for r, c in div.calls.items() if c is not None}
+    assert (calls[0]["dtypes"], int(calls[0]["bytes"])) == ("float32", 32)
+    assert (calls[1]["dtypes"], int(calls[1]["bytes"])) == ("bfloat16", 16)
+    fixed = healthy.session(SCENARIO, fix="rebuild-tasks-per-sync", bias_dtype_sync1="float32",
+                            bias_dtype_sync2="bfloat16")
+    fixed.run()
+    assert _out(fixed, "score_2", "names_wrong") == 0.0

@@ -21,8 +21,11 @@ shows the pair: a bfloat16 broadcast of 16 bytes on one rank, float32 of 32 byte
 
 Fix ``rebuild-tasks-per-sync``: keep only the bucket index groups and build fresh tasks
 (fresh mappings, empty caches) on every sync; the spec all-gather runs again and sees
-fp32. Control: ``--set bias_fp32_after_step=false`` (only values change): the stale
-spec still fits, sync 2 is right, and the bug stays invisible.
+fp32. Control: ``--set bias_dtype_sync2=bfloat16`` (only values change): the stale
+spec still fits, sync 2 is right, and the bug stays invisible. Reverse direction:
+``--set bias_dtype_sync1=float32 --set bias_dtype_sync2=bfloat16``: the stale buffer is
+larger than what arrives, gloo fills its first half and returns, and sync 2 loads wrong
+bias values without any error (the silent outcome the incident saw on NCCL).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from workbench.rank.weightsync import broadcast as bc
 from workbench.rank.weightsync import conversion as cv
+from workbench.rank.weightsync.pack import dtype_of
 from workbench.scenario import Scenario
 from workbench.scenarios.weight_sync_order_desync import (
     build_roles,
@@ -46,7 +50,7 @@ SCENARIO = Scenario(
     title="Weight sync: reused conversion tasks keep a stale pipeline-broadcast spec (bias bf16 -> fp32)",
     doc=__doc__,
     params={**cv.TOY_SHAPE, "seed": 0, "bucket_bytes": cv.DEFAULT_BUCKET_BYTES, "threshold_bytes": bc.DEFAULT_THRESHOLD,
-            "seq_len": 16, "lr": 0.02, "bias_fp32_after_step": True},
+            "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32"},
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
 )
@@ -78,7 +82,7 @@ def sync(ctx, n: int) -> None:
 @SCENARIO.step
 def build(ctx) -> None:
     """Trainer replica (bf16, the router bias bf16 as after the mixed-precision wrapper); the worker's copy."""
-    build_roles(ctx, bias_dtype=torch.bfloat16)
+    build_roles(ctx, bias_dtype=dtype_of(ctx.params["bias_dtype_sync1"]))
     ctx.extractor = extractor(ctx, "one-plan", reuse_tasks=ctx.fix != REBUILD)
 
 
@@ -95,7 +99,10 @@ def score_1(ctx) -> None:
 
 @SCENARIO.step
 def train_step(ctx) -> None:
-    """Every value moves; the owner keeps the router bias fp32 again (same object, new data)."""
+    """Every value moves; the owner keeps the router bias fp32 again (same object, new data).
+
+    (``bias_dtype_sync2`` picks the bias dtype after the step; every replica follows it,
+    only the owner's copy is exported.)"""
     forget_expectations(ctx)
     g = torch.Generator().manual_seed(ctx.params["seed"] + 1000)
     biases = {id(b) for _, b in cv.router_biases(ctx.trainer)}
@@ -104,8 +111,7 @@ def train_step(ctx) -> None:
             delta = torch.randn(t.shape, generator=g).to(t.device)
             if id(t) in biases:
                 delta = delta * 1e-3  # the bias moves by its own small steps
-                if ctx.params["bias_fp32_after_step"]:
-                    t.data = t.data.float()
+                t.data = t.data.to(dtype_of(ctx.params["bias_dtype_sync2"]))
             t.data += (ctx.params["lr"] * delta).to(t.dtype)
     dtypes = sorted({str(b.dtype).replace("torch.", "") for _, b in cv.router_biases(ctx.trainer)})
     ctx.note(f"trained one step; router bias now {', '.join(dtypes)}")
