@@ -8,11 +8,15 @@ threshold); on CPU a right sync leaves the same bf16 bytes, so it is 0.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import workbench as wb
+from workbench import viz
 from workbench.analysis import weightsync as ws
+from workbench.postmortem import bundle
 from workbench.rank.weightsync import ipc
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
@@ -107,6 +111,25 @@ def test_keeping_routing_params_fp32_packs_per_dtype_and_restores_routing(bias_r
     packed = [n["note"] for n in fix.notes if n["step"] == "pack"]
     assert all("2 buffer(s)" in n and "x bfloat16, 8 x float32" in n for n in packed) and len(packed) == 2
     assert all("1 buffer(s)" in n["note"] for n in bias_runs["bug"].notes if n["step"] == "pack")
+
+
+def test_recorded_bundles_name_the_mislabel_and_render_the_views():
+    """No engines: the same analysis and views on the recorded CPU bundles."""
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
+    meta = bundle.load(root / "weight-sync-rank0-metadata.wbundle")
+    bug, fix = meta.records
+    assert ws.mislabels(bug)[0] == f"worker 1 `{EXP}.0.gate_up_proj` holds trainer rank 1's `{EXP}.4.gate_up_proj`"
+    assert ws.mislabels(fix) == []
+    fig = viz.match_matrix_view(bug)
+    assert fig.layout.title.text.startswith("Sender -> receiver match matrix: 16 of 54 names")
+    w0 = list(fig.data[0].z[0])  # worker 0: its 23 names match, the 8 experts it does not host are blank
+    assert w0.count(0) == 23 and w0.count(None) == 8
+    gap = viz.output_gap_view(bug, fix)
+    assert len(gap.data) == 2 and len(gap.data[0].y) == 4
+    bias = bundle.load(root / "router-bias-bf16.wbundle")
+    rv = viz.routing_view(bias.records[0], worker=1)
+    assert "of tokens change expert set" in rv.layout.title.text and len(rv.data[0].z) == 32
+    assert not ws.routing(bias.records[1])["changed"].any()
 
 
 # -- bad input through a session: one line naming the tensor, ranks stay usable -------------------

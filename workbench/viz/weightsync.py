@@ -51,15 +51,19 @@ def match_matrix_view(source: Any, title: str | None = None, step: str | None = 
     return fig
 
 
-def routing_view(source: Any, worker: int | None = None, title: str | None = None) -> go.Figure:
-    """Per token, the experts chosen with the trainer's fp32 bias and after the sync; the bias per expert."""
+def routing_view(source: Any, worker: int | None = None, router: str | None = None,
+                 title: str | None = None) -> go.Figure:
+    """Per token, the experts chosen with the trainer's fp32 bias and after the sync; the bias per expert.
+
+    One worker (default: the lowest) and one router (default: the first MoE layer's).
+    """
     r = ws.routing(source)
     b = ws.router_biases(source)
     if worker is None and len(r):
         worker = int(r["worker"].min())
     r = r[r["worker"] == worker]
     b = b[b["worker"] == worker]
-    router = r["router"].iloc[0] if len(r) else ""
+    router = router or (r["router"].iloc[0] if len(r) else "")
     r, b = r[r["router"] == router], b[b["router"] == router]
     n_exp = int(b["expert"].max()) + 1 if len(b) else 0
     code = {(True, True): 3, (True, False): 1, (False, True): 2, (False, False): 0}
@@ -80,7 +84,8 @@ def routing_view(source: Any, worker: int | None = None, title: str | None = Non
     changed = float(r["changed"].mean()) if len(r) else 0.0
     fig.update_yaxes(autorange="reversed", row=1, col=1)
     fig.update_yaxes(tickformat=".4f", row=1, col=2)
-    fig.update_layout(title=title or f"Routing on worker {worker}: {changed:.0%} of tokens change expert set",
+    fig.update_layout(title=title or f"Routing on worker {worker} ({_short(router)}): {changed:.0%} of tokens change "
+                      "expert set",
                       height=max(360, 14 * len(r) + 160), legend={"x": 0.75, "y": -0.15, "orientation": "h"})
     return fig
 
