@@ -61,7 +61,7 @@ def test_provenance_says_which_names_got_whose_bytes():
 def test_views_mark_the_first_mismatch_and_draw_each_run_per_sync():
     import pandas as pd
 
-    from workbench.viz import cycles_view, order_view
+    from workbench.viz import cycles_view, match_view, order_view
 
     plan = wo.order_frame([list(e) for e in zip(PLAN.names, PLAN.dtype_names, PLAN.shapes)])
     stream = wo.order_frame([list(e) for e in STREAM])
@@ -79,6 +79,12 @@ def test_views_mark_the_first_mismatch_and_draw_each_run_per_sync():
     cyc = wo.sync_cycles({"bug": bug, "fix": fix})
     assert cyc[["run", "sync", "names_wrong"]].values.tolist() == [["bug", 1, 3], ["fix", 1, 0], ["fix", 2, 0]]
     assert len(cycles_view({"bug": bug, "fix": fix}).data) == 4
+    hist = pd.DataFrame([{"step": st, "name": f"inference.{n}", "ref_diff": d} for st, n, d in
+                         [("score", "a", 0.0), ("score", "b", 0.5), ("deliver", "b", 0.5), ("score_2", "b", 0.0)]])
+    tab = wo.match_table({"bug": hist})
+    assert tab[["sync", "name", "match"]].values.tolist() == [[1, "a", True], [1, "b", False], [2, "b", True]]
+    fig = match_view({"bug": hist})
+    assert list(fig.data[0].x) == ["bug · sync 1", "bug · sync 2"] and "sync 1: 1 wrong" in fig.layout.title.text
 
 
 # -- on live ranks --------------------------------------------------------------------------

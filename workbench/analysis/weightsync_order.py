@@ -116,3 +116,29 @@ def sync_cycles(runs: dict[str, Any]) -> pd.DataFrame:
                          "names_wrong": None if wrong is None else int(wrong["head"][0]),
                          "names": None if wrong is None else int(wrong.get("names", 0) or 0)})
     return pd.DataFrame(rows, columns=["run", "sync", "step", "logprob_gap", "names_wrong", "names"])
+
+
+def _sync_of(step: str) -> int:
+    tail = str(step).rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 1
+
+
+def match_table(runs: dict[str, Any], prefix: str = "inference.") -> pd.DataFrame:
+    """Per run, sync and worker tensor: does it hold what the trainer holds (``ref_diff == 0``)?
+
+    ``runs``: ``{label: tensors history}`` (``session.history`` or ``record.tensors``); the
+    ``score*`` steps declare the trainer's values as expectations, so their rows carry
+    ``ref_diff``. Columns: run, sync, step, name (without ``prefix``), match, ref_diff.
+    """
+    rows = []
+    for label, hist in runs.items():
+        if hist is None or not len(hist) or "ref_diff" not in hist:
+            continue
+        part = hist[hist["step"].astype(str).str.startswith("score") & hist["name"].astype(str).str.startswith(prefix)]
+        for r in part.itertuples():
+            diff = r.ref_diff
+            if diff is None or diff != diff:
+                continue
+            rows.append({"run": label, "sync": _sync_of(r.step), "step": r.step, "name": r.name[len(prefix):],
+                         "match": float(diff) == 0.0, "ref_diff": float(diff)})
+    return pd.DataFrame(rows, columns=["run", "sync", "step", "name", "match", "ref_diff"])

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.analysis.weightsync_order import first_mismatch, provenance, sync_cycles
+from workbench.analysis.weightsync_order import first_mismatch, match_table, provenance, sync_cycles
 
 DTYPE_COLORS = {"bfloat16": "#1f77b4", "float32": "#ff7f0e", "float16": "#2ca02c"}
 
@@ -73,4 +73,33 @@ def cycles_view(runs: dict[str, pd.DataFrame], title: str | None = None) -> go.F
     fig.update_xaxes(title_text="sync", dtick=1)
     fig.update_layout(title=title or "sync cycles" + (f" (no score: {', '.join(missing)})" if missing else ""),
                       barmode="group", height=340, legend={"orientation": "h", "y": -0.3})
+    return fig
+
+
+def match_view(runs: dict[str, pd.DataFrame], title: str | None = None) -> go.Figure:
+    """The match matrix: one row per worker tensor, one column per (run, sync); green when the worker
+    holds the trainer's value after that sync, red when not (hover: max |difference|).
+    ``runs``: ``{label: tensors history}``."""
+    tab = match_table(runs)
+    fig = go.Figure()
+    if not len(tab):
+        fig.update_layout(title=title or "no scored syncs", height=200)
+        return fig
+    tab = tab.assign(column=[f"{r} · sync {k}" for r, k in zip(tab["run"], tab["sync"])])
+    cols = list(dict.fromkeys(tab["column"]))
+    names = list(dict.fromkeys(tab["name"]))
+    grid = tab.pivot_table(index="name", columns="column", values="match", aggfunc="min").reindex(
+        index=names, columns=cols)
+    diff = tab.pivot_table(index="name", columns="column", values="ref_diff", aggfunc="max").reindex(
+        index=names, columns=cols)
+    fig.add_trace(go.Heatmap(
+        z=grid.astype(float).values, x=cols, y=names, zmin=0, zmax=1, showscale=False,
+        colorscale=[[0, "#d62728"], [1, "#2ca02c"]], xgap=2, ygap=1,
+        customdata=diff.values,
+        hovertemplate="%{y}<br>%{x}<br>max |worker - trainer| = %{customdata:.3g}<extra></extra>"))
+    wrong = (~tab["match"]).groupby(tab["column"]).sum().reindex(cols)
+    fig.update_layout(title=title or "worker tensors holding the trainer's values, per sync: "
+                      + ", ".join(f"{c}: {int(w)} wrong" for c, w in wrong.items()),
+                      height=max(300, 18 * len(names) + 140), yaxis={"autorange": "reversed"},
+                      margin={"l": 320, "t": 70})
     return fig
