@@ -124,6 +124,10 @@ def test_recorded_bundles_name_the_mislabel_and_render_the_views():
     assert fig.layout.title.text.startswith("Sender -> receiver match matrix: 16 of 54 names")
     w0 = list(fig.data[0].z[0])  # worker 0: its 23 names match, the 8 experts it does not host are blank
     assert w0.count(0) == 23 and w0.count(None) == 8
+    lay = ws.buffer_layout(bug).set_index(["rank", "dtype", "name"])["loaded_as"]
+    assert lay[(1, "bfloat16", f"{EXP}.4.gate_up_proj")] == f"{EXP}.0.gate_up_proj"  # bytes of e4 cut as e0
+    assert lay[(0, "bfloat16", f"{EXP}.0.gate_up_proj")] == f"{EXP}.0.gate_up_proj"
+    assert len(viz.buffer_layout_view(bug).data) == 4  # 2 ranks x (bytes, names loaded as)
     gap = viz.output_gap_view(bug, fix)
     assert len(gap.data) == 2 and len(gap.data[0].y) == 4
     bias = bundle.load(root / "router-bias-bf16.wbundle")

@@ -196,3 +196,26 @@ def output_gap(*sources: Any) -> pd.DataFrame:
             rows.append({"run": rec.label, "worker": int(r.worker), "rank": int(r.rank), "before": float(r.gap_before),
                          "after": float(r.gap_mean), "after_max": float(r.ref_max_abs_diff)})
     return pd.DataFrame(rows, columns=["run", "worker", "rank", "before", "after", "after_max"])
+
+
+# -- buffer layout -----------------------------------------------------------------------------
+def buffer_layout(source: Any, step: str | None = None) -> pd.DataFrame:
+    """Per trainer rank and packed buffer (one per dtype): each tensor's offset and size, in packing order.
+
+    Read from the ``sent.`` rows (probed in export order), plus ``loaded_as``: the name the
+    worker reading that rank's buffer now holds those bytes under (from the match matrix;
+    None where no worker name holds them).
+    """
+    rec = _record(source)
+    t = _at(rec.tensors, step)
+    sent = _split(t, "sent.")
+    m = match_matrix(rec, step)
+    held = {(int(r.worker), r.holds_name): r.name for r in m.itertuples() if r.status in ("match", "mislabel", "cast")}
+    rows = []
+    for (rank, dtype), g in sent.groupby(["rank", "dtype"], sort=False):
+        off = 0
+        for i, r in enumerate(g.itertuples()):
+            rows.append({"rank": int(rank), "dtype": dtype, "index": i, "name": r.hf, "offset": off,
+                         "size": int(r.numel), "loaded_as": held.get((int(rank), r.hf))})
+            off += int(r.numel)
+    return pd.DataFrame(rows, columns=["rank", "dtype", "index", "name", "offset", "size", "loaded_as"])

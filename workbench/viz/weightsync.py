@@ -101,3 +101,34 @@ def output_gap_view(*sources: Any, title: str = "Log-prob gap to the trainer, pe
                              customdata=g["after_max"], hovertemplate="%{y:.3g} (max after %{customdata:.3g})"))
     fig.update_layout(title=title, barmode="group", yaxis_title="mean |Δ log-prob|", height=380)
     return fig
+
+
+def _colour(name: str | None) -> str:
+    """One colour per routed expert (the tensors that move between ranks), grey for dense tensors."""
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    if name is None:
+        return "#ffffff"
+    parts = name.split(".experts.")
+    if len(parts) == 2 and parts[1].split(".")[0].isdigit():
+        return palette[int(parts[1].split(".")[0]) % len(palette)]
+    return "#c7c7c7"
+
+
+def buffer_layout_view(source: Any, dtype: str = "bfloat16", title: str | None = None) -> go.Figure:
+    """Each rank's packed buffer as segments (what the bytes are), and the names a worker loaded them under."""
+    lay = ws.buffer_layout(source)
+    lay = lay[lay["dtype"] == dtype]
+    fig = go.Figure()
+    for rank, g in lay.groupby("rank"):
+        for label, col in ((f"rank {rank}'s buffer: bytes of", "name"), (f"worker {rank} loaded them as", "loaded_as")):
+            names = list(g[col])
+            fig.add_trace(go.Bar(
+                y=[label] * len(g), x=g["size"], base=g["offset"], orientation="h", showlegend=False,
+                marker={"color": [_colour(n) for n in names], "line": {"color": "#333", "width": 0.5}},
+                text=[_short(n).replace("L0.experts.", "e") if n else "" for n in names], textposition="inside",
+                insidetextanchor="middle", hovertext=[n or "held under no name" for n in names],
+                hovertemplate="%{hovertext}<br>elements %{base} .. +%{x}<extra></extra>"))
+    fig.update_layout(title=title or f"Packed {dtype} buffers: what the bytes are vs the names they were loaded under",
+                      barmode="overlay", height=140 + 60 * lay["rank"].nunique() * 2, xaxis_title="element offset",
+                      yaxis={"autorange": "reversed"}, uniformtext={"minsize": 7, "mode": "hide"})
+    return fig
