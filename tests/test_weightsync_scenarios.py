@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import workbench as wb
 from workbench import viz
@@ -200,5 +199,4 @@ def test_unknown_layout_is_one_line(healthy):
     s.run()
     errs = s.frames[0].rank_errors
     assert set(errs) == {0, 1} and all("unknown export layout 'pp'; valid: ep, replicated" in e for e in errs.values())
-    with torch.no_grad():
-        assert torch.tensor(1.0).item() == 1.0
+    assert all("\n" not in e for e in errs.values())
