@@ -7,5 +7,9 @@ May import ``analysis`` (and ``rank`` column lists); never ``postmortem`` or ``l
 
 from workbench.viz.collectives import swimlane
 from workbench.viz.tensors import buffer_values, comparison, outputs_view, short, status_matrix
+from workbench.viz.weightsync import buffer_layout_view, match_matrix_view, output_gap_view, routing_view
+from workbench.viz.weightsync_cycles import cycles_view, match_view, order_view
 
 __all__ = ["buffer_values", "comparison", "outputs_view", "short", "status_matrix", "swimlane"]
+__all__ += ["cycles_view", "match_view", "order_view"]
+__all__ += ["buffer_layout_view", "match_matrix_view", "output_gap_view", "routing_view"]
