@@ -119,3 +119,11 @@ def test_reinterpretation_names_a_stream_that_slid_by_a_bucket():
     tail = w.clone()
     tail[-100:] = 0
     assert findings.reinterpretations(frame([("w", w)], [("w", tail)])) == []
+
+
+def test_findings_of_a_step_with_no_tensor_rows():
+    """A step whose ranks all hung reports no tensors: the detectors must say nothing, not raise
+    (found on NCCL: an empty boolean list selected no columns and lost 'name')."""
+    empty = table([], [*COLUMNS, "ref_diff", "written", "sharded"])
+    out = findings.findings("sync", empty, table([], COLUMNS), pd.DataFrame(columns=["rank", "kind"]))
+    assert out.empty and list(out.columns) == findings.FINDING_COLUMNS
