@@ -144,3 +144,11 @@ def test_every_uninitialised_allocation_under_a_step_is_poisoned_and_tracked():
     assert poison.written_state(outside) is None
     with poison.poisoned(True), poison.allocations(), torch.device("meta"):
         assert nn.Embedding(10, 4).weight.is_meta  # building on meta still builds on meta
+
+
+def test_findings_of_a_step_with_no_tensor_rows():
+    """A step whose ranks all hung reports no tensors: the detectors must say nothing, not raise
+    (found on NCCL: an empty boolean list selected no columns and lost 'name')."""
+    empty = table([], [*COLUMNS, "ref_diff", "written", "sharded"])
+    out = findings.findings("sync", empty, table([], COLUMNS), pd.DataFrame(columns=["rank", "kind"]))
+    assert out.empty and list(out.columns) == findings.FINDING_COLUMNS

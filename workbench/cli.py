@@ -108,7 +108,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     with wb.start(ranks=args.ranks, backend=args.backend, timeout=args.timeout) as cluster:
-        print(f"{cluster}: engines {cluster.start_s:.1f}s, process group {cluster.group_s:.2f}s")
+        print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
+              f"process group {cluster.group_s:.2f}s")
         runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
         runs[0].run()
         print_summary(runs[0])

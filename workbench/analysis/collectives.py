@@ -35,42 +35,83 @@ OPEN = "started"
 # -- reading ----------------------------------------------------------------------------
 def read_ledger(source: str | list[str]) -> pd.DataFrame:
     """Every call in a ledger directory (or list of files), one row each, start and end merged."""
-    paths = sorted(glob.glob(os.path.join(source, "rank*.jsonl"))) if isinstance(source, str) else list(source)
-    starts: dict[tuple, dict[str, Any]] = {}
-    for path in paths:
-        with open(path) as f:
-            for line in f:
+    reader = LedgerReader(source)
+    reader.poll()
+    return ledger_table(reader.calls())
+
+
+class LedgerReader:
+    """Reads ledger files incrementally: each poll parses only the lines appended since the last.
+
+    A session polls after every step (and while a step waits), so re-reading whole files
+    would grow with the session; this keeps an offset per file and the merged calls.
+    """
+
+    def __init__(self, source: str | list[str]):
+        self.source = source
+        self._offsets: dict[str, int] = {}
+        self._calls: dict[tuple, dict[str, Any]] = {}
+
+    def _paths(self) -> list[str]:
+        src = self.source
+        return sorted(glob.glob(os.path.join(src, "rank*.jsonl"))) if isinstance(src, str) else list(src)
+
+    def poll(self) -> int:
+        """Parse what was appended since the last poll; the number of new events."""
+        n = 0
+        for path in self._paths():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
                 try:
                     ev = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line still being written
+                    continue
+                n += 1
                 key = (ev.get("rank"), ev.get("session"), ev.get("attempt"), ev.get("group"), ev.get("seq"))
                 if ev.get("ev") == "start":
-                    starts[key] = {**ev, "t_start": ev.get("t"), "state": OPEN, "t_end": None, "error": None}
-                elif ev.get("ev") == "end" and key in starts:
-                    starts[key].update(state=ev["state"], error=ev.get("error"), t_end=ev.get("t"))
-    return ledger_table(list(starts.values()))
+                    self._calls[key] = {**ev, "t_start": ev.get("t"), "state": OPEN, "t_end": None, "error": None}
+                elif ev.get("ev") == "end" and key in self._calls:
+                    self._calls[key].update(state=ev["state"], error=ev.get("error"), t_end=ev.get("t"))
+        return n
+
+    def calls(self, **where: Any) -> list[dict[str, Any]]:
+        """The merged calls read so far, those whose fields equal ``where`` (e.g. step=, attempt=)."""
+        rows = self._calls.values()
+        if where:
+            rows = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+        return list(rows)
+
+
+_INT_LEDGER = ("rank", "attempt", "seq", "numel", "bytes", "src", "dst", "bucket", "bucket_tensors")
+
+
+def _json_or_none(v: Any) -> Any:
+    return v if v is None or isinstance(v, str) else json.dumps(v)
 
 
 def ledger_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """Rows (from files or written by hand) as the ledger table: flat, Parquet-safe columns."""
-    df = pd.DataFrame(rows)
-    for c in LEDGER_COLUMNS:
-        if c not in df.columns:
-            df[c] = None
-    if len(df):
-        df["dtypes"] = df["dtypes"].map(_join)
-        df["shapes"] = df["shapes"].map(lambda v: v if isinstance(v, str) else json.dumps(v))
-        df["group_ranks"] = df["group_ranks"].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
-        df["session"] = df["session"].fillna("")
-        df["attempt"] = df["attempt"].fillna(0)
-        df["group"] = df["group"].fillna("0").astype(str)
-        df["state"] = df["state"].fillna("completed")
-    for c in ("rank", "attempt", "seq", "numel", "bytes", "src", "dst", "bucket", "bucket_tensors"):
+    cols: dict[str, list[Any]] = {c: [r.get(c) for r in rows] for c in LEDGER_COLUMNS}
+    if rows:
+        cols["dtypes"] = [_join(v) for v in cols["dtypes"]]
+        cols["shapes"] = [v if isinstance(v, str) else json.dumps(v) for v in cols["shapes"]]
+        cols["group_ranks"] = [_json_or_none(v) for v in cols["group_ranks"]]
+        cols["session"] = ["" if v is None else v for v in cols["session"]]
+        cols["attempt"] = [0 if v is None else v for v in cols["attempt"]]
+        cols["group"] = ["0" if v is None else str(v) for v in cols["group"]]
+        cols["state"] = ["completed" if v is None else v for v in cols["state"]]
+    df = pd.DataFrame(cols, columns=LEDGER_COLUMNS)
+    for c in _INT_LEDGER:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
     for c in ("t_start", "t_end"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-    df = df[LEDGER_COLUMNS]
     return df.sort_values(["session", "attempt", "rank", "group", "seq"], ignore_index=True) if len(df) else df
 
 

@@ -134,7 +134,8 @@ def reference_check(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, eve
     if "ref_diff" not in tensors:
         return []
     rows = []
-    bad = tensors[[_bad_ref(d) for d in tensors["ref_diff"]]]
+    # A boolean Series, never a bare list: an empty list would select no *columns* and lose "name".
+    bad = tensors[tensors["ref_diff"].map(_bad_ref).astype(bool)]
     for name, g in bad.groupby("name", sort=False):
         ranks = sorted(int(r) for r in g["rank"])
         agree = g["fingerprint"].nunique() == 1 and len(ranks) == tensors["rank"].nunique() > 1

@@ -6,7 +6,6 @@ One vocabulary for notebooks, the CLI's JSON and bundles: the probe's column nam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -21,33 +20,68 @@ INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
-    for c in columns:
-        if c not in df.columns:
-            df[c] = None
-    for c in INT_COLUMNS:
-        if c in df.columns:
-            df[c] = df[c].astype("Int64")  # counts stay integers; meta rows get <NA>, not NaN
-    extra = [c for c in df.columns if c not in columns]
-    return df[columns + extra]
+    """Rows as a DataFrame with ``columns`` first (missing ones empty), extra keys after."""
+    seen = dict.fromkeys(columns)
+    for r in rows:
+        if r.keys() - seen.keys():
+            seen.update(dict.fromkeys(r))
+    order = list(seen)
+    df = pd.DataFrame({c: [r.get(c) for r in rows] for c in order}, columns=order)
+    ints = {c: "Int64" for c in INT_COLUMNS if c in df.columns}  # counts stay integers; meta rows get <NA>
+    return df.astype(ints) if ints else df
 
 
-@dataclass
 class Frame:
-    """One step on every rank: tensors, outputs, per-rank failures, timings and notes."""
+    """One step on every rank: tensors, outputs, per-rank failures, timings and notes.
 
-    step: str
-    index: int
-    scenario: str
-    fix: str | None
-    tensors: pd.DataFrame
-    outputs: pd.DataFrame
-    events: pd.DataFrame
-    elapsed: dict[int, float] = field(default_factory=dict)
-    notes: dict[int, list[str]] = field(default_factory=dict)
-    trace: pd.DataFrame = field(default_factory=lambda: table([], TRACE_COLUMNS))  # forward trace rows
-    ledger: pd.DataFrame = field(default_factory=pd.DataFrame)  # collectives this step issued, per rank
-    hang: Any = None  # workbench.analysis.collectives.Hang when the step did not finish on every rank
+    The per-tensor tables are built when first read, not when the step returns: a user
+    stepping through a scenario looks at some frames, and a step should not wait for
+    DataFrames nobody asked for.
+    """
+
+    def __init__(self, step: str, index: int, scenario: str, fix: str | None,
+                 tensors: pd.DataFrame | list[dict[str, Any]], outputs: pd.DataFrame | list[dict[str, Any]],
+                 events: pd.DataFrame | list[dict[str, Any]], elapsed: dict[int, float] | None = None,
+                 notes: dict[int, list[str]] | None = None,
+                 trace: pd.DataFrame | list[dict[str, Any]] | None = None,
+                 ledger: pd.DataFrame | None = None, hang: Any = None):
+        self.step, self.index, self.scenario, self.fix = step, index, scenario, fix
+        self._tables: dict[str, Any] = {"tensors": tensors, "outputs": outputs, "events": events,
+                                        "trace": [] if trace is None else trace}
+        self.elapsed = elapsed or {}
+        self.notes = notes or {}
+        self.ledger = pd.DataFrame() if ledger is None else ledger  # collectives this step issued, per rank
+        self.hang = hang  # workbench.analysis.collectives.Hang when the step did not finish on every rank
+
+    def _table(self, name: str, columns: list[str]) -> pd.DataFrame:
+        v = self._tables[name]
+        if not isinstance(v, pd.DataFrame):
+            v = self._tables[name] = table(v, columns)
+        return v
+
+    @property
+    def tensors(self) -> pd.DataFrame:
+        return self._table("tensors", COLUMNS)
+
+    @property
+    def outputs(self) -> pd.DataFrame:
+        return self._table("outputs", OUTPUT_COLUMNS)
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """One row per rank that failed this step: an exception, a missed deadline, a death."""
+        return self._table("events", EVENT_COLUMNS)
+
+    @property
+    def kinds(self) -> set[str]:
+        """The kinds of failure this step saw ('error', 'timeout', 'died'), without building a table."""
+        v = self._tables["events"]
+        return set(v["kind"]) if isinstance(v, pd.DataFrame) else {e["kind"] for e in v}
+
+    @property
+    def trace(self) -> pd.DataFrame:
+        """Forward-trace rows (one per module call) when the step traced a forward."""
+        return self._table("trace", TRACE_COLUMNS)
 
     @classmethod
     def build(cls, step: str, index: int, scenario: str, fix: str | None,
@@ -67,9 +101,8 @@ class Frame:
         for rank, f in sorted(failures.items()):
             events.append({"rank": rank, "kind": f.kind, "error": f.error, "message": f.message,
                            "traceback": f.traceback})
-        return cls(step, index, scenario, fix, table(tensors, COLUMNS), table(outputs, OUTPUT_COLUMNS),
-                   table(events, EVENT_COLUMNS).sort_values("rank", ignore_index=True), elapsed, notes,
-                   table(trace, TRACE_COLUMNS))
+        events.sort(key=lambda e: e["rank"])
+        return cls(step, index, scenario, fix, tensors, outputs, events, elapsed, notes, trace)
 
     @property
     def rank_errors(self) -> dict[int, str]:
@@ -78,7 +111,7 @@ class Frame:
 
     @property
     def ok(self) -> bool:
-        return self.events.empty
+        return not self.kinds
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -46,6 +46,7 @@ class Session:
         self._begun = False
         self._generation = -1  # the cluster generation this session's rank state lives in
         self.ledger_dir = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")  # ranks append, the client reads
+        self._ledger_reader = collectives.LedgerReader(self.ledger_dir)
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
 
@@ -106,7 +107,7 @@ class Session:
         while not self.done:
             frame = self.step()
             out.append(frame)
-            if {"died", "timeout"} & set(frame.events["kind"]) or frame.step == until:
+            if {"died", "timeout"} & frame.kinds or frame.step == until:
                 break
         return out
 
@@ -140,14 +141,17 @@ class Session:
         return _stack(self.frames, "events")
 
     def _ledger(self, step: str | None = None, attempt: int | None = None) -> pd.DataFrame:
-        df = collectives.read_ledger(self.ledger_dir)
-        df = df[df["attempt"] == (self.attempt if attempt is None else attempt)]
-        return (df if step is None else df[df["step"] == step]).reset_index(drop=True)
+        self._ledger_reader.poll()
+        where: dict[str, Any] = {"attempt": self.attempt if attempt is None else attempt}
+        if step is not None:
+            where["step"] = step
+        return collectives.ledger_table(self._ledger_reader.calls(**where))
 
     @property
     def ledger(self) -> pd.DataFrame:
         """Every collective the ranks issued in this session's steps (all attempts), read live from disk."""
-        return collectives.read_ledger(self.ledger_dir)
+        self._ledger_reader.poll()
+        return collectives.ledger_table(self._ledger_reader.calls())
 
     @property
     def hangs(self) -> list[Frame]:

@@ -18,7 +18,11 @@ CATALOGUE: dict[str, str] = {
     "eval-loop-uneven-batches": "workbench.scenarios.eval_loop_uneven_batches",
     "fsdp1-rotary-meta-init": "workbench.scenarios.fsdp1_rotary_meta_init",
     "fsdp2-nonpersistent-buffer-sync": "workbench.scenarios.fsdp2_nonpersistent_buffer_sync",
+    "router-bias-bf16": "workbench.scenarios.router_bias_bf16",
+    "stale-conversion-cache": "workbench.scenarios.stale_conversion_cache",
     "to-empty-clobbers-buffers": "workbench.scenarios.to_empty_clobbers_buffers",
+    "weight-sync-order-desync": "workbench.scenarios.weight_sync_order_desync",
+    "weight-sync-rank0-metadata": "workbench.scenarios.weight_sync_rank0_metadata",
 }
 
 

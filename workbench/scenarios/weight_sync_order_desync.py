@@ -1,0 +1,240 @@
+"""weight-sync-order-desync: the receiver's plan and the sender's stream list the weights in different orders.
+
+Incident 002, review comment (SkyRL, Megatron -> vLLM, non-colocated NCCL broadcast).
+The trainer computes a plan (``get_weight_metadata``: names, dtypes, shapes) and streams
+the tensors (``extract_weights``); the packed broadcast carries bytes only, and the
+receiver slices them by the plan. Keeping the fp32 router bias fp32 made a bucket hold
+two dtypes: ``extract_weights`` regroups each bucket by output dtype (the bf16 chunk,
+then the fp32 chunk) while ``get_weight_metadata`` still lists names in raw export order.
+
+Roles on 2 ranks: rank 0 is trainer stage 0 and the sender (rank 0 of the transfer
+group); rank 1 is trainer stage 1 (it owns the MoE layer, hence the router bias) and
+the inference worker. The routed experts are expert-parallel over both trainer ranks, so
+exporting them all-gathers (see ``workbench.rank.weightsync.conversion``). Because rank 1
+plays both roles, the sender packs its buffers in ``stream`` and broadcasts them in
+``deliver``: the same bytes and cuts as streaming, in two steps.
+
+Stage 1 (``plan`` .. ``score``), silent: equal byte totals, nothing fails; every tensor
+after the bias's raw position is loaded from the wrong bytes.
+
+Stage 2 (``mirror_plan`` .. ``score_2``), the mirrored fix that drifted: the metadata
+builder copies the regrouping but decides it from the dtype of tensors this rank owns.
+The owner of the bias walks the bucket once per dtype, the other rank once: the owner's
+extra walk starts with an expert all-gather nobody joins, and the sync hangs there.
+
+Fixes: ``one-chunk-plan`` (one generator feeds metadata and stream), ``check-streamed-names``
+(the sender ships each buffer's names and both sides compare them with the plan before
+any bytes move: a loud error at the first mismatching index; it cannot stop a walk that
+parts before anything is streamed), and both together.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from workbench.rank.weightsync import broadcast as bc
+from workbench.rank.weightsync import conversion as cv
+from workbench.scenario import Scenario
+
+SCENARIO = Scenario(
+    name="weight-sync-order-desync",
+    title="Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs",
+    doc=__doc__,
+    params={**cv.TOY_SHAPE, "seed": 0, "bucket_bytes": cv.DEFAULT_BUCKET_BYTES, "threshold_bytes": bc.DEFAULT_THRESHOLD,
+            "seq_len": 16},
+    probe=["inference"],
+    incident="002_79cad179003d2dbf",
+)
+ONE_PLAN = SCENARIO.fix(
+    "one-chunk-plan",
+    "One chunk-plan generator yields the per-(bucket, dtype) chunks: the metadata takes names, dtypes and shapes "
+    "from it, the stream takes the tensors, so the two are equal by construction and every rank walks alike.",
+)
+CHECK = SCENARIO.fix(
+    "check-streamed-names",
+    "Insurance: the sender broadcasts each buffer's names before its bytes and both sides compare them with the "
+    "plan, failing at the first mismatching index instead of loading (it cannot stop a walk that parts earlier).",
+)
+BOTH = SCENARIO.fix("one-chunk-plan+check-streamed-names", "Both: the plan is right and the check confirms it.")
+
+ORDER_NOTE = "order:"  # notes carrying the plan / stream entries as JSON, for the client's order view
+SENDER, WORKER = 0, 1
+
+
+# -- roles ----------------------------------------------------------------------------------
+def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
+    """Trainer replica on every rank (bf16, router bias in ``bias_dtype``); the worker's own model on rank 1."""
+    p = ctx.params
+    ctx.config = cv.toy_config(**p)
+    trainer = cv.build_model(ctx.config, p["seed"], dtype=torch.bfloat16, device=ctx.device)
+    for _, b in cv.router_biases(trainer):
+        b.data = b.data.to(bias_dtype)
+    ctx.trainer = trainer
+    ctx.mesh = cv.Mesh(ctx.rank, ctx.world_size, ctx.config.num_hidden_layers, ctx.device)
+    g = torch.Generator().manual_seed(p["seed"] + 100)
+    ctx.tokens = torch.randint(1, ctx.config.vocab_size, (1, p["seq_len"]), generator=g).to(ctx.device)
+    if ctx.rank == WORKER:
+        # the worker's stale copy; it keeps the routing bias fp32
+        ctx.inference = cv.build_model(ctx.config, p["seed"] + 1, dtype=torch.bfloat16, device=ctx.device)
+    owner = ctx.mesh.stage_of(cv.router_biases(trainer)[0][0])
+    ctx.note(f"trainer stage {ctx.rank}" + (" (owns the MoE layer and its router bias)" if owner == ctx.rank else "")
+             + ("; sender" if ctx.rank == SENDER else "; inference worker"))
+
+
+def forget_expectations(ctx) -> None:
+    """Expectations hold for the score step only: between syncs the worker is stale by design."""
+    ctx.expected.clear()
+
+
+def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExtractor:
+    p = ctx.params
+    return cv.ConversionExtractor(ctx.trainer, ctx.mesh, torch.bfloat16, p["bucket_bytes"], reuse_tasks, metadata)
+
+
+def make_plan(ctx, metadata: str, stage: int) -> None:
+    """Every trainer rank builds the metadata (walking the export: collectives); the sender keeps it."""
+    forget_expectations(ctx)
+    ctx.extractor = extractor(ctx, metadata)
+    meta = ctx.extractor.get_weight_metadata()
+    ctx.plan = bc.Plan.from_metadata(meta)
+    if ctx.rank == SENDER:
+        note_order(ctx, "plan", stage, ctx.plan.entries())
+    ctx.note(f"plan: {len(ctx.plan)} names ({metadata} metadata)")
+
+
+def stream(ctx, stage: int) -> None:
+    """Every trainer rank walks ``extract_weights``; the sender packs the stream, the others drain it."""
+    forget_expectations(ctx)
+    threshold = ctx.params["threshold_bytes"]
+    chunks = ctx.extractor.extract_weights()
+    if ctx.rank == SENDER:
+        entries, bufs = [], []
+        for k, chunk in enumerate(chunks):
+            entries += [(n, d.replace("torch.", ""), s, k) for n, d, s in zip(chunk.names, chunk.dtypes, chunk.shapes)]
+            bufs.append(chunk)
+        ctx.buffers = list(bc.pack_stream(bufs, threshold))
+        note_order(ctx, "stream", stage, entries)
+        ctx.note(f"streamed {len(entries)} tensors in {len(bufs)} chunks, packed into {len(ctx.buffers)} buffer(s)")
+    else:
+        n = sum(len(c.names) for c in chunks)
+        ctx.note(f"drained the export ({n} tensors): its collectives need every trainer rank")
+
+
+def deliver(ctx, check: bool) -> None:
+    """The update request (the plan) goes to the worker, then the packed bytes."""
+    forget_expectations(ctx)
+    threshold = ctx.params["threshold_bytes"]
+    box = [ctx.plan.to_metadata() if ctx.rank == SENDER else None]
+    dist.broadcast_object_list(box, src=SENDER, device=_obj_device(ctx))
+    if ctx.rank == SENDER:
+        sent = bc.send_packed(ctx.buffers, src=SENDER, plan=ctx.plan, check=check, threshold=threshold)
+        ctx.note(f"sent {len(sent.buffers)} buffer(s), {sent.bytes} bytes")
+    else:
+        plan = bc.Plan.from_metadata(box[0])
+        got = bc.consume(plan, lambda n, t: cv.load_hf_weight(ctx.inference, n, t), src=SENDER, threshold=threshold,
+                         device=ctx.device, check=check)
+        ctx.note(f"received {len(got.buffers)} buffer(s), {got.bytes} bytes; loaded {len(got.names)} tensors by plan")
+
+
+def score(ctx, sync: int) -> None:
+    """The worker against the trainer: names holding the right bytes, and the log-prob gap on fixed tokens.
+
+    Also declares the trainer's values as what every worker tensor should hold
+    (``ctx.expect``), so the reference detector names each tensor that came out wrong.
+    """
+    if ctx.rank != WORKER:
+        return
+    trainer = dict(ctx.trainer.named_parameters()) | dict(ctx.trainer.named_buffers())
+    for name, _ in [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()]:
+        if name in trainer and "rotary_emb" not in name:
+            ctx.expect(f"inference.{name}", trainer[name].detach().clone())
+    gap, wrong, total = compare(ctx.inference, ctx.trainer, ctx.tokens)
+    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap)
+    ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
+    ctx.note(f"sync {sync}: {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap {gap:.3g}"
+             + (f"; first wrong: {', '.join(wrong[:3])}" if wrong else ""))
+
+
+def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:
+    want = cv.hf_state(trainer, torch.bfloat16)
+    have = cv.hf_state(inference, torch.bfloat16)
+    wrong = [n for n, t in want.items() if not _same_bytes(t, have[n].to(t.dtype))]
+    with torch.no_grad():
+        a = inference(tokens).logits.float().log_softmax(-1)
+        b = trainer(tokens).logits.float().log_softmax(-1)
+    gap = (a - b).abs().mean().item()
+    return gap if gap == gap else float("inf"), wrong, len(want)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                      b.contiguous().view(torch.uint8))
+
+
+def note_order(ctx, kind: str, stage: int, entries: list) -> None:
+    ctx.note(ORDER_NOTE + json.dumps({"kind": kind, "stage": stage, "entries": [list(e) for e in entries]}))
+
+
+def _obj_device(ctx):
+    return ctx.device if ctx.device.type == "cuda" else None
+
+
+def _metadata(ctx, drifted: bool) -> str:
+    if ctx.fix in (ONE_PLAN, BOTH):
+        return "one-plan"
+    return "mirrored-local" if drifted else "raw"
+
+
+# -- steps ------------------------------------------------------------------------------------
+@SCENARIO.step
+def build(ctx) -> None:
+    """The tiny DeepseekV3 on every trainer rank (bf16, router bias kept fp32); the worker's stale copy."""
+    build_roles(ctx)
+
+
+@SCENARIO.step
+def plan(ctx) -> None:
+    """Stage 1: metadata in raw export order (the fix: from the one chunk plan)."""
+    make_plan(ctx, _metadata(ctx, drifted=False), stage=1)
+
+
+@SCENARIO.step(name="stream")
+def stream_1(ctx) -> None:
+    """Stage 1: extract_weights regroups each bucket by output dtype: bf16 chunk, then fp32 chunk."""
+    stream(ctx, stage=1)
+
+
+@SCENARIO.step(name="deliver")
+def deliver_1(ctx) -> None:
+    """Stage 1: plan to the worker, then the packed bytes; the worker slices by the plan."""
+    deliver(ctx, check=ctx.fix in (CHECK, BOTH))
+
+
+@SCENARIO.step(name="score")
+def score_1(ctx) -> None:
+    """Stage 1: which names hold the trainer's bytes; the log-prob gap."""
+    score(ctx, sync=1)
+
+
+@SCENARIO.step
+def mirror_plan(ctx) -> None:
+    """Stage 2: the metadata mirrors the regrouping, deciding it from what this rank owns."""
+    make_plan(ctx, _metadata(ctx, drifted=True), stage=2)
+
+
+@SCENARIO.step
+def stream_2(ctx) -> None:
+    stream(ctx, stage=2)
+
+
+@SCENARIO.step
+def deliver_2(ctx) -> None:
+    deliver(ctx, check=ctx.fix in (CHECK, BOTH))
+
+
+@SCENARIO.step
+def score_2(ctx) -> None:
+    score(ctx, sync=2)

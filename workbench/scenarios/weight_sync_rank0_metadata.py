@@ -1,0 +1,226 @@
+"""weight-sync-rank0-metadata: every worker slices its own buffer with rank 0's metadata.
+
+Incident 002 (SkyRL, Megatron -> vLLM colocated, CUDA IPC). Each trainer rank packs the
+tensors it exports into its own contiguous buffer and makes a handle to it; the ranks
+all-gather ``{device: handle}`` and rank 0 sends one update request to every inference
+worker. That request carried rank 0's ``names, dtype_names, shapes, sizes`` only. Under
+expert parallelism rank ``r`` exports experts ``r*E_loc ..`` first, so its buffer lists
+other names in another order, but the sizes agree: worker ``r`` cuts its own buffer with
+rank 0's lists and loads rank ``r``'s experts under rank 0's expert names. Nothing raises;
+the model answers with coherent garbage. Where every rank exports the same tensors in the
+same order (``layout=replicated``: an FSDP-style full export, or "it worked at PP=2"),
+rank 0's metadata is right for everybody and the bug is invisible.
+
+Roles on 2 ranks: rank ``r`` is trainer rank ``r`` (expert-parallel shard ``r`` of a tiny
+``DeepseekV3ForCausalLM``, 8 experts, top-2) and hosts inference worker ``(r-1) % 2``,
+which lives on trainer rank ``(r-1) % 2``'s device. A CUDA IPC handle cannot be opened by
+the process that made it, so the worker reading trainer rank ``w``'s buffer runs in the
+other engine, on ``w``'s GPU, as vLLM's colocated workers do; on CPU the same split maps a
+shared-memory segment across the two engine processes. Worker ``w`` hosts the dense
+tensors and trainer rank ``w``'s experts; the experts other workers serve start right.
+
+Steps: ``build`` (trainer model, the worker's stale copy, log-prob gap before the sync),
+``pack`` (export, cast to bf16 keeping the router bias fp32, pack per dtype), ``share``
+(handles all-gathered, rank 0's request broadcast), ``load`` (the worker rebuilds its
+device's handle, slices, loads by name), ``check`` (log-prob gap after, routing).
+
+Fix ``per-rank-metadata`` (PR #1816): each rank gathers its metadata with its handle and
+every worker slices with its own device's lists.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from workbench.rank.weightsync import ipc, receive
+from workbench.rank.weightsync import model as wm
+from workbench.rank.weightsync import pack as wp
+from workbench.scenario import Scenario
+
+SCENARIO = Scenario(
+    name="weight-sync-rank0-metadata",
+    title="Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata",
+    doc=__doc__,
+    params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
+            "router_scale": 1.0, "keep_fp32_routing": True},
+    probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
+    incident="002_79cad179003d2dbf",
+)
+PER_RANK = SCENARIO.fix(
+    "per-rank-metadata",
+    "Each rank gathers its own names/dtypes/shapes/sizes with its handle; every worker slices its buffer with "
+    "its own device's metadata (PR #1816).",
+)
+SYNC_DTYPE = torch.bfloat16
+ROUTING_NOTE = "routing:"  # JSON notes for the client's routing view
+
+
+# -- the pieces both colocated-sync scenarios step through ------------------------------------
+def build(ctx) -> None:
+    """Trainer model (bf16, router bias fp32) one training step ahead of the hosted worker's copy."""
+    p = ctx.params
+    ctx.config = wm.tiny_config(**p)
+    kw = {"router_scale": p["router_scale"]}
+    ctx._trainer_model = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw)
+    wm.training_step(ctx._trainer_model, p["seed"])
+    # this trainer rank's tensors as it computes with them (native dtypes): what the sync must deliver
+    ctx.trainer = dict(wm.export_hf_weights(ctx._trainer_model, ctx.rank, ctx.world_size, p["layout"]))
+    ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
+    ctx.worker, ctx.worker_device = ipc.worker_device(ctx.device, ctx.rank, ctx.world_size)
+    ctx._inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
+    ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx._trainer_model, ctx.worker, ctx.world_size, p["layout"])]
+    served_elsewhere = {n: t for n, t in wm.hf_state(ctx._trainer_model).items() if n not in set(ctx.hosted)}
+    for name, t in served_elsewhere.items():
+        wm.load_hf_weight(ctx._inference, name, t)
+    expose_worker(ctx, wm.loaded_view(ctx._inference, ctx.hosted))
+    ctx.reference_lp = wm.token_logprobs(ctx._trainer_model, ctx.tokens)
+    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    gap = (lp - ctx.reference_lp).abs()
+    ctx.gap_before = float(gap.mean())
+    ctx.output("logprobs_before", lp, worker=ctx.worker, gap_mean=float(gap.mean()), gap_max=float(gap.max()))
+    ctx.note(f"trainer rank {ctx.rank} (experts {_experts(ctx, ctx.rank)}); hosts inference worker {ctx.worker} "
+             f"on {ctx.worker_device} (experts {_experts(ctx, ctx.worker)}); log-prob gap before the sync "
+             f"{ctx.gap_before:.3g}")
+
+
+def pack(ctx, keep_suffixes: tuple[str, ...]) -> None:
+    """Export this trainer rank's shard, cast for the sync, bucket and pack per dtype."""
+    p = ctx.params
+    exported = list(ctx.trainer.items())
+    ctx.sent = dict(wp.cast_for_sync(exported, SYNC_DTYPE, keep_suffixes))
+    ctx.packs = wp.pack_for_sync(exported, SYNC_DTYPE, keep_suffixes, p["bucket_bytes"])
+    ctx.note(f"packed {len(ctx.sent)} tensors (first {next(iter(ctx.sent))}) into {len(ctx.packs)} buffer(s): "
+             + ", ".join(f"{p.data.numel()} x {p.dtype_names[0]}" for p in ctx.packs))
+
+
+def share(ctx, per_rank: bool) -> None:
+    """Per buffer: a handle, all-gathered with (fix) or without this rank's metadata; rank 0's request out."""
+    ctx.requests = []
+    key = ipc.device_key(ctx.device, ctx.rank)
+    for pk in ctx.packs:
+        entry = {key: {"handle": ipc.make_handle(pk.data, pk.names[0]), "metadata": pk.metadata()}}
+        gathered = ipc.gather_handles(entry, device=ctx.device)
+        req = None
+        if ctx.rank == 0:
+            req = ipc.request_per_rank(gathered) if per_rank else ipc.request_rank0_metadata(gathered)
+        ctx.requests.append(ipc.broadcast_request(req, src=0, device=ctx.device))
+    how = "each device's own metadata" if per_rank else "rank 0's metadata for every device"
+    ctx.note(f"{len(ctx.requests)} update request(s) from rank 0: {len(ctx.requests[0].handles)} handles, {how}")
+
+
+def load(ctx) -> None:
+    """The hosted worker rebuilds its device's handles, slices them in metadata order, loads by name."""
+    key = ipc.device_key(ctx.worker_device, ctx.worker)
+    written: list[str] = []
+    try:
+        for req in ctx.requests:
+            written += receive.update_weights_ipc(req, key, lambda n, t: wm.load_hf_weight(ctx._inference, n, t),
+                                                  ctx.worker_device)
+    finally:
+        dist.barrier()  # the senders keep their buffers until every worker has loaded (SkyRL: barrier)
+    ctx.written = written
+    expose_worker(ctx, wm.loaded_view(ctx._inference, list(dict.fromkeys(ctx.hosted + written))))
+    stray = [n for n in written if n not in set(ctx.hosted)]
+    ctx.note(f"worker {ctx.worker} loaded {len(written)} tensors from {key}"
+             + (f"; {len(stray)} are not its own (e.g. {stray[0]})" if stray else ""))
+    for name, t in wm.hf_state(ctx._trainer_model).items():  # what each tensor should hold after a right sync
+        ctx.expect(f"worker{ctx.worker}_model.{_module_name(name)}", _fused_expected(ctx._trainer_model, name, t))
+
+
+def check(ctx) -> None:
+    """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
+    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    gap = (lp - ctx.reference_lp).abs()
+    truth = wm.hf_state(ctx._trainer_model)
+    wrong = [n for n in ctx.hosted if not _same(ctx._loaded[n], truth[n])]
+    k = ctx.config.num_experts_per_tok
+    scores_t = wm.router_inputs(ctx._trainer_model, ctx.tokens)
+    scores_w = wm.router_inputs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._trainer_model)}
+    bias_w = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._inference)}
+    sets_t = wm.expert_sets(scores_t, bias_t, k)
+    sets_w = wm.expert_sets(scores_w, bias_w, k)
+    changed = {r: wm.changed_fraction(sets_t[r], sets_w[r]) for r in sets_t}
+    ctx.output("logprobs", lp, ref_max_abs_diff=float(gap.max()), gap_mean=float(gap.mean()),
+               gap_before=ctx.gap_before, worker=ctx.worker, names_wrong=len(wrong), names=len(ctx.hosted))
+    for r in sets_t:
+        ctx.output(f"experts.{r}", sets_w[r].reshape(-1), worker=ctx.worker, changed_fraction=changed[r],
+                   distinct_bias_trainer=wm.distinct_values(bias_t[r]),
+                   distinct_bias_worker=wm.distinct_values(bias_w[r]))
+        ctx.note(ROUTING_NOTE + json.dumps({
+            "worker": ctx.worker, "router": r, "k": k, "trainer": sets_t[r].tolist(), "synced": sets_w[r].tolist(),
+            "bias_trainer": bias_t[r].float().cpu().tolist(), "bias_synced": bias_w[r].float().cpu().tolist(),
+            "score_spread": float((scores_t[r].max(-1).values - scores_t[r].min(-1).values).mean())}))
+    ctx.note(f"worker {ctx.worker}: {len(ctx.hosted) - len(wrong)}/{len(ctx.hosted)} of its names hold the trainer's "
+             f"bytes; log-prob gap {ctx.gap_before:.3g} before, {float(gap.mean()):.3g} after (max "
+             f"{float(gap.max()):.3g}); tokens with another expert set: "
+             + ", ".join(f"{v:.0%}" for v in changed.values()))
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def expose_worker(ctx, loaded: dict[str, torch.Tensor]) -> None:
+    """Probe the hosted worker under its own id (``worker1.<HF name>``, ``worker1_model.<param>``).
+
+    Rank ``r`` hosts another worker than rank ``r'``, so the same HF name on two ranks is two
+    workers' tensors: named per worker, the cross-rank detectors never compare them.
+    """
+    ctx._loaded = loaded
+    setattr(ctx, f"worker{ctx.worker}", loaded)
+    setattr(ctx, f"worker{ctx.worker}_model", ctx._inference)
+
+
+def _experts(ctx, rank: int) -> str:
+    if ctx.params["layout"] == "replicated":
+        return "all"
+    r = wm.owned_experts(ctx.config.n_routed_experts, rank, ctx.world_size)
+    return f"{r.start}-{r.stop - 1}"
+
+
+def _module_name(hf_name: str) -> str:
+    m = wm.EXPERT_RE.match(hf_name)
+    return f"{m['prefix']}.{m['w']}" if m else hf_name
+
+
+def _fused_expected(trainer, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The worker's module tensor a right sync leaves: the trainer's (fused experts whole)."""
+    m = wm.EXPERT_RE.match(name)
+    return trainer.get_parameter(f"{m['prefix']}.{m['w']}").detach() if m else t.detach()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    b = b.to(device=a.device, dtype=a.dtype)
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# -- steps ----------------------------------------------------------------------------------------
+@SCENARIO.step(name="build")
+def build_step(ctx) -> None:
+    """Trainer shard, the worker's stale copy, log-prob gap before the sync."""
+    build(ctx)
+
+
+@SCENARIO.step(name="pack")
+def pack_step(ctx) -> None:
+    """Export this rank's shard (its experts first), bf16 with the router bias kept fp32, pack per dtype."""
+    pack(ctx, wp.ROUTING_SUFFIXES if ctx.params["keep_fp32_routing"] else ())
+
+
+@SCENARIO.step(name="share")
+def share_step(ctx) -> None:
+    """Handles all-gathered; rank 0 sends one request (bug: with its own metadata only)."""
+    share(ctx, per_rank=ctx.fix == PER_RANK)
+
+
+@SCENARIO.step(name="load")
+def load_step(ctx) -> None:
+    """The worker rebuilds its device's handle and slices it by the request's metadata."""
+    load(ctx)
+
+
+@SCENARIO.step(name="check")
+def check_step(ctx) -> None:
+    """Log-prob gap after the sync and the routing of the fixed tokens."""
+    check(ctx)
