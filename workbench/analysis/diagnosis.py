@@ -32,7 +32,7 @@ import pandas as pd
 from workbench.analysis import collectives, findings
 from workbench.analysis.frames import fmt
 
-BAD = ("poison", "nan", "inf", "reference", "dtype", "differs", "missing")
+BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 EVIDENCE_COLUMNS = ["step", "rank", "what", "fact"]
 GRID_COLUMNS = ["step", "step_index", "rank", "status", "label"]
@@ -169,6 +169,8 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
     first step of the unbroken run of wrong steps that led there."""
     rows = []
     per: dict[tuple[int, str], list[tuple[str, str, str]]] = {}
+    fps = {(s, int(r), n): f for s in run.steps for r, n, f in
+           run.at(run.tensors, s)[["rank", "name", "fingerprint"]].itertuples(index=False)} if len(run.tensors) else {}
     for s in run.steps:
         for r in run.status[s].itertuples(index=False):
             per.setdefault((int(r.rank), r.name), []).append((s, r.status, r.detail))
@@ -178,6 +180,13 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
         k = len(seq) - 1
         while k > 0 and seq[k - 1][1] in BAD:
             k -= 1
+        # within that run, the step that last wrote the (wrong) content: a stale copy overwritten wrongly
+        # was wrong "since" the write, not since the copy was made
+        for j in range(len(seq) - 1, k, -1):
+            a, b = fps.get((seq[j - 1][0], rank, name)), fps.get((seq[j][0], rank, name))
+            if a != b and a not in (None, "meta") and b not in (None, "meta"):
+                k = j
+                break
         rows.append({"rank": rank, "name": name, "status": seq[-1][1], "since": seq[k][0],
                      "since_status": seq[k][1], "detail": seq[-1][2], "last": seq[-1][0]})
     return pd.DataFrame(rows, columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
@@ -191,6 +200,8 @@ def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
     if "step_index" in o:
         o = o[o["step_index"] == o["step_index"].max()]
     ref = {r.name: r.fingerprint for r in o[o["rank"] == 0].itertuples(index=False)}
+    if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(_num).any():
+        ref = {}  # the scenario says what right is: ranks may differ by design (roles, shards)
     out = []
     for r in o.itertuples(index=False):
         diff = getattr(r, "ref_max_abs_diff", None)
@@ -483,7 +494,7 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
         t = run.at(run.tensors, step)
         g = t[t["name"] == names[0]]
         agree = set(ranks) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
-        worst = max((float(x) for x in g["ref_diff"] if _num(x)), default=float("nan"))
+        worst = max((float(x) for x in g["ref_diff"] if _num(x) and float(x) == float(x)), default=float("nan"))
         if agree:
             sentence = (f"every rank holds the same wrong {_names(names, among)} from step `{step}` (departs from "
                         f"the value computed from the config by {fmt(worst)}): a cross-rank comparison sees nothing"

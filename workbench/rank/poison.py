@@ -97,6 +97,12 @@ def written_state(t: torch.Tensor) -> str | None:
     """
     if t.is_meta or t.numel() == 0:
         return None
+    if t.dtype in POISON_BITS:
+        # Poison bits are only ever written by poison_: where some remain, the answer needs no tracking entry
+        # (a view into a flat buffer, an address reused since, all read the same).
+        left = int(poison_count(t))
+        if left:
+            return "never written" if left == t.numel() else "partly written"
     entry = _TRACKED.get(t.data_ptr())
     if entry is None or entry[2] != t.numel():
         return None
