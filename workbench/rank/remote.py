@@ -55,6 +55,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     _annotate(tensors, objects, ctx)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
     for row in outputs:
+        row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
         row.update(ctx.output_extras.get(row["name"], {}))
     return {
         "rank": ctx.rank, "error": error, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
@@ -76,5 +77,5 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
     for row in rows:
         t = by_name.get(row["name"])
         row["written"] = None if t is None else poison.written_state(t)
-        row["sharded"] = row["name"] in sharded
+        row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
