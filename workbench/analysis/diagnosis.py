@@ -29,7 +29,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import collectives, findings
+from workbench.analysis import collectives, findings, weightsync
 from workbench.analysis.frames import fmt
 
 BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
@@ -190,6 +190,21 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
         rows.append({"rank": rank, "name": name, "status": seq[-1][1], "since": seq[k][0],
                      "since_status": seq[k][1], "detail": seq[-1][2], "last": seq[-1][0]})
     return pd.DataFrame(rows, columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
+
+
+SELF_EVIDENT = ("poison", "nan", "inf", "reference")  # wrong on its own terms, whatever the other ranks hold
+
+
+def _first_faults(run: _Run, before: str | None) -> pd.DataFrame:
+    """Faults of the earliest step before ``before`` where a tensor is wrong on its own terms."""
+    stop = run.index(before)
+    for s in run.steps[:stop]:
+        st = run.status[s]
+        bad = st[st["status"].isin(SELF_EVIDENT)] if len(st) else st
+        if len(bad):
+            return pd.DataFrame({"rank": bad["rank"].astype(int), "name": bad["name"], "status": bad["status"],
+                                 "since": s, "since_status": bad["status"], "detail": bad["detail"], "last": s})
+    return pd.DataFrame(columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
 
 
 def _true(v: Any) -> bool:
@@ -410,7 +425,17 @@ def _diagnose(run: _Run) -> Diagnosis:
     among = run.names
     div = collectives.first_divergence(run.ledger) if len(run.ledger) else None
     if div is not None:
-        return _from_ledger(run, div)
+        early = _first_faults(run, before=div.step)
+        if not len(early):
+            return _from_ledger(run, div)
+        # Causal order: a tensor already wrong on its own terms before the collectives parted
+        # is the first cause (e.g. a silent permutation, then a hang in a later sync).
+        d = _from_tensors(run, early, [], among)
+        later = _from_ledger(run, div)
+        d.sentence += f"; later, in step `{div.step}`: {later.sentence}"
+        d.call = later.call
+        d.evidence = pd.concat([d.evidence, later.evidence], ignore_index=True)
+        return d
     stuck = _where_stuck(run)
     dead = [s for s in stuck if s["how"] == "died"]
     if dead:
@@ -494,19 +519,30 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
                              if agree else ""))
         return Diagnosis("never-written", sentence, step, ranks, names[0], None, _ev(ev))
     ref = at_first[at_first["status"] == "reference"]
+    synced = weightsync.match_matrix(run, step) if len(ref) else pd.DataFrame(columns=weightsync.MATCH_COLUMNS)
+    for status, mechanism, what in (("mislabel", "mislabeled", "hold another exported tensor's bytes"),
+                                    ("cast", "lossy-cast", "hold the trainer's values rounded by the sync's cast")):
+        hits = list(synced[synced["status"] == status]["finding"])
+        if hits:
+            # A weight sync loaded names with the wrong content: say whose tensor each one now holds.
+            ranks = sorted(set(ref["rank"]))
+            sentence = (f"{hits[0]}: {len(hits)} loaded name(s) {what} from step `{step}` on, and nothing raised"
+                        + out)
+            ev = [{"step": step, "rank": None, "what": status, "fact": m} for m in hits[:20]] + ev
+            return Diagnosis(mechanism, sentence, step, ranks, str(ref["name"].iloc[0]), None, _ev(ev))
     if len(ref):
         names = list(dict.fromkeys(ref["name"]))
         ranks = sorted(set(ref["rank"]))
         t = run.at(run.tensors, step)
         g = t[t["name"] == names[0]]
-        agree = set(ranks) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
+        agree = set(g["rank"]) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
         worst = max((float(x) for x in g["ref_diff"] if _num(x) and float(x) == float(x)), default=float("nan"))
         if agree:
             sentence = (f"every rank holds the same wrong {_names(names, among)} from step `{step}` (departs from "
-                        f"the value computed from the config by {fmt(worst)}): a cross-rank comparison sees nothing"
+                        f"its reference value by {fmt(worst)}): a cross-rank comparison sees nothing"
                         + out)
             return Diagnosis("agreed-wrong", sentence, step, ranks, names[0], None, _ev(ev))
-        sentence = (f"{_names(names, among)} on {_ranks(ranks)} departs from the value computed from the config "
+        sentence = (f"{_names(names, among)} on {_ranks(ranks)} departs from its reference value "
                     f"(by {fmt(worst)}) from step `{step}`" + out)
         return Diagnosis("wrong-value", sentence, step, ranks, names[0], None, _ev(ev))
     split = at_first[at_first["since_status"] == "dtype"]
