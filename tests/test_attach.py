@@ -28,24 +28,6 @@ def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def cluster_pids(pdir: str) -> list[int]:
-    """Every local process of a recorded cluster: controller, engine launches, their children."""
-    try:
-        ipc = registry.load(pdir, strict=False)
-    except ClusterError:
-        return []
-    roots = [ipc.controller.pid] if ipc.controller is not None else []
-    roots += [la.pid for es in ipc.engines.values() for la in getattr(es, "launchers", {}).values()]
-    out = []
-    for pid in roots:
-        try:
-            p = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            continue
-        out += [pid, *(c.pid for c in p.children(recursive=True))]
-    return out
-
-
 def alive(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:
@@ -58,7 +40,7 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def _teardown(pdir: str) -> None:
-    pids = cluster_pids(pdir)
+    pids = registry.processes(pdir)
     try:
         registry.down(pdir)
     except ClusterError:
@@ -125,7 +107,7 @@ def test_restart_and_recover_reform_the_group_on_the_same_engines(ext):
 
 
 def test_cli_run_cluster_shows_the_bug_and_leaves_the_engines_up(ext):
-    before = alive(cluster_pids(ext))
+    before = alive(registry.processes(ext))
     out = cli("run", SC, "--cluster", ext, "--timeout", "8")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "attached to profile" in out.stdout and "diagnosis (reinterpreted)" in out.stdout
@@ -163,7 +145,7 @@ def test_engines_not_all_up_yet_is_one_line(ext):
 
 
 def test_workbench_down_ends_the_ipcluster_with_no_process_left(ext):
-    pids = alive(cluster_pids(ext))
+    pids = alive(registry.processes(ext))
     assert len(pids) >= 5  # controller (+ schedulers), 2 engines and their nannies
     out = cli("down", "--profile", ext, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -175,7 +157,7 @@ def test_up_run_status_down_end_to_end(tmp_path):
     try:
         up = cli("up", "--ranks", "2", "--profile", pdir)
         assert up.returncode == 0, up.stderr[-2000:]
-        pids = alive(cluster_pids(pdir))
+        pids = alive(registry.processes(pdir))
         status = cli("status", "--profile", pdir, timeout=60)
         assert status.returncode == 0 and "running  ranks 2  backend gloo" in status.stdout
         run = cli("run", SC, "--fix", FIX, "--cluster", pdir, "--timeout", "8")

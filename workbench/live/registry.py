@@ -110,6 +110,24 @@ def reap(pids: Any, timeout: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def processes(profile: str | None, cluster_id: str = "") -> list[int]:
+    """Every local process of a recorded cluster (controller, engine launches, their children) still alive."""
+    try:
+        ipc = load(profile, cluster_id, strict=False)
+    except ClusterError:
+        return []
+    roots = [ipc.controller.pid] if ipc.controller is not None else []
+    roots += [la.pid for es in ipc.engines.values() for la in getattr(es, "launchers", {}).values()]
+    out = []
+    for pid in roots:
+        try:
+            p = psutil.Process(pid)
+            out += [pid, *(c.pid for c in p.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 def sidecar(pdir: str, cluster_id: str = "") -> str:
     return os.path.join(pdir, "security", f"workbench-{cluster_id}.json")
 
