@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -204,3 +205,22 @@ def test_backend_follows_each_ranks_gpu_on_its_host():
     assert pick_backend("auto", cpu, [0, 1]) == "gloo"
     with pytest.raises(ClusterError, match="rank 1 on a has local index 1 but sees 0 GPU"):
         pick_backend("nccl", [{"host": "a", "gpus": 1}, {"host": "a", "gpus": 0}], [0, 1])
+
+
+def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
+    import workbench as wb
+
+    pdir = str(tmp_path / "profile_sd")
+    try:
+        registry.up(2, pdir, backend="gloo")
+        pids = alive(registry.processes(pdir))
+        c = wb.connect(url_file=os.path.join(pdir, "security", "ipcontroller-client.json"), ranks=2, timeout=8)
+        assert c.world_size == 2 and "ipcontroller-client.json" in repr(c)
+        c.shutdown()  # no cluster file known to this object: the controller's own shutdown, hub included
+        assert not c.alive
+        end = time.monotonic() + 15
+        while alive(pids) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert alive(pids) == []
+    finally:
+        _teardown(pdir)

@@ -78,9 +78,18 @@ class AttachedCluster(Cluster):
                     raise ClusterError(f"no connection file {self._url_file}")
                 self._client = ipp.Client(self._url_file, timeout=10)
             else:
-                self._ipc = load(self.profile, self.cluster_id)
+                # Not strict: a controller on another host (a Slurm job's batch host) is no local process.
+                self._ipc = load(self.profile, self.cluster_id, strict=False)
                 expected = expected_engines(self._ipc)
-                self._client = ipp.Client(profile_dir=self._ipc.profile_dir, cluster_id=self.cluster_id, timeout=10)
+                try:
+                    self._client = ipp.Client(profile_dir=self._ipc.profile_dir, cluster_id=self.cluster_id,
+                                              timeout=10 if self._ipc.controller is not None else 5)
+                except Exception:
+                    if self._ipc.controller is None:
+                        raise ClusterError(f"the controller of {self.where} does not answer and is no process on "
+                                           "this host (a stale cluster file?); `workbench down --profile "
+                                           f"{self.profile or 'default'}` clears it") from None
+                    raise
         except ClusterError:
             raise
         except Exception as exc:
@@ -155,19 +164,22 @@ class AttachedCluster(Cluster):
 
     def shutdown(self) -> None:
         """End the engines and their controller through ipyparallel (what ``workbench down`` does)."""
-        if self._ipc is not None:
-            self.stop()
+        here = socket.gethostname()
+        if self._ipc is not None and self._ipc.controller is not None and all(h == here for h in self.hosts.values()):
+            self.stop()  # all on this host: the recorded pids are ours to end
             stop_cluster(self._ipc, self.pids.values())
             return
         if self._client is None:
             self._connect()
-        local = [p for r, p in self.pids.items() if self.hosts.get(r) == socket.gethostname()]
+        local = [p for r, p in self.pids.items() if self.hosts.get(r) == here]
         try:
             self._client.shutdown(targets="all", hub=True, block=True)
         except Exception:
             pass
         self.stop()
         reap(local)
+        if self._ipc is not None and all(h == here for h in self.hosts.values()):
+            self._ipc.remove_cluster_file()
 
     def restart(self) -> AttachedCluster:
         """Re-attach and re-form the group on the same engines; a dead one cannot come back from here."""
