@@ -224,3 +224,46 @@ def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
         assert alive(pids) == []
     finally:
         _teardown(pdir)
+
+
+SRUN_STAND_IN = """#!/bin/bash
+# srun on one host: `srun -n N [--options] program args...` starts N tasks with SLURM_LOCALID, highest first
+n=$2; shift 2
+while [[ $1 == --* ]]; do shift; done
+for i in $(seq $((n - 1)) -1 0); do SLURM_LOCALID=$i "$@" & done
+wait
+"""
+
+
+def test_the_slurm_recipe_with_a_one_host_stand_in_for_srun(tmp_path):
+    """scripts/slurm_ipcluster.sbatch as written, srun replaced by a script that starts the tasks here:
+    ranks follow SLURM_LOCALID (not launch order), and shutdown() ends the job."""
+    import workbench as wb
+
+    srun = tmp_path / "srun"
+    srun.write_text(SRUN_STAND_IN)
+    srun.chmod(0o755)
+    pdir = tmp_path / "profile_slurm"
+    env = {**os.environ, "SRUN": str(srun), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+           "PROFILE_DIR": str(pdir), "CONTROLLER_HOST": "127.0.0.1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "slurm_ipcluster.sbatch")
+    job = subprocess.Popen(["bash", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        url = pdir / "security" / "ipcontroller-client.json"
+        end = time.monotonic() + 60
+        while not url.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        c = wb.connect(url_file=str(url), ranks=2, timeout=8, wait=90)
+        try:
+            assert [c.info[r]["local_env"] for r in (0, 1)] == [0, 1] and c.pids[0] > c.pids[1]
+            assert c.local_index == {0: 0, 1: 1}
+            assert {r: v[:2] for r, v in c.run(_world).items()} == {0: (0, 2), 1: (1, 2)}
+        finally:
+            c.shutdown()
+        assert job.wait(timeout=30) is not None  # engines gone: srun returned, the job script ended
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+        job.wait(timeout=10)

@@ -44,7 +44,7 @@ def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
                            f"(start a cluster with `workbench up --ranks N --profile {name}`)")
     path = os.path.join(pdir, "security", f"cluster-{cluster_id}.json")
     try:
-        ipc = ipp.Cluster.from_file(path, profile_dir=pdir, cluster_id=cluster_id, log_level=40)
+        ipc = ipp.Cluster.from_file(path, profile_dir=pdir, cluster_id=cluster_id, log_level=50)
     except FileNotFoundError:
         raise ClusterError(f"no running cluster in profile {name!r}"
                            f"{' with id ' + repr(cluster_id) if cluster_id else ''} (no {path}); "
