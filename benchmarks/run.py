@@ -1,6 +1,7 @@
 """The speed figures, each next to its goal, measured in one run: `make bench`.
 
 - cold `workbench run` vs the same steps as a plain spawn script, with the cold run's phases
+- `workbench run --cluster P` attached to warm ranks (`workbench up`), and the client's import floor
 - warm rerun of the whole scenario on live ranks vs the spawn script
 - per-step overhead: a step's client wall time minus the slowest rank's own step time
   (split: the rank's probe, and the client + transport remainder)
@@ -75,6 +76,25 @@ def _timed_n(fn, n: int) -> list[float]:
     return out
 
 
+def attached(repeats: int = 3) -> tuple[float, float]:
+    """`workbench run --cluster P` on warm ranks from `workbench up` (median wall), and the client's
+    own floor: Python importing what the command imports, with no engine touched."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        pdir = str(Path(d) / "profile_bench")
+        subprocess.run([sys.executable, "-m", "workbench.cli", "up", "--ranks", "2", "--profile", pdir], check=True,
+                       capture_output=True)
+        try:
+            runs = [timed([sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--cluster", pdir,
+                           "--timeout", "8"])[0] for _ in range(repeats)]
+        finally:
+            subprocess.run([sys.executable, "-m", "workbench.cli", "down", "--profile", pdir], capture_output=True)
+    floor = timed([sys.executable, "-c", "import workbench.cli, workbench.live.attach, workbench.postmortem.bundle; "
+                   f"from workbench import scenarios; scenarios.resolve({SCENARIO!r})"])[0]
+    return statistics.median(runs), floor
+
+
 def _phase(text: str, pattern: str) -> float:
     m = re.search(pattern, text)
     return float(m.group(1)) if m else float("nan")
@@ -84,6 +104,7 @@ def main() -> None:
     cold_wb, out = timed([sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--timeout", "8"])
     cold_spawn = float(timed([sys.executable, str(HERE / "spawn_baseline.py"), SCENARIO, FIX])[0])
     w = warm()
+    att, imports_floor = attached()
     ms = 1e3
     rows = [
         ("cold `workbench run` (fix) / spawn script", f"{cold_wb / cold_spawn:.2f}x", "<= 1.3x",
@@ -93,6 +114,8 @@ def main() -> None:
          "first call on the engines"),
         ("  cold run: process group", f"{_phase(out, r'process group ([0-9.]+)s'):.2f} s", "", None,
          "init_process_group and thread settings"),
+        ("attached run via --cluster (`workbench up`)", f"{att:.2f} s", "<= 2 s", att <= 2.0,
+         f"{cold_wb / att:.1f}x below cold; client imports alone {imports_floor:.2f} s"),
         ("warm rerun on live ranks vs spawn script", f"{cold_spawn / w['warm_s']:.1f}x", ">= 25x",
          cold_spawn / w["warm_s"] >= 25, f"{w['warm_s']:.2f} s a rerun"),
         ("per-step overhead (client - slowest rank)", f"{w['overhead_s'] * ms:.1f} ms", "<= 20 ms",

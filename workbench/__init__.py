@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Cluster": ("workbench.live.cluster", "Cluster"),
     "start": ("workbench.live.cluster", "start"),
+    "connect": ("workbench.live.attach", "connect"),
     "Session": ("workbench.live.session", "Session"),
     "Comparison": ("workbench.live.session", "Comparison"),
     "Frame": ("workbench.analysis.frames", "Frame"),

@@ -1,4 +1,5 @@
-"""``workbench list | run | lab``: the catalogue headless, one clear line on bad input."""
+"""``workbench list | run | report | rerun | up | down | status | lab``: the catalogue headless, warm
+ranks, one clear line on bad input."""
 
 from __future__ import annotations
 
@@ -98,7 +99,6 @@ def print_summary(session: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import workbench as wb
     from workbench import scenarios
     from workbench.postmortem import bundle
 
@@ -107,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = sc.resolve_params(_parse_set(args.set))
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
-    with wb.start(ranks=args.ranks, backend=args.backend, timeout=args.timeout) as cluster:
+    with ranks_for(args) as cluster:
         print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
               f"process group {cluster.group_s:.2f}s")
         runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
@@ -157,7 +157,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     """Rerun every run of a bundle as recorded and say, per run, whether it reproduced exactly."""
-    import workbench as wb
     from workbench.postmortem import bundle, rerun
 
     b = bundle.load(args.bundle)
@@ -170,11 +169,58 @@ def cmd_rerun(args: argparse.Namespace) -> int:
                              "(--max-ranks to raise it)")
     m = b[0].manifest
     backend = m.get("backend") or "auto" if args.backend == "recorded" else args.backend
-    with wb.start(ranks=ranks, backend=backend, timeout=float(m.get("timeout_s") or 60.0)) as cluster:
+    args.ranks, args.backend, args.timeout = ranks, backend, float(m.get("timeout_s") or 60.0)
+    with ranks_for(args) as cluster:
         results = b.rerun(cluster)
     for r in results:
         print(r.message)
     return 0 if all(r.exact for r in results) else 1
+
+
+def ranks_for(args: argparse.Namespace) -> Any:
+    """Fresh engines, or with ``--cluster P`` the warm ones of a running cluster (left up on exit)."""
+    import workbench as wb
+
+    if getattr(args, "cluster", None):
+        return wb.connect(args.cluster, args.cluster_id, ranks=args.ranks, backend=args.backend, timeout=args.timeout)
+    return wb.start(ranks=2 if args.ranks is None else args.ranks, backend=args.backend, timeout=args.timeout)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from workbench.live import registry
+
+    doc = registry.up(args.ranks, args.profile, args.cluster_id, backend=args.backend)
+    print(f"cluster {doc['profile']!r}: {doc['ranks']} ranks ({doc['backend']}) up in {doc['seconds']:.1f}s; "
+          f"`workbench run SCENARIO --cluster {doc['profile']}` attaches, `workbench down --profile "
+          f"{doc['profile']}` stops it")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from workbench.live import registry
+
+    n = registry.down(args.profile, args.cluster_id)
+    print(f"cluster {args.profile or 'default'!r} stopped ({n} processes)")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from workbench.live import registry
+
+    rows = registry.running(args.profile)
+    if not rows:
+        print("no clusters recorded (`workbench up --ranks N` starts one)")
+    for r in rows:
+        age = "-" if r["age_s"] is None else f"{r['age_s'] / 60:.1f} min"
+        print(f"{r['cluster']:40s} {'running' if r['running'] else 'stopped':8s} ranks {r['ranks'] or '?'}  "
+              f"backend {r['backend']}  age {age}")
+    return 0
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, flag: str) -> None:
+    help_ = "profile name or directory of a running cluster (see `workbench up`)"
+    p.add_argument(flag, default=None if flag == "--cluster" else "default", metavar="P", help=help_)
+    p.add_argument("--cluster-id", default="", help="ipyparallel cluster id within the profile (default: '')")
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -189,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="the scenario catalogue and its fixes").set_defaults(fn=cmd_list)
     r = sub.add_parser("run", help="run a scenario end to end on live ranks")
     r.add_argument("scenario", help="catalogue id, or path/to/file.py:object")
-    r.add_argument("--ranks", type=int, default=2)
+    r.add_argument("--ranks", type=int, default=None, help="default 2 (with --cluster: every engine)")
     r.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     r.add_argument("--fix", default=None)
     r.add_argument("--compare", action="store_true", help="also run every fix and put them in the report")
@@ -200,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bundle", default=None, metavar="FILE",
                    help="save the run(s) as a postmortem bundle (open with `workbench report` or wb.load)")
     r.add_argument("--json", default=None, metavar="FILE", help="write frames and outputs as JSON")
+    _add_cluster_args(r, "--cluster")
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("report", help="a self-contained HTML report from a saved bundle (no engines needed)")
     rp.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
@@ -209,7 +256,19 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
     rr.add_argument("--backend", default="recorded", choices=["recorded", "auto", "gloo", "nccl"])
     rr.add_argument("--max-ranks", type=int, default=None, help="most ranks to start (default: 4 per CPU core)")
+    _add_cluster_args(rr, "--cluster")
     rr.set_defaults(fn=cmd_rerun)
+    u = sub.add_parser("up", help="start a cluster in the background and return (warm ranks for --cluster)")
+    u.add_argument("--ranks", type=int, required=True)
+    u.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    _add_cluster_args(u, "--profile")
+    u.set_defaults(fn=cmd_up)
+    d = sub.add_parser("down", help="stop a cluster started by `workbench up` or ipcluster; no process left")
+    _add_cluster_args(d, "--profile")
+    d.set_defaults(fn=cmd_down)
+    st = sub.add_parser("status", help="recorded clusters: ranks, backend, age")
+    st.add_argument("--profile", default=None, metavar="P", help="one profile (default: every profile)")
+    st.set_defaults(fn=cmd_status)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
     return p
 

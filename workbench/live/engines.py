@@ -92,6 +92,8 @@ class Engines:
         self._ids: list[int] = []
         self.pids: dict[int, int] = {}
         self.devices: dict[int, str] = {}
+        self.local_index: dict[int, int] = {}  # rank -> index on its host (GPU); empty: the rank itself
+        self.master_addr = "127.0.0.1"
         self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
         self._dead: set[int] = set()
         self.dirty = False  # a step failed: the group may hold mispaired messages
@@ -137,20 +139,21 @@ class Engines:
         return self
 
     def form_group(self) -> None:
-        """(Re-)form the process group on every engine with a fresh loopback port."""
+        """(Re-)form the process group on every engine with a fresh port (see ``_rendezvous``)."""
         from workbench.rank.context import destroy_rank, init_rank
 
         if self.dirty or self.port is not None:
             self.call(destroy_rank, timeout=self.timeout + 10)
-        port = self._pick_port()
+        addr, port = self._rendezvous()
         t0 = time.perf_counter()
-        pending = {r: self._view(r).apply_async(init_rank, r, self.world_size, self.backend, port, self.timeout)
+        pending = {r: self._view(r).apply_async(init_rank, r, self.world_size, self.backend, port, self.timeout,
+                                                addr, self.local_index.get(r))
                    for r in range(self.world_size)}
         outcome = self._collect(pending, self.timeout + 30)
         if outcome.failures:
             raise ClusterError("process group did not form:\n  " +
                                "\n  ".join(f.line() for f in outcome.failures.values()))
-        self.port = port
+        self.port, self.master_addr = port, addr
         self.dirty = False
         self.generation += 1
         self.group_s = time.perf_counter() - t0
@@ -161,6 +164,10 @@ class Engines:
         # Two engines on two cores must not each spin up two intra-op threads.
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         self.run(_set_num_threads, threads)
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """Where the group's TCP store listens: loopback here (attached clusters ask rank 0's host)."""
+        return "127.0.0.1", self._pick_port()
 
     def _pick_port(self) -> int:
         wish = self._port_wish

@@ -73,12 +73,17 @@ _RANK: dict[str, Any] = {}
 _SESSIONS: dict[str, RankContext] = {}
 
 
-def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> dict[str, Any]:
-    """Join the process group over a loopback TCP store and pin this rank's device."""
+def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float, addr: str = "127.0.0.1",
+              local_index: int | None = None) -> dict[str, Any]:
+    """Join the process group over a TCP store at ``addr`` (loopback unless the ranks span hosts) and pin
+    this rank's device: GPU ``local_index`` on its host (the rank on one host), or GPU 0 when a launcher
+    masked each engine to one GPU."""
     if backend == "nccl":
-        # One device per rank by index, never a per-engine CUDA_VISIBLE_DEVICES mask.
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        index = rank if local_index is None else local_index
+        if torch.cuda.device_count() == 1:
+            index = 0
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     if dist.is_initialized():
@@ -88,7 +93,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         kw["device_id"] = device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{addr}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -1,0 +1,220 @@
+"""Attach to engines someone else launched: ``wb.connect(profile=..., cluster_id=...)``.
+
+ipyparallel already launches engines through Slurm, MPI, SSH and friends and records a
+running cluster in ``<profile>/security/cluster-<id>.json``; this module only attaches
+to such a cluster and forms the process group across whatever hosts the engines are on.
+
+Rank order (stable, documented): hosts sorted by hostname, then on each host by the
+launcher's local index (``LOCAL_RANK``, ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+``MPI_LOCALRANKID``), or by process id where no launcher set one. Each rank takes the GPU
+of its local index on its host. The group's TCP store listens on 127.0.0.1 when every
+engine shares one host, else on rank 0's address that routes to the other hosts (chosen
+on rank 0; ``master_addr=`` or ``WORKBENCH_MASTER_ADDR`` overrides it).
+
+``stop()`` detaches and leaves the engines running; ``shutdown()`` ends them through
+ipyparallel. The workbench never relaunches an attached engine: a dead one is reported
+with how to bring it back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from workbench.errors import ClusterError
+from workbench.live.cluster import Cluster
+from workbench.live.registry import WAIT_S, expected_engines, load, reap, stop_cluster
+
+
+class AttachedCluster(Cluster):
+    """A ``Cluster`` on engines the workbench did not launch (see the module docstring)."""
+
+    def __init__(self, profile: str | None = None, cluster_id: str = "", *, ranks: int | None = None,
+                 backend: str = "auto", timeout: float = 60.0, client: Any = None, url_file: str | None = None,
+                 master_addr: str | None = None, port: int | None = None, wait: float = WAIT_S):
+        super().__init__(ranks=ranks or 1, backend="gloo", timeout=timeout, port=port)
+        if ranks is not None and ranks < 1:
+            raise ClusterError(f"ranks must be >= 1, got {ranks}")
+        self.profile, self.cluster_id, self.ranks_wish = profile, cluster_id, ranks
+        self.backend_wish, self.master_wish, self.wait = backend, master_addr, wait
+        self._given_client, self._url_file = client, url_file
+        self.hosts: dict[int, str] = {}
+        self._ipc = None  # the ipp.Cluster read from the cluster file, when attached by profile
+
+    @property
+    def where(self) -> str:
+        if self._given_client is not None:
+            return "a given client"
+        if self._url_file:
+            return self._url_file
+        return f"profile {self.profile or 'default'!r}" + (f" id {self.cluster_id!r}" if self.cluster_id else "")
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> AttachedCluster:
+        """Attach: connect, order the engines into ranks, form the group."""
+        t0 = time.perf_counter()
+        self._connect()
+        try:
+            t1 = time.perf_counter()
+            self._take_ranks()
+            self.start_s, self.imports_s = t1 - t0, time.perf_counter() - t1
+            self.form_group()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _connect(self) -> None:
+        import ipyparallel as ipp
+
+        expected = None
+        try:
+            if self._given_client is not None:
+                self._client = self._given_client
+            elif self._url_file:
+                if not os.path.isfile(self._url_file):
+                    raise ClusterError(f"no connection file {self._url_file}")
+                self._client = ipp.Client(self._url_file, timeout=10)
+            else:
+                # Not strict: a controller on another host (a Slurm job's batch host) is no local process.
+                self._ipc = load(self.profile, self.cluster_id, strict=False)
+                expected = expected_engines(self._ipc)
+                try:
+                    self._client = ipp.Client(profile_dir=self._ipc.profile_dir, cluster_id=self.cluster_id,
+                                              timeout=10 if self._ipc.controller is not None else 5)
+                except Exception:
+                    if self._ipc.controller is None:
+                        raise ClusterError(f"the controller of {self.where} does not answer and is no process on "
+                                           "this host (a stale cluster file?); `workbench down --profile "
+                                           f"{self.profile or 'default'}` clears it") from None
+                    raise
+        except ClusterError:
+            raise
+        except Exception as exc:
+            raise ClusterError(f"could not connect to {self.where}: {exc}") from None
+        want = self.ranks_wish or expected
+        if self.ranks_wish and expected is not None and expected < self.ranks_wish:
+            self.stop()
+            raise ClusterError(f"{self.where} has {expected} engine(s), fewer than the {self.ranks_wish} ranks asked")
+        end = time.monotonic() + self.wait
+        while want and len(self._client.ids) < want and time.monotonic() < end:
+            time.sleep(0.1)
+        have = len(self._client.ids)
+        if want and have < want:
+            self.stop()
+            if expected is not None and have < expected:
+                raise ClusterError(f"only {have} of the {expected} engines of {self.where} are up after "
+                                   f"{self.wait:g}s; the rest may still be starting: retry in a moment")
+            raise ClusterError(f"{self.where} has {have} engine(s), fewer than the {want} ranks asked")
+        if not have:
+            self.stop()
+            raise ClusterError(f"{self.where} has no engines registered")
+
+    def _take_ranks(self) -> None:
+        from workbench.rank.host import order, pick_backend, whoami
+
+        ids = sorted(self._client.ids)
+        self._client[ids].use_cloudpickle()
+        ar = self._client[ids].apply_async(whoami)
+        try:
+            infos = dict(zip(ids, ar.get(timeout=self.deadline)))
+        except Exception as exc:
+            raise ClusterError(f"the engines of {self.where} did not answer: {exc}") from None
+        ranked = order(infos)[: self.ranks_wish or len(ids)]
+        self.world_size = len(ranked)
+        self._ids = [e for e, _ in ranked]
+        self.local_index = {r: li for r, (_, li) in enumerate(ranked)}
+        self.info = {r: infos[e] for r, (e, _) in enumerate(ranked)}
+        self.pids = {r: i["pid"] for r, i in self.info.items()}
+        self.hosts = {r: i["host"] for r, i in self.info.items()}
+        self.backend = pick_backend(self.backend_wish, list(self.info.values()), list(self.local_index.values()))
+
+    def _rendezvous(self) -> tuple[str, int]:
+        from workbench.rank.host import free_port, rendezvous_addr
+
+        addr = self.master_wish or os.environ.get("WORKBENCH_MASTER_ADDR")
+        if not addr:
+            if len(set(self.hosts.values())) == 1:
+                addr = "127.0.0.1"
+            else:
+                peers = [a for r, i in self.info.items() if i["host"] != self.hosts[0] for a in i["addrs"]]
+                addr = self._view(0).apply_async(rendezvous_addr, peers).get(timeout=self.deadline)
+        port = self._port_wish or self._view(0).apply_async(free_port, addr).get(timeout=self.deadline)
+        return addr, port
+
+    def _set_threads(self) -> None:
+        from workbench.rank.host import set_threads
+
+        per_host = {h: list(self.hosts.values()).count(h) for h in set(self.hosts.values())}
+        for n in set(per_host.values()):
+            self.run(set_threads, n, ranks=[r for r, h in self.hosts.items() if per_host[h] == n])
+
+    def stop(self) -> None:
+        """Detach: the engines stay up for the next attach (``shutdown()`` ends them)."""
+        if self._client is not None and self._given_client is None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+        self._client = None
+        self._busy.clear()
+        self._dead.clear()
+
+    def shutdown(self) -> None:
+        """End the engines and their controller through ipyparallel (what ``workbench down`` does)."""
+        here = socket.gethostname()
+        if self._ipc is not None and self._ipc.controller is not None and all(h == here for h in self.hosts.values()):
+            self.stop()  # all on this host: the recorded pids are ours to end
+            stop_cluster(self._ipc, self.pids.values())
+            return
+        if self._client is None:
+            self._connect()
+        local = [p for r, p in self.pids.items() if self.hosts.get(r) == here]
+        try:
+            self._client.shutdown(targets="all", hub=True, block=True)
+        except Exception:
+            pass
+        self.stop()
+        reap(local)
+        if self._ipc is not None and all(h == here for h in self.hosts.values()):
+            self._ipc.remove_cluster_file()
+
+    def restart(self) -> AttachedCluster:
+        """Re-attach and re-form the group on the same engines; a dead one cannot come back from here."""
+        dead = self.dead_ranks() if self.alive else []
+        if dead:
+            raise ClusterError(self.revive_line(dead))
+        self.stop()
+        return self.start()
+
+    def revive_line(self, dead: list[int]) -> str:
+        who = ", ".join(f"rank {r} (pid {self.pids.get(r)} on {self.hosts.get(r)})" for r in dead)
+        how = (f"`workbench down --profile {self.profile or 'default'}` then `workbench up --ranks {self.world_size}"
+               f" --profile {self.profile or 'default'}`, or your ipcluster/Slurm job") if self._ipc is not None \
+            else "the launcher that started it (ipcluster, Slurm, mpiexec)"
+        return (f"{who} died; the workbench did not launch these engines, so it cannot restart them: "
+                f"bring them back with {how}, then wb.connect(...) again")
+
+    def dead_ranks(self) -> list[int]:
+        """Local engines by their process; engines on other hosts by the controller's registry."""
+        here = socket.gethostname()
+        dead = [r for r in super().dead_ranks() if self.hosts.get(r) == here]
+        if any(h != here for h in self.hosts.values()) and self._client is not None:
+            ids = set(self._client.ids)
+            dead += [r for r, h in self.hosts.items() if h != here and self._ids[r] not in ids]
+        return sorted(dead)
+
+    def __repr__(self) -> str:
+        hosts = len(set(self.hosts.values()))
+        return super().__repr__()[:-1] + f" attached to {self.where}, {hosts} host(s)>"
+
+
+def connect(profile: str | None = None, cluster_id: str = "", *, ranks: int | None = None, backend: str = "auto",
+            timeout: float = 60.0, client: Any = None, url_file: str | None = None,
+            master_addr: str | None = None, wait: float = WAIT_S) -> AttachedCluster:
+    """Attach to a running ipyparallel cluster (by profile and cluster id, a connection file, or an
+    ``ipp.Client``) and form the process group over its engines; ``ranks`` takes the first N in rank order."""
+    return AttachedCluster(profile, cluster_id, ranks=ranks, backend=backend, timeout=timeout, client=client,
+                           url_file=url_file, master_addr=master_addr, wait=wait).start()
