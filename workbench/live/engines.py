@@ -240,7 +240,8 @@ class Engines:
         return self._client is not None
 
     def __repr__(self) -> str:
-        state = "stopped" if not self.alive else ("needs restart" if self._dead else "busy" if self._busy else "ready")
+        dead = self.alive and (self._dead or self.dead_ranks())
+        state = "stopped" if not self.alive else ("needs restart" if dead else "busy" if self._busy else "ready")
         return (f"<{type(self).__name__} ranks={self.world_size} backend={self.backend} "
                 f"timeout={self.timeout:g}s {state}>")
 
@@ -281,6 +282,7 @@ class Engines:
     def _check_usable(self) -> None:
         if self._client is None:
             raise ClusterError("the cluster is stopped; call start() or restart()")
+        self._dead.update(self.dead_ranks())  # also a death between calls, while the user read a table
         if self._dead:
             raise ClusterError(f"rank(s) {sorted(self._dead)} died; call cluster.restart() for fresh engines")
         self._prune_busy()

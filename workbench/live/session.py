@@ -19,7 +19,7 @@ import pandas as pd
 from workbench import scenarios
 from workbench.analysis import collectives, diagnosis
 from workbench.analysis.frames import Frame, last_step
-from workbench.errors import UnknownName, WorkbenchError
+from workbench.errors import RankFailure, UnknownName, WorkbenchError
 from workbench.postmortem import bundle
 from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
 from workbench.rank import remote
@@ -88,11 +88,17 @@ class Session:
         index = len(self.frames)
         name, fn = self.scenario.steps[index]
         deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
-        outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
-        frame = Frame.build(name, index, self.scenario.name, self.fix, outcome.values, outcome.failures)
+        dead = self.cluster.dead_ranks()  # died between steps: the frame names them, nothing runs without them
+        if dead:
+            values, failures = {}, {r: RankFailure(r, "died", "EngineDied", f"engine process {self.cluster.pids[r]} "
+                                                   "exited before this step; call cluster.restart()") for r in dead}
+        else:
+            outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
+            values, failures = outcome.values, outcome.failures
+        frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
-        if collectives.is_hang(outcome.failures, frame.ledger):
-            frame.hang = collectives.diagnose(name, frame.ledger, outcome.failures,
+        if collectives.is_hang(failures, frame.ledger):
+            frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
         if not frame.ok:
             self.cluster.dirty = True

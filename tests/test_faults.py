@@ -1,0 +1,79 @@
+"""Faults and bad input (issue 15): a clear line or a frame naming the rank, never a raw
+traceback, a leaked process or a lost result. One module-scoped 2-rank cluster; the tests
+that kill a rank restart it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+import workbench as wb
+from workbench.errors import ClusterError
+
+TIMEOUT_S = 8.0
+
+TINY = wb.Scenario("tiny-faults", probe=None)
+
+
+@TINY.step
+def setup(ctx) -> None:
+    import torch
+
+    ctx.x = torch.ones(4)
+
+
+@TINY.step
+def grow(ctx) -> None:
+    ctx.x = ctx.x + 1
+
+
+@TINY.step
+def report(ctx) -> None:
+    ctx.output("x", ctx.x.clone())
+
+
+def whoami() -> int:
+    return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def wbc():
+    c = wb.start(ranks=2, backend="gloo", timeout=TIMEOUT_S)
+    yield c
+    c.stop()
+
+
+@pytest.fixture()
+def fresh(wbc):
+    if not wbc.alive or wbc.dead_ranks() or not wbc.wait_idle(wbc.timeout + 15):
+        wbc.restart()
+    return wbc
+
+
+def _kill(cluster, rank: int) -> None:
+    """Kill a rank's engine and wait until the hub has dropped it (what a user reading a table meets)."""
+    p = psutil.Process(cluster.pids[rank])
+    p.kill()
+    psutil.wait_procs([p], timeout=10)
+    end = time.monotonic() + 30
+    while len(cluster._client.ids) >= cluster.world_size and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+# 1 -------------------------------------------------------------------------------------
+def test_dead_engine_between_steps_is_a_frame_and_one_clear_error(fresh):
+    s = fresh.session(TINY)
+    assert s.step().ok
+    _kill(fresh, 1)
+    frame = s.step()
+    assert frame.kinds == {"died"} and set(frame.rank_errors) == {1}
+    assert "cluster.restart()" in frame.rank_errors[1]
+    assert "needs restart" in repr(fresh)
+    for call in (fresh.run, fresh.call):
+        with pytest.raises(ClusterError, match=r"rank\(s\) \[1\] died.*cluster\.restart\(\)"):
+            call(whoami)
+    fresh.restart()
+    assert "ready" in repr(fresh) and len(fresh.run(whoami)) == 2
