@@ -77,3 +77,24 @@ def test_dead_engine_between_steps_is_a_frame_and_one_clear_error(fresh):
             call(whoami)
     fresh.restart()
     assert "ready" in repr(fresh) and len(fresh.run(whoami)) == 2
+
+
+# 7 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, flag", [({"timeout": 0}, "timeout"), ({"timeout": -5}, "timeout"),
+                                      ({"timeout": float("nan")}, "timeout"),
+                                      ({"port": 70000}, "port"), ({"port": -1}, "port")])
+def test_bad_timeout_and_port_fail_before_engines_start(kw, flag):
+    with pytest.raises(ClusterError, match=flag) as err:
+        wb.Cluster(ranks=2, backend="gloo", **kw)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])
+def test_cli_bad_timeout_is_one_line_naming_the_flag(value, capsys):
+    from workbench import cli
+
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["run", "fsdp1-rotary-meta-init", "--timeout", value])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--timeout" in err and "Traceback" not in err

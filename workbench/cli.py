@@ -23,6 +23,17 @@ def _parse_set(items: list[str]) -> dict[str, str]:
     return out
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type of --timeout: a bad value fails in argparse's one line, before any engine starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from workbench import scenarios
 
@@ -194,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fix", default=None)
     r.add_argument("--compare", action="store_true", help="also run every fix and put them in the report")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter")
-    r.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    r.add_argument("--timeout", type=positive_seconds, default=60.0, help="collective timeout in seconds")
     r.add_argument("--no-poison", action="store_true", help="leave to_empty memory as the allocator gives it")
     r.add_argument("--report", default=None, metavar="FILE", help="write a self-contained HTML report")
     r.add_argument("--bundle", default=None, metavar="FILE",

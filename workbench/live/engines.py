@@ -8,6 +8,7 @@ engine becomes a per-rank failure the caller can show, never a hung notebook ker
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -60,6 +61,18 @@ def resolve_backend(backend: str, ranks: int) -> str:
     return backend
 
 
+def check_timeout_port(timeout: float, port: int | None) -> None:
+    """A collective timeout must be a positive number of seconds; a port 1..65535 (None: a free one)."""
+    try:
+        ok = float(timeout) > 0 and math.isfinite(float(timeout))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ClusterError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise ClusterError(f"port must be an integer 1..65535 (or None for a free one), got {port!r}")
+
+
 @dataclass
 class Outcome:
     """Per-rank values and failures of one call."""
@@ -81,6 +94,7 @@ class Engines:
 
     def __init__(self, ranks: int = 2, backend: str = "auto", timeout: float = 60.0,
                  port: int | None = None, env: dict[str, str] | None = None):
+        check_timeout_port(timeout, port)  # before any engine starts: a bad value is one line, not 10 s later
         self.backend = resolve_backend(backend, ranks)
         self.world_size = ranks
         self.timeout = float(timeout)
