@@ -98,3 +98,22 @@ def test_cli_bad_timeout_is_one_line_naming_the_flag(value, capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--timeout" in err and "Traceback" not in err
+
+
+# 8 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, spec, expect", [
+    ("def broken(:\n", "", r"syntax error.*line 1"),
+    ("raise RuntimeError('no config here')\n", "", r"raised at import: RuntimeError: no config here"),
+    ("import workbench as wb\nSCENARIO = 3\n", ":", r"'SCENARIO' .*is of type int, not a Scenario"),
+    ("import workbench as wb\nX = wb.Scenario('x')\n", ":", r"no Scenario named 'SCENARIO'; it has: X"),
+    ("import workbench as wb\nthing = 'text'\n", ":thing", r"'thing' .*is of type str, not a Scenario"),
+])
+def test_bad_scenario_files_are_one_line(tmp_path, body, spec, expect):
+    from workbench import scenarios
+    from workbench.errors import WorkbenchError
+
+    path = tmp_path / "user_sc.py"
+    path.write_text(body)
+    with pytest.raises(WorkbenchError, match=expect) as err:
+        scenarios.resolve(f"{path}{spec or ':'}")
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
