@@ -117,3 +117,55 @@ def test_bad_scenario_files_are_one_line(tmp_path, body, spec, expect):
     with pytest.raises(WorkbenchError, match=expect) as err:
         scenarios.resolve(f"{path}{spec or ':'}")
     assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+# 5 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--json", "--bundle", "--report"])
+def test_bad_output_paths_fail_before_engines_start(tmp_path, flag, capsys):
+    from workbench import cli
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    (tmp_path / "taken.out").mkdir()
+    for bad in ("/dev/null/x.out", str(tmp_path / "taken.out")):
+        assert cli.main(["run", "fsdp1-rotary-meta-init", flag, bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag in err and bad in err and "Traceback" not in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing was started
+
+
+def _tiny_records(cluster):
+    s = cluster.session(TINY)
+    s.run()
+    s.close()
+    return s
+
+
+def test_each_output_is_written_even_when_another_fails(fresh, tmp_path):
+    from workbench import cli
+
+    s = _tiny_records(fresh)
+    (tmp_path / "taken").mkdir()
+    args = cli.build_parser().parse_args(["run", "x", "--json", str(tmp_path / "taken"),
+                                          "--bundle", str(tmp_path / "b.wbundle"),
+                                          "--report", str(tmp_path / "r.html")])
+    errors = cli.write_outputs([s], [s.record()], args)
+    assert len(errors) == 1 and "--json" in errors[0]
+    assert (tmp_path / "b.wbundle").is_file() and (tmp_path / "r.html").is_file()
+
+
+def test_report_to_a_directory_is_one_line_and_leaves_no_temp(fresh, tmp_path, capsys):
+    from workbench import cli
+    from workbench.postmortem import bundle, report
+
+    s = _tiny_records(fresh)
+    b = bundle.save(s, tmp_path / "run.wbundle")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli.main(["report", str(b), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "-o" in err and str(out) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run.wbundle"]
+    # a leftover of another writer under the old fixed temp name does not stop this one
+    (tmp_path / "r.html.tmp").mkdir()
+    assert report.write(bundle.load(b), tmp_path / "r.html").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.html", "r.html.tmp", "run.wbundle"]

@@ -108,14 +108,70 @@ def print_summary(session: Any) -> None:
                   .to_string(index=False))
 
 
+def check_output(path: str | None, flag: str, suffix: str = "") -> None:
+    """Fail before any engine starts when an output cannot be written: a directory, a parent
+    that is a file, or a folder this user cannot write (a missing parent is made later)."""
+    if not path:
+        return
+    p = Path(path)
+    if suffix and not p.suffix:
+        p = p.with_suffix(suffix)  # what bundle.save writes
+    if p.is_dir():
+        raise WorkbenchError(f"{flag} {path}: is a directory; give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise WorkbenchError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise WorkbenchError(f"{flag} {path}: not writable")
+
+
+def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace) -> list[str]:
+    """Write --json, --bundle and --report, each on its own: one that fails does not lose the
+    others. Returns one line per output that could not be written."""
+    from workbench.postmortem import bundle
+
+    errors: list[str] = []
+    saved = None
+    if args.json:
+        try:
+            doc = run_json(runs[0])
+            doc["fixes"] = [run_json(s) for s in runs[1:]]
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
+            print(f"json: {args.json}")
+        except (OSError, ValueError, WorkbenchError) as exc:
+            errors.append(f"--json {args.json}: {exc}")
+    if args.bundle:
+        try:
+            saved = bundle.save(records, args.bundle)
+            print(f"bundle: {saved}")
+        except (OSError, WorkbenchError) as exc:
+            errors.append(f"--bundle {args.bundle}: {exc}")
+    if args.report:
+        # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
+        import tempfile
+
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                src = saved or bundle.save(records, Path(d) / "run.wbundle")
+                print(f"report: {report_from_bundle(src, args.report)}")
+        except (OSError, WorkbenchError) as exc:
+            errors.append(f"--report {args.report}: {exc}")
+    return errors
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import workbench as wb
     from workbench import scenarios
-    from workbench.postmortem import bundle
 
     sc = scenarios.resolve(args.scenario)
     sc.check_fix(args.fix)
     params = sc.resolve_params(_parse_set(args.set))
+    check_output(args.json, "--json")
+    check_output(args.bundle, "--bundle", ".wbundle")
+    check_output(args.report, "--report")
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     with wb.start(ranks=args.ranks, backend=args.backend, timeout=args.timeout) as cluster:
@@ -134,24 +190,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 runs.append(s)
         records = [s.record() for s in runs]
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
-    if args.json:
-        doc = run_json(runs[0])
-        doc["fixes"] = [run_json(s) for s in runs[1:]]
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
-        print(f"json: {args.json}")
-    saved = None
-    if args.bundle:
-        saved = bundle.save(records, args.bundle)
-        print(f"bundle: {saved}")
-    if args.report:
-        # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            src = saved or bundle.save(records, Path(d) / "run.wbundle")
-            print(f"report: {report_from_bundle(src, args.report)}")
-    return 0
+    errors = write_outputs(runs, records, args)
+    for line in errors:
+        print(f"workbench: error: {line}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def report_from_bundle(path: str | Path, out: str | Path) -> Path:
@@ -162,6 +204,7 @@ def report_from_bundle(path: str | Path, out: str | Path) -> Path:
 
 def cmd_report(args: argparse.Namespace) -> int:
     out = args.output or Path(args.bundle.rstrip("/")).with_suffix(".html").name
+    check_output(str(out), "-o")
     print(f"report: {report_from_bundle(args.bundle, out)}")
     return 0
 
