@@ -169,3 +169,57 @@ def test_report_to_a_directory_is_one_line_and_leaves_no_temp(fresh, tmp_path, c
     (tmp_path / "r.html.tmp").mkdir()
     assert report.write(bundle.load(b), tmp_path / "r.html").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.html", "r.html.tmp", "run.wbundle"]
+
+
+# 6 -------------------------------------------------------------------------------------
+BOOM = wb.Scenario("boom-on-rank-1", probe=None)
+BOOM.step(setup)
+
+
+@BOOM.step
+def boom(ctx) -> None:
+    if ctx.rank == 1:
+        raise ZeroDivisionError("rank 1 divides by zero")
+
+
+@BOOM.step
+def after(ctx) -> None:
+    ctx.output("x", ctx.x.clone())
+
+
+def test_after_a_failed_step_later_steps_are_skipped_on_that_rank(fresh):
+    s = fresh.session(BOOM)
+    frames = s.run()
+    assert [f.kinds for f in frames] == [set(), {"error"}, {"skipped"}]
+    ev = frames[2].events
+    assert list(ev["rank"]) == [1] and "'boom'" in ev.iloc[0]["message"]
+    assert list(frames[2].outputs["rank"]) == [0]  # rank 0 still ran the step
+
+
+def test_scenario_parameter_rules_fail_before_engines_start(capsys):
+    from workbench import cli, scenarios
+    from workbench.errors import WorkbenchError
+
+    sc = scenarios.get("fsdp1-rotary-meta-init")
+    for bad in ("0", "-8", "7"):
+        with pytest.raises(WorkbenchError, match=f"head_dim={bad}"):
+            sc.resolve_params({"head_dim": bad})
+    assert sc.resolve_params({"head_dim": "16"})["head_dim"] == 16
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert cli.main(["run", "fsdp1-rotary-meta-init", "--set", "head_dim=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "head_dim=0" in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_cli_run_whose_steps_raised_exits_non_zero(tmp_path, capsys):
+    from workbench import cli
+
+    path = tmp_path / "raises.py"
+    path.write_text("import workbench as wb\nSCENARIO = wb.Scenario('raises')\n\n\n"
+                    "@SCENARIO.step\ndef load(ctx):\n    raise ZeroDivisionError('head_dim 0')\n\n\n"
+                    "@SCENARIO.step\ndef use(ctx):\n    ctx.model.forward()\n")
+    assert cli.main(["run", f"{path}:", "--timeout", "8"]) == 1
+    captured = capsys.readouterr()
+    assert "ZeroDivisionError" in captured.out and "AttributeError" not in captured.out
+    assert "step(s) failed" in captured.err

@@ -191,6 +191,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         records = [s.record() for s in runs]
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     errors = write_outputs(runs, records, args)
+    failed = [f"{s.fix or 'bug path'}: {f.step}" for s in runs for f in s.frames if not f.ok]
+    if failed:  # a run whose steps raised, hung or lost a rank is not a success, whatever it printed
+        errors.append(f"{len(failed)} step(s) failed ({', '.join(failed[:6])}); see the steps above")
     for line in errors:
         print(f"workbench: error: {line}", file=sys.stderr)
     return 1 if errors else 0

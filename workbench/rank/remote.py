@@ -1,7 +1,10 @@
 """Entry points the client calls on every engine; each returns plain data.
 
 A step's exception is caught here and returned as data, so the client gets every rank's
-outcome and the probe still runs on the state the failure left behind.
+outcome and the probe still runs on the state the failure left behind. Later steps of that
+session are then skipped on that rank (a "skipped" event), not run into a cascade of
+AttributeErrors on what the failed step never built; a ``WorkbenchError`` (a check that
+refused before doing damage) does not stop the steps after it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 
+from workbench.errors import WorkbenchError
 from workbench.rank import context, ledger, poison, probe, reference, trace
 
 
@@ -41,11 +45,20 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     trace.take(ctx)  # rows of an earlier step that never reached the client
     t0 = time.perf_counter()
     book = ledger.get_ledger(session_id)
-    try:
-        with ledger.recording(book, step) if book is not None else contextlib.nullcontext():
-            fn(ctx)
-    except BaseException as exc:
-        error = {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-6000:]}
+    failed = getattr(ctx, "_failed_step", None)
+    if failed is not None:
+        # The steps after a failure would only cascade (AttributeError on what it never built): say so once.
+        error = {"kind": "skipped", "error": "Skipped",
+                 "message": f"not run on rank {ctx.rank}: step {failed!r} failed here earlier", "traceback": ""}
+    else:
+        try:
+            with ledger.recording(book, step) if book is not None else contextlib.nullcontext():
+                fn(ctx)
+        except BaseException as exc:
+            error = {"error": type(exc).__name__, "message": str(exc)[:2000],
+                     "traceback": traceback.format_exc()[-6000:]}
+            if not isinstance(exc, WorkbenchError):  # a check's own refusal left the state consistent
+                ctx._failed_step = step or getattr(fn, "__name__", "?")
     elapsed = time.perf_counter() - t0
     objects = ctx.user_objects()
     if probe_names is not None:
