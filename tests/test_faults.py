@@ -223,3 +223,42 @@ def test_cli_run_whose_steps_raised_exits_non_zero(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "ZeroDivisionError" in captured.out and "AttributeError" not in captured.out
     assert "step(s) failed" in captured.err
+
+
+# 2 -------------------------------------------------------------------------------------
+FLAKY = wb.Scenario("flaky-once", probe=None, params={"marker": ""})
+FLAKY.step(setup)
+
+
+@FLAKY.step
+def grow_once(ctx) -> None:
+    """Fails on rank 1 the first time only (a marker file remembers), after growing x."""
+    ctx.x = ctx.x + 1
+    if ctx.rank == 1 and not os.path.exists(ctx.params["marker"]):
+        open(ctx.params["marker"], "w").close()
+        raise RuntimeError("transient failure on rank 1")
+
+
+FLAKY.step(report)
+
+
+def _x(frame) -> list[float]:
+    out = frame.outputs
+    return [float(h[0]) for h in out[out["name"] == "x"].sort_values("rank")["head"]]
+
+
+@pytest.mark.parametrize("replay_failed", [True, False])
+def test_recover_replays_the_failed_step_or_says_it_did_not(fresh, tmp_path, replay_failed):
+    s = fresh.session(FLAKY, marker=str(tmp_path / "failed-once"))
+    s.step()
+    assert s.step().kinds == {"error"}
+    info = s.recover(replay_failed=replay_failed)
+    after = s.step()
+    notes = [n for ns in after.notes.values() for n in ns]
+    assert after.ok and len(notes) == 2  # one per rank
+    if replay_failed:
+        assert info["replayed"] == ["setup", "grow_once"] and info["not_replayed"] == []
+        assert _x(after) == [2.0, 2.0] and "replayed setup, grow_once" in notes[0]
+    else:
+        assert info["replayed"] == ["setup"] and info["not_replayed"] == ["grow_once"]
+        assert _x(after) == [1.0, 1.0] and "'grow_once' was not replayed" in notes[0]

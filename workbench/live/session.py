@@ -49,6 +49,7 @@ class Session:
         self._ledger_reader = collectives.LedgerReader(self.ledger_dir)
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
+        self._recovery: dict[str, Any] | None = None  # the last recover()'s info, until the next frame notes it
 
     # -- stepping ---------------------------------------------------------------------
     @property
@@ -102,6 +103,10 @@ class Session:
                                               list(range(self.cluster.world_size)), deadline)
         if not frame.ok:
             self.cluster.dirty = True
+        if self._recovery is not None:
+            frame.notes = {r: [*frame.notes.get(r, []), _recovery_note(self._recovery)]
+                           for r in range(self.cluster.world_size)}
+            self._recovery = None
         self.frames.append(frame)
         return frame
 
@@ -163,25 +168,31 @@ class Session:
     def hangs(self) -> list[Frame]:
         return [f for f in self.frames if f.hang is not None]
 
-    def recover(self) -> dict[str, Any]:
-        """After a hang: bring the ranks back (``cluster.recover()``) and re-run the steps before it.
+    def recover(self, replay_failed: bool = False) -> dict[str, Any]:
+        """After a hang or a failed step: bring the ranks back (``cluster.recover()``) and re-run the
+        steps before the first failed one, and that one too with ``replay_failed=True``.
 
-        The hung frame stays in the history; the ranks then hold what they held when the
-        user stepped into the hang, and the ledger starts a new attempt.
+        The failed frame stays in the history. Without ``replay_failed`` the next step runs on
+        ranks that never ran the failed one (what a hung step needs: replaying it would hang
+        again); the returned info (``replayed``, ``not_replayed``) and the next frame's notes
+        say which steps the ranks hold. The ledger starts a new attempt.
         """
         info = self.cluster.recover()
         failed = next((i for i, f in enumerate(self.frames) if not f.ok), len(self.frames))
+        upto = failed + 1 if replay_failed and failed < len(self.frames) else failed
         self.attempt += 1
         self._begun = False
         self._begin()
-        for name, fn in self.scenario.steps[:failed]:
+        for name, fn in self.scenario.steps[:upto]:
             out = self.cluster.call(remote.run_step, self.id, fn, [], step=name, timeout=self.cluster.deadline)
             errors = [f.line() for f in out.failures.values()]
             errors += [f"rank {r} error: {v['error']['error']}: {v['error']['message'][:300]}"
                        for r, v in sorted(out.values.items()) if v["error"]]
             if errors:
                 raise WorkbenchError(f"replaying step {name!r} after recovery failed: " + "; ".join(errors))
-        info["replayed"] = self.steps[:failed]
+        info["replayed"] = self.steps[:upto]
+        info["not_replayed"] = self.steps[upto:len(self.frames)]
+        self._recovery = info  # the next frame says what the ranks were given back
         return info
 
     @property
@@ -251,6 +262,14 @@ class Session:
     def __repr__(self) -> str:
         return (f"<Session {self.scenario.name} fix={self.fix} poison={self.poison} "
                 f"{len(self.frames)}/{len(self.steps)} steps, next={self.next_step}>")
+
+
+def _recovery_note(info: dict[str, Any]) -> str:
+    note = f"after recovery ({info['action']}): replayed {', '.join(info['replayed']) or 'no steps'}"
+    for name in info["not_replayed"]:
+        note += (f"; step {name!r} was not replayed, so the ranks never ran it "
+                 "(s.recover(replay_failed=True) replays it)")
+    return note
 
 
 def _stack(frames: list[Frame], attr: str) -> pd.DataFrame:
