@@ -262,3 +262,45 @@ def test_recover_replays_the_failed_step_or_says_it_did_not(fresh, tmp_path, rep
     else:
         assert info["replayed"] == ["setup"] and info["not_replayed"] == ["grow_once"]
         assert _x(after) == [1.0, 1.0] and "'grow_once' was not replayed" in notes[0]
+
+
+# 4 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "in-step"
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent(f'''
+        import time
+        import workbench as wb
+
+        SCENARIO = wb.Scenario("slow")
+
+        @SCENARIO.step
+        def wait(ctx):
+            open({str(marker)!r} + str(ctx.rank), "w").close()
+            time.sleep(120)
+    '''))
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", f"{path}:", "--timeout", "8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "in-step1").exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert (tmp_path / "in-step1").exists(), proc.stderr.read() if proc.poll() is not None else "no step"
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert len(family) >= 3  # controller and two engines at least
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=60) == 130
+        assert "interrupted; engines stopped" in proc.stderr.read()
+        _, alive = psutil.wait_procs(family, timeout=5)
+        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()

@@ -271,8 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the Ctrl-C path: `with wb.start(...)` stops every engine on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import signal
+    import threading
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        # timeout, CI cancellation and `docker stop` send SIGTERM; a closed terminal SIGHUP
+        saved = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return args.fn(args)
     except WorkbenchError as exc:
@@ -281,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("workbench: interrupted; engines stopped", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in saved.items():  # main() called in-process (tests) leaves the caller's handlers
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,14 @@ class Engines:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Engines:
+        """Start the engines and form the group; interrupted or failed anywhere, no engine survives."""
+        try:
+            return self._start()
+        except BaseException:  # Ctrl-C / SIGTERM while engines come up included
+            self.stop()
+            raise
+
+    def _start(self) -> Engines:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
