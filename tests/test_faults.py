@@ -27,7 +27,10 @@ def setup(ctx) -> None:
 
 @TINY.step
 def grow(ctx) -> None:
+    import torch.distributed as dist
+
     ctx.x = ctx.x + 1
+    dist.all_reduce(ctx.x)  # one collective: the session's ledger has rows
 
 
 @TINY.step
@@ -304,3 +307,34 @@ def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
             for p in psutil.Process(proc.pid).children(recursive=True):
                 p.kill()
             proc.kill()
+
+
+# 9 -------------------------------------------------------------------------------------
+def test_close_removes_the_ledger_dir_and_rank_workdirs_but_keeps_the_rows(fresh):
+    import glob
+    import tempfile
+
+    s = fresh.session(TINY)
+    s.run()
+    workdirs = glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{s.id}-r*"))
+    rows = len(s.ledger)
+    assert len(workdirs) == 2 and rows >= 2 and os.path.isdir(s.ledger_dir)
+    first_dir = s.ledger_dir
+    s.close()
+    assert not os.path.exists(first_dir) and not any(os.path.exists(d) for d in workdirs)
+    assert len(s.ledger) == rows and len(s.record().ledger) == rows
+    s.reset()
+    assert s.step().ok and s.step().ok  # a reset session gets a fresh ledger dir
+    assert len(s.ledger) > rows
+    s.close()
+    assert not os.path.exists(s.ledger_dir)
+
+
+def test_no_process_of_a_cluster_outlives_stop():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    c = wb.start(ranks=2, backend="gloo", timeout=TIMEOUT_S)
+    family = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert len(family) >= 3
+    c.stop()
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [(p.pid, p.name(), p.cmdline()[-3:]) for p in alive]

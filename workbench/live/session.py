@@ -6,7 +6,9 @@ dead engines all land in the frame of the step they happened in.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -70,6 +72,8 @@ class Session:
             cluster.recover()  # a rank stuck or dead after an earlier hang: bring the ranks back first
         if cluster.dirty:
             cluster.form_group()  # a failed collective leaves the group unusable: form a fresh one
+        if not os.path.isdir(self.ledger_dir):  # closed (or reset) earlier: a fresh dir, the rows read stay
+            self.ledger_dir = self._ledger_reader.source = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")
         cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison,
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
         self.started_at = time.time()
@@ -131,11 +135,17 @@ class Session:
         return self
 
     def close(self) -> None:
-        """Free what the ranks hold for this session (models, ledger file); the frames stay here."""
+        """Free what the ranks hold for this session (models, ledger file, work dirs) and the
+        session's temp dirs; the frames and the ledger rows read so far stay here."""
         if self._begun and self.cluster.alive and not self.cluster.needs_recovery \
                 and self._generation == self.cluster.generation:
             self.cluster.call(remote.end_session, self.id)
         self._begun = False
+        self._ledger_reader.poll()  # the rows first: a bundle saved later still holds them
+        shutil.rmtree(self.ledger_dir, ignore_errors=True)
+        # Ranks on this host that could not clean up themselves (dead, stuck, re-formed): their work dirs.
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{self.id}-r*")):
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ refused before doing damage) does not stop the steps after it.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -31,7 +32,10 @@ def start_session(session_id: str, fix: str | None, params: dict[str, Any], pois
 
 
 def end_session(session_id: str) -> None:
+    ctx = context._SESSIONS.get(session_id)
     context.drop_context(session_id)
+    if ctx is not None and ctx.workdir:
+        shutil.rmtree(ctx.workdir, ignore_errors=True)  # checkpoints and scratch of this session
     ledger.close_ledger(session_id)
     poison.uninstall()
 
