@@ -338,3 +338,17 @@ def test_no_process_of_a_cluster_outlives_stop():
     c.stop()
     alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [(p.pid, p.name(), p.cmdline()[-3:]) for p in alive]
+
+
+# 3 -------------------------------------------------------------------------------------
+def test_no_rendezvous_listener_outside_loopback(fresh):
+    import ipaddress
+
+    listening = []
+    for pid in fresh.pids.values():
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append(c.laddr)
+    assert any(a.port == fresh.port for a in listening)  # the store is found, and only on loopback
+    outside = [a for a in listening if not ipaddress.ip_address(a.ip.split("%")[0]).is_loopback]
+    assert outside == []

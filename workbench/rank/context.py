@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         kw["device_id"] = device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=loopback_store(rank, world_size, port, timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -88,6 +89,27 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
     )
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device)}
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """The group's TCP store, listening on 127.0.0.1 only.
+
+    ``init_method="tcp://127.0.0.1:PORT"`` connects to loopback but its store listens on every
+    interface (``::``), reachable from any address of the host. Rank 0 binds the socket itself
+    and hands the store its descriptor; the store owns and closes it.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(max(128, world_size))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def _device_name(device: torch.device) -> str:
