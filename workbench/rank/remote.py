@@ -3,8 +3,9 @@
 A step's exception is caught here and returned as data, so the client gets every rank's
 outcome and the probe still runs on the state the failure left behind. Later steps of that
 session are then skipped on that rank (a "skipped" event), not run into a cascade of
-AttributeErrors on what the failed step never built; a ``WorkbenchError`` (a check that
-refused before doing damage) does not stop the steps after it.
+AttributeErrors on what the failed step never built; an error inside torch.distributed (the
+incident itself) or a ``WorkbenchError`` (a check that refused before doing damage) does not
+stop the steps after it.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
         except BaseException as exc:
             error = {"error": type(exc).__name__, "message": str(exc)[:2000],
                      "traceback": traceback.format_exc()[-6000:]}
-            if not isinstance(exc, WorkbenchError):  # a check's own refusal left the state consistent
+            if not _incident_error(exc):
                 ctx._failed_step = step or getattr(fn, "__name__", "?")
     elapsed = time.perf_counter() - t0
     objects = ctx.user_objects()
@@ -78,6 +79,16 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
         "trace": trace.take(ctx),
     }
+
+
+def _incident_error(exc: BaseException) -> bool:
+    """An error the later steps should still run after: a check's own refusal (``WorkbenchError``,
+    raised before any damage), or one raised inside torch.distributed (a collective that timed out
+    or mispaired: the incident itself, whose aftermath the next steps and probes show)."""
+    if isinstance(exc, WorkbenchError):
+        return True
+    return any("/torch/distributed/" in f.filename.replace("\\", "/")
+               for f in traceback.extract_tb(exc.__traceback__))
 
 
 def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.RankContext) -> None:
