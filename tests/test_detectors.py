@@ -115,10 +115,35 @@ def test_reinterpretation_names_a_stream_that_slid_by_a_bucket():
     assert found["source"] == "w" and found["shift"] == 256 and found["at"] == 256 and found["offset"] == 0
     assert found["finding"] == ("rank 1 `w` (bfloat16) = rank 0's own bytes shifted up by 256 B "
                                 "(128 bfloat16 elements): byte 256 here is byte 0 there")
+    # the NCCL headline: rank 1's bucket holds two 64 B buffers ahead of the weights, rank 0 sent 256 B of fp32 first
+    slid = torch.cat([torch.randn(64).to(torch.bfloat16), w[:-64]])  # 64 elements: byte k here = byte k - 128 there
+    (found,) = findings.reinterpretations(frame([("w", w)], [("w", slid)]))
+    assert found["shift"] == 128 and "shifted up by 128 B (64 bfloat16 elements)" in found["finding"]
     # a copy whose first bytes are right and whose tail differs is no reinterpretation
     tail = w.clone()
     tail[-100:] = 0
     assert findings.reinterpretations(frame([("w", w)], [("w", tail)])) == []
+
+
+def test_every_uninitialised_allocation_under_a_step_is_poisoned_and_tracked():
+    poison.reset_tracking()
+    with poison.poisoned(True), poison.allocations():
+        # a user's own materialisation path (Megatron-FSDP's fix), not to_empty
+        m = nn.Linear(4, 4, device="meta")._apply(lambda t: torch.empty_like(t, device="cpu"))
+        e = torch.empty(6)
+        s = torch.empty_strided((2, 3), (3, 1))
+        n = torch.zeros(2).new_empty(5)
+        g = torch.ones(4)
+        g.resize_(10)
+    assert poison.written_state(m.weight) == "never written" and int(poison.poison_count(m.weight)) == 16
+    assert all(int(poison.poison_count(t)) == t.numel() for t in (e, s, n))
+    assert g[:4].tolist() == [1.0] * 4 and int(poison.poison_count(g)) == 6  # only the grown part
+    m.weight.data[0].fill_(0.5)
+    assert poison.written_state(m.weight) == "partly written"
+    outside = torch.empty(6)  # no step running: the allocator is torch's own again
+    assert poison.written_state(outside) is None
+    with poison.poisoned(True), poison.allocations(), torch.device("meta"):
+        assert nn.Embedding(10, 4).weight.is_meta  # building on meta still builds on meta
 
 
 def test_findings_of_a_step_with_no_tensor_rows():

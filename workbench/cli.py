@@ -65,14 +65,14 @@ def status_summary(tensors: Any) -> Any:
     """One row per (rank, status) that is not ok: how many tensors, a few of their names."""
     import pandas as pd
 
-    from workbench.analysis.diagnosis import short
     from workbench.analysis.findings import status
+    from workbench.viz.tensors import shorten
 
     st = status(tensors)
     st = st[~st["status"].isin(["ok", "meta", "sharded"])]
-    names = list(dict.fromkeys(tensors["name"]))
+    short = shorten(list(dict.fromkeys(tensors["name"])))
     rows = [{"rank": int(r), "status": s, "tensors": len(g),
-             "names": ", ".join(short(n, names) for n in list(g["name"])[:3]) + (" ..." if len(g) > 3 else "")}
+             "names": ", ".join(short[n] for n in list(g["name"])[:3]) + (" ..." if len(g) > 3 else "")}
             for (r, s), g in st.groupby(["rank", "status"], sort=True)]
     return pd.DataFrame(rows, columns=["rank", "status", "tensors", "names"])
 

@@ -269,7 +269,9 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
         for r in present:
             nxt = calls[r][k + 1] if k + 1 < len(calls[r]) else None
             others = [q for q in present if q != r]
-            if (all(_loose(nxt, at[q]) for q in others) and not any(_loose(at[r], at[q]) for q in others)):
+            # ... and it issued more calls than they did: with equal counts it is a mismatch, not an extra
+            if (all(_loose(nxt, at[q]) for q in others) and not any(_loose(at[r], at[q]) for q in others)
+                    and all(len(calls[r]) > len(calls[q]) for q in others)):
                 msg = (f"group {group} call #{seq}: rank {r} issued an extra {describe(at[r])} that rank(s) {others} "
                        f"did not; their call #{seq} ({'; '.join(f'rank {q}: {describe(at[q])}' for q in others)}) "
                        f"pairs with it instead, and rank {r}'s next call #{seq + 1} is {describe(nxt)}")

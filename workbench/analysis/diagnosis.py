@@ -29,10 +29,10 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import collectives, findings
+from workbench.analysis import collectives, findings, weightsync
 from workbench.analysis.frames import fmt
 
-BAD = ("poison", "nan", "inf", "reference", "dtype", "differs", "missing")
+BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 EVIDENCE_COLUMNS = ["step", "rank", "what", "fact"]
 GRID_COLUMNS = ["step", "step_index", "rank", "status", "label"]
@@ -169,6 +169,8 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
     first step of the unbroken run of wrong steps that led there."""
     rows = []
     per: dict[tuple[int, str], list[tuple[str, str, str]]] = {}
+    fps = {(s, int(r), n): f for s in run.steps for r, n, f in
+           run.at(run.tensors, s)[["rank", "name", "fingerprint"]].itertuples(index=False)} if len(run.tensors) else {}
     for s in run.steps:
         for r in run.status[s].itertuples(index=False):
             per.setdefault((int(r.rank), r.name), []).append((s, r.status, r.detail))
@@ -178,9 +180,36 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
         k = len(seq) - 1
         while k > 0 and seq[k - 1][1] in BAD:
             k -= 1
+        # within that run, the step that last wrote the (wrong) content: a stale copy overwritten wrongly
+        # was wrong "since" the write, not since the copy was made
+        for j in range(len(seq) - 1, k, -1):
+            a, b = fps.get((seq[j - 1][0], rank, name)), fps.get((seq[j][0], rank, name))
+            if a != b and a not in (None, "meta") and b not in (None, "meta"):
+                k = j
+                break
         rows.append({"rank": rank, "name": name, "status": seq[-1][1], "since": seq[k][0],
                      "since_status": seq[k][1], "detail": seq[-1][2], "last": seq[-1][0]})
     return pd.DataFrame(rows, columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
+
+
+SELF_EVIDENT = ("poison", "nan", "inf", "reference")  # wrong on its own terms, whatever the other ranks hold
+
+
+def _first_faults(run: _Run, before: str | None) -> pd.DataFrame:
+    """Faults of the earliest step before ``before`` where a tensor is wrong on its own terms."""
+    stop = run.index(before)
+    for s in run.steps[:stop]:
+        st = run.status[s]
+        bad = st[st["status"].isin(SELF_EVIDENT)] if len(st) else st
+        if len(bad):
+            return pd.DataFrame({"rank": bad["rank"].astype(int), "name": bad["name"], "status": bad["status"],
+                                 "since": s, "since_status": bad["status"], "detail": bad["detail"], "last": s})
+    return pd.DataFrame(columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
+
+
+def _true(v: Any) -> bool:
+    """True for True and numpy's True; False for False, None, NaN and pandas' NA."""
+    return (v.item() if hasattr(v, "item") else v) is True
 
 
 def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
@@ -191,6 +220,8 @@ def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
     if "step_index" in o:
         o = o[o["step_index"] == o["step_index"].max()]
     ref = {r.name: r.fingerprint for r in o[o["rank"] == 0].itertuples(index=False)}
+    if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(_num).any():
+        ref = {}  # the scenario says what right is: ranks may differ by design (roles, shards)
     out = []
     for r in o.itertuples(index=False):
         diff = getattr(r, "ref_max_abs_diff", None)
@@ -200,7 +231,8 @@ def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
         elif _num(diff) and float(diff) > 1e-3:
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name,
                         "how": f"departs from the reference by {fmt(float(diff))}"})
-        elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint:
+        elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint \
+                and not _true(getattr(r, "sharded", None)):  # a rank-local output (ctx.local) differs by design
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": "differs from rank 0"})
     return out
 
@@ -358,10 +390,12 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         if pick.get("shift"):
             slid = abs(int(pick["shift"]))
             es = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dt(row["dtype"]))
-            elems = f", {slid // es} {dt(row['dtype'])} elements" if es else ""
+            amount = f"{slid // es} {dt(row['dtype'])} elements ({slid} B)" if es and slid % es == 0 else f"{slid} B"
             why = " (the extra bucket's size)" if _num(call.get("bytes")) and int(call["bytes"]) == slid else ""
-            head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}` holds rank {sender}'s bytes of it slid by "
-                    f"{slid} B{elems}{why}")
+            alike = [m for m in re_rows if m.get("shift") == pick["shift"] and m["rank"] == pick["rank"]]
+            more = f" and {len(alike) - 1} more of its tensors" if len(alike) > 1 else ""
+            head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}`{more} hold rank {sender}'s bytes slid by "
+                    f"{amount}{why}")
         sentence = f"{head}: {how}, {what}{tail}"
         return Diagnosis("reinterpreted", sentence, first_step, [pick["rank"]], pick["name"], call, _ev(evidence))
     if mechanism == "mispaired":
@@ -391,7 +425,17 @@ def _diagnose(run: _Run) -> Diagnosis:
     among = run.names
     div = collectives.first_divergence(run.ledger) if len(run.ledger) else None
     if div is not None:
-        return _from_ledger(run, div)
+        early = _first_faults(run, before=div.step)
+        if not len(early):
+            return _from_ledger(run, div)
+        # Causal order: a tensor already wrong on its own terms before the collectives parted
+        # is the first cause (e.g. a silent permutation, then a hang in a later sync).
+        d = _from_tensors(run, early, [], among)
+        later = _from_ledger(run, div)
+        d.sentence += f"; later, in step `{div.step}`: {later.sentence}"
+        d.call = later.call
+        d.evidence = pd.concat([d.evidence, later.evidence], ignore_index=True)
+        return d
     stuck = _where_stuck(run)
     dead = [s for s in stuck if s["how"] == "died"]
     if dead:
@@ -437,6 +481,10 @@ def _diagnose(run: _Run) -> Diagnosis:
         return Diagnosis("outputs-only", sentence, bad_out[0]["step"], ranks, None, None,
                          _ev([{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]}
                               for b in bad_out]))
+    planned = len(run.manifest.get("steps") or run.steps)
+    if len(run.steps) < planned:
+        return Diagnosis("clean", f"clean so far: {len(run.steps)} of {planned} steps ran on every rank, the ranks "
+                         "agree and no detector fired on the latest state", None)
     return Diagnosis("clean", f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
                      "detector fired on the final state", None)
 
@@ -471,19 +519,30 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
                              if agree else ""))
         return Diagnosis("never-written", sentence, step, ranks, names[0], None, _ev(ev))
     ref = at_first[at_first["status"] == "reference"]
+    synced = weightsync.match_matrix(run, step) if len(ref) else pd.DataFrame(columns=weightsync.MATCH_COLUMNS)
+    for status, mechanism, what in (("mislabel", "mislabeled", "hold another exported tensor's bytes"),
+                                    ("cast", "lossy-cast", "hold the trainer's values rounded by the sync's cast")):
+        hits = list(synced[synced["status"] == status]["finding"])
+        if hits:
+            # A weight sync loaded names with the wrong content: say whose tensor each one now holds.
+            ranks = sorted(set(ref["rank"]))
+            sentence = (f"{hits[0]}: {len(hits)} loaded name(s) {what} from step `{step}` on, and nothing raised"
+                        + out)
+            ev = [{"step": step, "rank": None, "what": status, "fact": m} for m in hits[:20]] + ev
+            return Diagnosis(mechanism, sentence, step, ranks, str(ref["name"].iloc[0]), None, _ev(ev))
     if len(ref):
         names = list(dict.fromkeys(ref["name"]))
         ranks = sorted(set(ref["rank"]))
         t = run.at(run.tensors, step)
         g = t[t["name"] == names[0]]
-        agree = set(ranks) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
-        worst = max((float(x) for x in g["ref_diff"] if _num(x)), default=float("nan"))
+        agree = set(g["rank"]) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
+        worst = max((float(x) for x in g["ref_diff"] if _num(x) and float(x) == float(x)), default=float("nan"))
         if agree:
             sentence = (f"every rank holds the same wrong {_names(names, among)} from step `{step}` (departs from "
-                        f"the value computed from the config by {fmt(worst)}): a cross-rank comparison sees nothing"
+                        f"its reference value by {fmt(worst)}): a cross-rank comparison sees nothing"
                         + out)
             return Diagnosis("agreed-wrong", sentence, step, ranks, names[0], None, _ev(ev))
-        sentence = (f"{_names(names, among)} on {_ranks(ranks)} departs from the value computed from the config "
+        sentence = (f"{_names(names, among)} on {_ranks(ranks)} departs from its reference value "
                     f"(by {fmt(worst)}) from step `{step}`" + out)
         return Diagnosis("wrong-value", sentence, step, ranks, names[0], None, _ev(ev))
     split = at_first[at_first["since_status"] == "dtype"]

@@ -46,10 +46,10 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
             st, detail = "inf", f"{row.inf} Inf of {row.numel}"
         elif _bad_ref(getattr(row, "ref_diff", None)):
             st, detail = "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
+        elif _flag(getattr(row, "sharded", None)):
+            st, detail = "sharded", "this rank's own (a shard or a role's copy): checked on its own, not against rank 0"
         elif r0 is None:
             st, detail = "missing", f"rank {reference_rank} has no such tensor"
-        elif _flag(getattr(row, "sharded", None)):
-            st, detail = "sharded", "this rank's shard of a sharded tensor"
         elif row.rank != reference_rank and r0["dtype"] != row.dtype:
             st, detail = "dtype", f"{row.dtype} here, {r0['dtype']} on rank {reference_rank}"
         elif row.rank != reference_rank and r0["numel"] != row.numel:
@@ -123,7 +123,8 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
         if diff is not None and diff == diff and diff > 1e-3:
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "reference",
                          "finding": f"max |output - reference| = {diff:.3g}"})
-        elif o.rank != 0 and o.name in ref.index and ref.loc[o.name]["fingerprint"] != o.fingerprint:
+        elif o.rank != 0 and o.name in ref.index and ref.loc[o.name]["fingerprint"] != o.fingerprint \
+                and not _flag(getattr(o, "sharded", None)):
             rows.append({"severity": "warning", "rank": int(o.rank), "name": o.name, "detector": "outputs",
                          "finding": "differs from rank 0"})
     return rows

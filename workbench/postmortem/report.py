@@ -187,7 +187,7 @@ def _what_happened(page: _Page, records: list[RunRecord]) -> None:
     d = diagnosis.diagnose(bug)
     page.parts.append(f"<p class='diagnosis'><b>{html.escape(bug.label)}</b>: {html.escape(d.sentence)}</p>")
     if not d.clean:
-        page.fig(diagnosis_figure(d))
+        page.fig(diagnosis_figure(d, title="Where it started (outlined): what each rank held after each step"))
     for rec in records:
         if rec is bug:
             continue

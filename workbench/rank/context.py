@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 RESERVED = frozenset(
     {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
-     "output_extras", "notes", "expected"}
+     "output_extras", "notes", "expected", "rank_local"}
 )
 
 
@@ -39,10 +39,18 @@ class RankContext:
     output_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     expected: dict[str, torch.Tensor] = field(default_factory=dict)
+    rank_local: set[str] = field(default_factory=set)
 
     def expect(self, name: str, value: torch.Tensor) -> None:
         """Declare what tensor ``name`` (as probed, e.g. 'model.router.expert_bias') should hold."""
         self.expected[name] = value.detach()
+
+    def local(self, *keys: str) -> None:
+        """Mark objects on ctx (by attribute name) as this rank's own: a shard or a role (an
+        expert-parallel shard, an inference worker's copy), not a replica. Their tensors are
+        then checked against their expected values, never against rank 0's (which may not
+        have them at all)."""
+        self.rank_local.update(keys)
 
     def output(self, name: str, tensor: torch.Tensor, **extra: Any) -> None:
         """Record an output (logits, loss) to be probed after the step, with scalar extras."""

@@ -5,15 +5,24 @@ depends on ``to_empty`` garbage comes and goes. While poisoning is on, every ten
 ``nn.Module.to_empty`` hands out is filled with a signalling-NaN bit pattern (floats) or
 the dtype's max (integers). The pattern is chosen so that arithmetic never produces it:
 an element that still holds it was never written since it was materialised.
+
+While a step runs (``allocations()``), the Python-level allocators that hand out
+uninitialised memory are covered too: ``torch.empty``, ``empty_like``, ``empty_strided``,
+``Tensor.new_empty``/``new_empty_strided`` and the growth of ``Tensor.resize_``; so is a
+user's own materialisation path such as ``module._apply(lambda t: torch.empty_like(t,
+device=...))``. Allocations made inside C++ kernels are not seen (they are outputs the
+kernel writes).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 # Signalling NaNs with a payload (0xA5...): computation quiets a NaN, so these bits only
 # survive in memory nobody wrote.
@@ -88,6 +97,12 @@ def written_state(t: torch.Tensor) -> str | None:
     """
     if t.is_meta or t.numel() == 0:
         return None
+    if t.dtype in POISON_BITS:
+        # Poison bits are only ever written by poison_: where some remain, the answer needs no tracking entry
+        # (a view into a flat buffer, an address reused since, all read the same).
+        left = int(poison_count(t))
+        if left:
+            return "never written" if left == t.numel() else "partly written"
     entry = _TRACKED.get(t.data_ptr())
     if entry is None or entry[2] != t.numel():
         return None
@@ -125,3 +140,38 @@ def uninstall() -> None:
     """Give ``nn.Module.to_empty`` back untouched (end of a session)."""
     _STATE["poison"] = False
     nn.Module.to_empty = _ORIGINAL_TO_EMPTY
+
+
+# -- every allocator of uninitialised memory, while a step runs ----------------------------
+# A TorchFunctionMode, not patched names: ``torch.device("meta")`` (itself a function mode) keeps working, and
+# torch's own caches of its factory functions never see a wrapper.
+_ALLOCATORS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
+               torch.Tensor.new_empty_strided}
+
+
+class _Allocations(TorchFunctionMode):
+    """With poison on: poison and track what the allocators hand out, poison what ``resize_`` grows."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.resize_:
+            before = args[0].numel()
+            out = func(*args, **kwargs)
+            if _STATE["poison"] and out.numel() > before and not out.is_meta and out.is_contiguous():
+                with torch.no_grad():
+                    poison_(out.detach().reshape(-1)[before:])  # only the grown part is uninitialised
+            return out
+        out = func(*args, **kwargs)
+        # With poison off only to_empty is tracked (by fingerprint): hashing every allocation would itself
+        # allocate and change which stale bytes the allocator hands out next, the very thing poison-off shows.
+        if _STATE["poison"] and func in _ALLOCATORS and isinstance(out, torch.Tensor):
+            with torch.no_grad():
+                track(out.detach(), poison=True)
+        return out
+
+
+@contextlib.contextmanager
+def allocations() -> Iterator[None]:
+    """Poison and track (with poison on) every uninitialised allocation made from Python inside the block."""
+    with _Allocations():
+        yield

@@ -57,7 +57,8 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
                  "message": f"not run on rank {ctx.rank}: step {failed!r} failed here earlier", "traceback": ""}
     else:
         try:
-            with ledger.recording(book, step) if book is not None else contextlib.nullcontext():
+            with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), \
+                    poison.allocations():
                 fn(ctx)
         except BaseException as exc:
             error = {"error": type(exc).__name__, "message": str(exc)[:2000],
@@ -73,6 +74,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     _annotate(tensors, objects, ctx)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
     for row in outputs:
+        row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
         row.update(ctx.output_extras.get(row["name"], {}))
     return {
         "rank": ctx.rank, "error": error, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
@@ -104,5 +106,5 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
     for row in rows:
         t = by_name.get(row["name"])
         row["written"] = None if t is None else poison.written_state(t)
-        row["sharded"] = row["name"] in sharded
+        row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))

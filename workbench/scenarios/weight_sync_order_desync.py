@@ -73,6 +73,8 @@ def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
     for _, b in cv.router_biases(trainer):
         b.data = b.data.to(bias_dtype)
     ctx.trainer = trainer
+    # Each rank is its own pipeline stage and only rank 1 hosts the inference copy: role-local.
+    ctx.local("trainer", "inference", "buffers", "logprob_gap", "names_wrong")
     ctx.mesh = cv.Mesh(ctx.rank, ctx.world_size, ctx.config.num_hidden_layers, ctx.device)
     g = torch.Generator().manual_seed(p["seed"] + 100)
     ctx.tokens = torch.randint(1, ctx.config.vocab_size, (1, p["seq_len"]), generator=g).to(ctx.device)

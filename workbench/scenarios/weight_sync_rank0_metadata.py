@@ -70,6 +70,10 @@ def build(ctx) -> None:
     ctx.trainer = dict(wm.export_hf_weights(ctx._trainer_model, ctx.rank, ctx.world_size, p["layout"]))
     ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
     ctx.worker, ctx.worker_device = ipc.worker_device(ctx.device, ctx.rank, ctx.world_size)
+    # Each rank holds its own expert shard and hosts a different worker: compare those to what
+    # they should hold, never to rank 0's (which has other experts and another worker).
+    ctx.local("trainer", "sent", "packs", "written", f"worker{ctx.worker}", f"worker{ctx.worker}_model",
+              "logprobs_before", "logprobs", "experts")
     ctx._inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
     ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx._trainer_model, ctx.worker, ctx.world_size, p["layout"])]
     served_elsewhere = {n: t for n, t in wm.hf_state(ctx._trainer_model).items() if n not in set(ctx.hosted)}
