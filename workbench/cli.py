@@ -24,6 +24,17 @@ def _parse_set(items: list[str]) -> dict[str, str]:
     return out
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type of --timeout: a bad value fails in argparse's one line, before any engine starts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from workbench import scenarios
 
@@ -98,13 +109,69 @@ def print_summary(session: Any) -> None:
                   .to_string(index=False))
 
 
+def check_output(path: str | None, flag: str, suffix: str = "") -> None:
+    """Fail before any engine starts when an output cannot be written: a directory, a parent
+    that is a file, or a folder this user cannot write (a missing parent is made later)."""
+    if not path:
+        return
+    p = Path(path)
+    if suffix and not p.suffix:
+        p = p.with_suffix(suffix)  # what bundle.save writes
+    if p.is_dir():
+        raise WorkbenchError(f"{flag} {path}: is a directory; give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise WorkbenchError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise WorkbenchError(f"{flag} {path}: not writable")
+
+
+def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace) -> list[str]:
+    """Write --json, --bundle and --report, each on its own: one that fails does not lose the
+    others. Returns one line per output that could not be written."""
+    from workbench.postmortem import bundle
+
+    errors: list[str] = []
+    saved = None
+    if args.json:
+        try:
+            doc = run_json(runs[0])
+            doc["fixes"] = [run_json(s) for s in runs[1:]]
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
+            print(f"json: {args.json}")
+        except (OSError, ValueError, WorkbenchError) as exc:
+            errors.append(f"--json {args.json}: {exc}")
+    if args.bundle:
+        try:
+            saved = bundle.save(records, args.bundle)
+            print(f"bundle: {saved}")
+        except (OSError, WorkbenchError) as exc:
+            errors.append(f"--bundle {args.bundle}: {exc}")
+    if args.report:
+        # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
+        import tempfile
+
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                src = saved or bundle.save(records, Path(d) / "run.wbundle")
+                print(f"report: {report_from_bundle(src, args.report)}")
+        except (OSError, WorkbenchError) as exc:
+            errors.append(f"--report {args.report}: {exc}")
+    return errors
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from workbench import scenarios
-    from workbench.postmortem import bundle
 
     sc = scenarios.resolve(args.scenario)
     sc.check_fix(args.fix)
     params = sc.resolve_params(_parse_set(args.set))
+    check_output(args.json, "--json")
+    check_output(args.bundle, "--bundle", ".wbundle")
+    check_output(args.report, "--report")
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     with ranks_for(args) as cluster:
@@ -123,24 +190,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 runs.append(s)
         records = [s.record() for s in runs]
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
-    if args.json:
-        doc = run_json(runs[0])
-        doc["fixes"] = [run_json(s) for s in runs[1:]]
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
-        print(f"json: {args.json}")
-    saved = None
-    if args.bundle:
-        saved = bundle.save(records, args.bundle)
-        print(f"bundle: {saved}")
-    if args.report:
-        # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            src = saved or bundle.save(records, Path(d) / "run.wbundle")
-            print(f"report: {report_from_bundle(src, args.report)}")
-    return 0
+    errors = write_outputs(runs, records, args)
+    failed = [f"{s.fix or 'bug path'}: {f.step}" for s in runs for f in s.frames if not f.ok]
+    if failed:  # a run whose steps raised, hung or lost a rank is not a success, whatever it printed
+        errors.append(f"{len(failed)} step(s) failed ({', '.join(failed[:6])}); see the steps above")
+    for line in errors:
+        print(f"workbench: error: {line}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def report_from_bundle(path: str | Path, out: str | Path) -> Path:
@@ -151,6 +207,7 @@ def report_from_bundle(path: str | Path, out: str | Path) -> Path:
 
 def cmd_report(args: argparse.Namespace) -> int:
     out = args.output or Path(args.bundle.rstrip("/")).with_suffix(".html").name
+    check_output(str(out), "-o")
     print(f"report: {report_from_bundle(args.bundle, out)}")
     return 0
 
@@ -240,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fix", default=None)
     r.add_argument("--compare", action="store_true", help="also run every fix and put them in the report")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter")
-    r.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    r.add_argument("--timeout", type=positive_seconds, default=60.0, help="collective timeout in seconds")
     r.add_argument("--no-poison", action="store_true", help="leave to_empty memory as the allocator gives it")
     r.add_argument("--report", default=None, metavar="FILE", help="write a self-contained HTML report")
     r.add_argument("--bundle", default=None, metavar="FILE",
@@ -273,8 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the Ctrl-C path: `with wb.start(...)` stops every engine on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import signal
+    import threading
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        # timeout, CI cancellation and `docker stop` send SIGTERM; a closed terminal SIGHUP
+        saved = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return args.fn(args)
     except WorkbenchError as exc:
@@ -283,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("workbench: interrupted; engines stopped", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in saved.items():  # main() called in-process (tests) leaves the caller's handlers
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class Scenario:
     probe: list[str] | None = None  # ctx attributes to probe; None: every module / tensor dict
     incident: str = ""
     steps: list[tuple[str, Step]] = field(default_factory=list)
+    rules: dict[str, list[tuple[Callable[[Any], bool], str]]] = field(default_factory=dict)
 
     def step(self, fn: Step | None = None, *, name: str | None = None) -> Any:
         """Decorator: append ``fn`` as the next step (named after the function)."""
@@ -43,6 +44,13 @@ class Scenario:
         self.fixes[name] = doc
         return name
 
+    def require(self, param: str, rule: Callable[[Any], bool], why: str) -> None:
+        """Declare that ``param`` must satisfy ``rule``; ``why`` says what it must be. Checked by
+        ``resolve_params``, so a bad ``--set`` fails before any engine starts, not three steps in."""
+        if param not in self.params:
+            raise UnknownName(f"parameter of {self.name}", param, sorted(self.params))
+        self.rules.setdefault(param, []).append((rule, why))
+
     @property
     def step_names(self) -> list[str]:
         return [n for n, _ in self.steps]
@@ -58,6 +66,14 @@ class Scenario:
             if key not in self.params:
                 raise UnknownName(f"parameter of {self.name}", key, sorted(self.params))
             merged[key] = coerce(value, self.params[key], key)
+        for key, rules in self.rules.items():
+            for rule, why in rules:
+                try:
+                    ok = bool(rule(merged[key]))
+                except Exception:
+                    ok = False
+                if not ok:
+                    raise WorkbenchError(f"parameter {key}={merged[key]!r}: {why}")
         return merged
 
 

@@ -8,6 +8,7 @@ engine becomes a per-rank failure the caller can show, never a hung notebook ker
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -60,6 +61,18 @@ def resolve_backend(backend: str, ranks: int) -> str:
     return backend
 
 
+def check_timeout_port(timeout: float, port: int | None) -> None:
+    """A collective timeout must be a positive number of seconds; a port 1..65535 (None: a free one)."""
+    try:
+        ok = float(timeout) > 0 and math.isfinite(float(timeout))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ClusterError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+        raise ClusterError(f"port must be an integer 1..65535 (or None for a free one), got {port!r}")
+
+
 @dataclass
 class Outcome:
     """Per-rank values and failures of one call."""
@@ -81,6 +94,7 @@ class Engines:
 
     def __init__(self, ranks: int = 2, backend: str = "auto", timeout: float = 60.0,
                  port: int | None = None, env: dict[str, str] | None = None):
+        check_timeout_port(timeout, port)  # before any engine starts: a bad value is one line, not 10 s later
         self.backend = resolve_backend(backend, ranks)
         self.world_size = ranks
         self.timeout = float(timeout)
@@ -106,6 +120,14 @@ class Engines:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Engines:
+        """Start the engines and form the group; interrupted or failed anywhere, no engine survives."""
+        try:
+            return self._start()
+        except BaseException:  # Ctrl-C / SIGTERM while engines come up included
+            self.stop()
+            raise
+
+    def _start(self) -> Engines:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
@@ -187,7 +209,7 @@ class Engines:
                 pass
         # Engines hold nothing worth a graceful exit: killing them first takes ~0.02 s, where
         # ipyparallel's SIGTERM-and-wait took 1.4 s of every cold run; their nannies follow.
-        _kill(self.pids.values())
+        _kill(_with_children(self.pids.values()))  # each engine's nanny too: none outlives this call
         if self._ipp is not None:
             try:
                 self._ipp.stop_cluster_sync()
@@ -247,7 +269,8 @@ class Engines:
         return self._client is not None
 
     def __repr__(self) -> str:
-        state = "stopped" if not self.alive else ("needs restart" if self._dead else "busy" if self._busy else "ready")
+        dead = self.alive and (self._dead or self.dead_ranks())
+        state = "stopped" if not self.alive else ("needs restart" if dead else "busy" if self._busy else "ready")
         return (f"<{type(self).__name__} ranks={self.world_size} backend={self.backend} "
                 f"timeout={self.timeout:g}s {state}>")
 
@@ -288,6 +311,7 @@ class Engines:
     def _check_usable(self) -> None:
         if self._client is None:
             raise ClusterError("the cluster is stopped; call start() or restart()")
+        self._dead.update(self.dead_ranks())  # also a death between calls, while the user read a table
         if self._dead:
             raise ClusterError(f"rank(s) {sorted(self._dead)} died; call cluster.restart() for fresh engines")
         self._prune_busy()
@@ -393,6 +417,16 @@ def _failure_from(rank: int, exc: BaseException) -> RankFailure:
             else str(getattr(exc, "traceback", "") or "")
         return RankFailure(rank, "error", ename, str(getattr(exc, "evalue", "")), tb)
     return RankFailure(rank, "error", type(exc).__name__, str(exc))
+
+
+def _with_children(pids: Any) -> list[int]:
+    out = list(pids)
+    for pid in list(out):
+        try:
+            out += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _kill(pids: Any) -> None:

@@ -6,7 +6,9 @@ dead engines all land in the frame of the step they happened in.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -19,7 +21,7 @@ import pandas as pd
 from workbench import scenarios
 from workbench.analysis import collectives, diagnosis
 from workbench.analysis.frames import Frame, last_step
-from workbench.errors import UnknownName, WorkbenchError
+from workbench.errors import RankFailure, UnknownName, WorkbenchError
 from workbench.postmortem import bundle
 from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
 from workbench.rank import remote
@@ -49,6 +51,7 @@ class Session:
         self._ledger_reader = collectives.LedgerReader(self.ledger_dir)
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
+        self._recovery: dict[str, Any] | None = None  # the last recover()'s info, until the next frame notes it
 
     # -- stepping ---------------------------------------------------------------------
     @property
@@ -69,6 +72,8 @@ class Session:
             cluster.recover()  # a rank stuck or dead after an earlier hang: bring the ranks back first
         if cluster.dirty:
             cluster.form_group()  # a failed collective leaves the group unusable: form a fresh one
+        if not os.path.isdir(self.ledger_dir):  # closed (or reset) earlier: a fresh dir, the rows read stay
+            self.ledger_dir = self._ledger_reader.source = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")
         cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison,
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
         self.started_at = time.time()
@@ -88,14 +93,24 @@ class Session:
         index = len(self.frames)
         name, fn = self.scenario.steps[index]
         deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
-        outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
-        frame = Frame.build(name, index, self.scenario.name, self.fix, outcome.values, outcome.failures)
+        dead = self.cluster.dead_ranks()  # died between steps: the frame names them, nothing runs without them
+        if dead:
+            values, failures = {}, {r: RankFailure(r, "died", "EngineDied", f"engine process {self.cluster.pids[r]} "
+                                                   "exited before this step; call cluster.restart()") for r in dead}
+        else:
+            outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
+            values, failures = outcome.values, outcome.failures
+        frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
-        if collectives.is_hang(outcome.failures, frame.ledger):
-            frame.hang = collectives.diagnose(name, frame.ledger, outcome.failures,
+        if collectives.is_hang(failures, frame.ledger):
+            frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
         if not frame.ok:
             self.cluster.dirty = True
+        if self._recovery is not None:
+            frame.notes = {r: [*frame.notes.get(r, []), _recovery_note(self._recovery)]
+                           for r in range(self.cluster.world_size)}
+            self._recovery = None
         self.frames.append(frame)
         return frame
 
@@ -120,11 +135,17 @@ class Session:
         return self
 
     def close(self) -> None:
-        """Free what the ranks hold for this session (models, ledger file); the frames stay here."""
+        """Free what the ranks hold for this session (models, ledger file, work dirs) and the
+        session's temp dirs; the frames and the ledger rows read so far stay here."""
         if self._begun and self.cluster.alive and not self.cluster.needs_recovery \
                 and self._generation == self.cluster.generation:
             self.cluster.call(remote.end_session, self.id)
         self._begun = False
+        self._ledger_reader.poll()  # the rows first: a bundle saved later still holds them
+        shutil.rmtree(self.ledger_dir, ignore_errors=True)
+        # Ranks on this host that could not clean up themselves (dead, stuck, re-formed): their work dirs.
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{self.id}-r*")):
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------------
     @property
@@ -157,25 +178,31 @@ class Session:
     def hangs(self) -> list[Frame]:
         return [f for f in self.frames if f.hang is not None]
 
-    def recover(self) -> dict[str, Any]:
-        """After a hang: bring the ranks back (``cluster.recover()``) and re-run the steps before it.
+    def recover(self, replay_failed: bool = False) -> dict[str, Any]:
+        """After a hang or a failed step: bring the ranks back (``cluster.recover()``) and re-run the
+        steps before the first failed one, and that one too with ``replay_failed=True``.
 
-        The hung frame stays in the history; the ranks then hold what they held when the
-        user stepped into the hang, and the ledger starts a new attempt.
+        The failed frame stays in the history. Without ``replay_failed`` the next step runs on
+        ranks that never ran the failed one (what a hung step needs: replaying it would hang
+        again); the returned info (``replayed``, ``not_replayed``) and the next frame's notes
+        say which steps the ranks hold. The ledger starts a new attempt.
         """
         info = self.cluster.recover()
         failed = next((i for i, f in enumerate(self.frames) if not f.ok), len(self.frames))
+        upto = failed + 1 if replay_failed and failed < len(self.frames) else failed
         self.attempt += 1
         self._begun = False
         self._begin()
-        for name, fn in self.scenario.steps[:failed]:
+        for name, fn in self.scenario.steps[:upto]:
             out = self.cluster.call(remote.run_step, self.id, fn, [], step=name, timeout=self.cluster.deadline)
             errors = [f.line() for f in out.failures.values()]
             errors += [f"rank {r} error: {v['error']['error']}: {v['error']['message'][:300]}"
                        for r, v in sorted(out.values.items()) if v["error"]]
             if errors:
                 raise WorkbenchError(f"replaying step {name!r} after recovery failed: " + "; ".join(errors))
-        info["replayed"] = self.steps[:failed]
+        info["replayed"] = self.steps[:upto]
+        info["not_replayed"] = self.steps[upto:len(self.frames)]
+        self._recovery = info  # the next frame says what the ranks were given back
         return info
 
     @property
@@ -245,6 +272,14 @@ class Session:
     def __repr__(self) -> str:
         return (f"<Session {self.scenario.name} fix={self.fix} poison={self.poison} "
                 f"{len(self.frames)}/{len(self.steps)} steps, next={self.next_step}>")
+
+
+def _recovery_note(info: dict[str, Any]) -> str:
+    note = f"after recovery ({info['action']}): replayed {', '.join(info['replayed']) or 'no steps'}"
+    for name in info["not_replayed"]:
+        note += (f"; step {name!r} was not replayed, so the ranks never ran it "
+                 "(s.recover(replay_failed=True) replays it)")
+    return note
 
 
 def _stack(frames: list[Frame], attr: str) -> pd.DataFrame:

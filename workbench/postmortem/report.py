@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +25,7 @@ import plotly.io as pio
 from workbench import viz
 from workbench.analysis import diagnosis, findings
 from workbench.analysis.frames import fmt, last_step
+from workbench.errors import WorkbenchError
 from workbench.postmortem.record import RunRecord
 from workbench.viz.diagnosis import figure as diagnosis_figure
 
@@ -258,8 +261,18 @@ def _last_outputs(rec: RunRecord, label: str) -> pd.DataFrame:
 def write(records: Iterable[RunRecord], path: str | Path) -> Path:
     """Render and write atomically (temporary sibling, then rename)."""
     path = Path(path)
+    if path.is_dir():
+        raise WorkbenchError(f"{path} is a directory; give a file name such as {path / 'report.html'}")
+    page = render(records)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(render(records), encoding="utf-8")
-    tmp.replace(path)
+    # A unique temporary name: two writers of one report never share (or clobber) a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path

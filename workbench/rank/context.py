@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +94,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         kw["device_id"] = device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{addr}:{port}",
+        store=rendezvous_store(addr, rank, world_size, port, timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -101,6 +102,28 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
     )
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device)}
+
+
+def rendezvous_store(addr: str, rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """The group's TCP store, listening on ``addr`` only (127.0.0.1 on one host).
+
+    ``init_method="tcp://ADDR:PORT"`` connects to ADDR but its store listens on every
+    interface (``::``), reachable from any address of the host. Rank 0 binds the socket itself
+    to ``addr`` and hands the store its descriptor; the store owns and closes it. Across hosts
+    ``addr`` is rank 0's address on the interface the others reach, and only that one.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(max(128, world_size))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def _device_name(device: torch.device) -> str:

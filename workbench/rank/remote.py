@@ -1,12 +1,17 @@
 """Entry points the client calls on every engine; each returns plain data.
 
 A step's exception is caught here and returned as data, so the client gets every rank's
-outcome and the probe still runs on the state the failure left behind.
+outcome and the probe still runs on the state the failure left behind. Later steps of that
+session are then skipped on that rank (a "skipped" event), not run into a cascade of
+AttributeErrors on what the failed step never built; an error inside torch.distributed (the
+incident itself) or a ``WorkbenchError`` (a check that refused before doing damage) does not
+stop the steps after it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -14,6 +19,7 @@ from typing import Any
 
 import torch
 
+from workbench.errors import WorkbenchError
 from workbench.rank import context, ledger, poison, probe, reference, trace
 
 
@@ -27,7 +33,10 @@ def start_session(session_id: str, fix: str | None, params: dict[str, Any], pois
 
 
 def end_session(session_id: str) -> None:
+    ctx = context._SESSIONS.get(session_id)
     context.drop_context(session_id)
+    if ctx is not None and ctx.workdir:
+        shutil.rmtree(ctx.workdir, ignore_errors=True)  # checkpoints and scratch of this session
     ledger.close_ledger(session_id)
     poison.uninstall()
 
@@ -41,11 +50,21 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     trace.take(ctx)  # rows of an earlier step that never reached the client
     t0 = time.perf_counter()
     book = ledger.get_ledger(session_id)
-    try:
-        with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), poison.allocations():
-            fn(ctx)
-    except BaseException as exc:
-        error = {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-6000:]}
+    failed = getattr(ctx, "_failed_step", None)
+    if failed is not None:
+        # The steps after a failure would only cascade (AttributeError on what it never built): say so once.
+        error = {"kind": "skipped", "error": "Skipped",
+                 "message": f"not run on rank {ctx.rank}: step {failed!r} failed here earlier", "traceback": ""}
+    else:
+        try:
+            with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), \
+                    poison.allocations():
+                fn(ctx)
+        except BaseException as exc:
+            error = {"error": type(exc).__name__, "message": str(exc)[:2000],
+                     "traceback": traceback.format_exc()[-6000:]}
+            if not _incident_error(exc):
+                ctx._failed_step = step or getattr(fn, "__name__", "?")
     elapsed = time.perf_counter() - t0
     objects = ctx.user_objects()
     if probe_names is not None:
@@ -62,6 +81,16 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
         "trace": trace.take(ctx),
     }
+
+
+def _incident_error(exc: BaseException) -> bool:
+    """An error the later steps should still run after: a check's own refusal (``WorkbenchError``,
+    raised before any damage), or one raised inside torch.distributed (a collective that timed out
+    or mispaired: the incident itself, whose aftermath the next steps and probes show)."""
+    if isinstance(exc, WorkbenchError):
+        return True
+    return any("/torch/distributed/" in f.filename.replace("\\", "/")
+               for f in traceback.extract_tb(exc.__traceback__))
 
 
 def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.RankContext) -> None:

@@ -54,12 +54,24 @@ def load_file(spec: str) -> Scenario:
     loader_spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[mod_name] = module
-    loader_spec.loader.exec_module(module)
+    try:
+        loader_spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(mod_name, None)
+        raise WorkbenchError(f"scenario file {path_s}: syntax error at line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:
+        sys.modules.pop(mod_name, None)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise WorkbenchError(f"scenario file {path_s} raised at import: {type(exc).__name__}: {first}") from None
     # The engines cannot import this file by name: ship its functions by value.
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
-    obj = getattr(module, attr or "SCENARIO", None)
+    attr = attr or "SCENARIO"  # `file.py:` means the module's SCENARIO, like a catalogue module
+    obj = getattr(module, attr, None)
+    if obj is not None and not isinstance(obj, Scenario):
+        raise WorkbenchError(f"{attr!r} in {path_s} is of type {type(obj).__name__}, not a Scenario "
+                             "(make it with workbench.Scenario(...))")
     if not isinstance(obj, Scenario):
         found = [k for k, v in vars(module).items() if isinstance(v, Scenario)]
         raise WorkbenchError(f"{path_s} has no Scenario named {attr!r}; it has: {', '.join(found) or 'none'}")

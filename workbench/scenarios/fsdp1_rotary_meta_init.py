@@ -50,6 +50,13 @@ SCENARIO = Scenario(
     probe=["model"],
     incident="000_32cc5898865daad7",
 )
+
+
+def _positive_even(value: int) -> bool:
+    return value > 0 and value % 2 == 0
+
+
+SCENARIO.require("head_dim", _positive_even, "must be a positive even number (rotary splits each head in halves)")
 CAST_PARAMS_ONLY = SCENARIO.fix(
     "cast-params-only",
     "Cast parameters and persistent buffers to bf16, keep non-persistent buffers fp32 "

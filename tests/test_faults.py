@@ -1,0 +1,354 @@
+"""Faults and bad input (issue 15): a clear line or a frame naming the rank, never a raw
+traceback, a leaked process or a lost result. One module-scoped 2-rank cluster; the tests
+that kill a rank restart it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+import workbench as wb
+from workbench.errors import ClusterError
+
+TIMEOUT_S = 8.0
+
+TINY = wb.Scenario("tiny-faults", probe=None)
+
+
+@TINY.step
+def setup(ctx) -> None:
+    import torch
+
+    ctx.x = torch.ones(4)
+
+
+@TINY.step
+def grow(ctx) -> None:
+    import torch.distributed as dist
+
+    ctx.x = ctx.x + 1
+    dist.all_reduce(ctx.x)  # one collective: the session's ledger has rows
+
+
+@TINY.step
+def report(ctx) -> None:
+    ctx.output("x", ctx.x.clone())
+
+
+def whoami() -> int:
+    return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def wbc():
+    c = wb.start(ranks=2, backend="gloo", timeout=TIMEOUT_S)
+    yield c
+    c.stop()
+
+
+@pytest.fixture()
+def fresh(wbc):
+    if not wbc.alive or wbc.dead_ranks() or not wbc.wait_idle(wbc.timeout + 15):
+        wbc.restart()
+    return wbc
+
+
+def _kill(cluster, rank: int) -> None:
+    """Kill a rank's engine and wait until the hub has dropped it (what a user reading a table meets)."""
+    p = psutil.Process(cluster.pids[rank])
+    p.kill()
+    psutil.wait_procs([p], timeout=10)
+    end = time.monotonic() + 30
+    while len(cluster._client.ids) >= cluster.world_size and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+# 1 -------------------------------------------------------------------------------------
+def test_dead_engine_between_steps_is_a_frame_and_one_clear_error(fresh):
+    s = fresh.session(TINY)
+    assert s.step().ok
+    _kill(fresh, 1)
+    frame = s.step()
+    assert frame.kinds == {"died"} and set(frame.rank_errors) == {1}
+    assert "cluster.restart()" in frame.rank_errors[1]
+    assert "needs restart" in repr(fresh)
+    for call in (fresh.run, fresh.call):
+        with pytest.raises(ClusterError, match=r"rank\(s\) \[1\] died.*cluster\.restart\(\)"):
+            call(whoami)
+    fresh.restart()
+    assert "ready" in repr(fresh) and len(fresh.run(whoami)) == 2
+
+
+# 7 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, flag", [({"timeout": 0}, "timeout"), ({"timeout": -5}, "timeout"),
+                                      ({"timeout": float("nan")}, "timeout"),
+                                      ({"port": 70000}, "port"), ({"port": -1}, "port")])
+def test_bad_timeout_and_port_fail_before_engines_start(kw, flag):
+    with pytest.raises(ClusterError, match=flag) as err:
+        wb.Cluster(ranks=2, backend="gloo", **kw)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])
+def test_cli_bad_timeout_is_one_line_naming_the_flag(value, capsys):
+    from workbench import cli
+
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["run", "fsdp1-rotary-meta-init", "--timeout", value])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--timeout" in err and "Traceback" not in err
+
+
+# 8 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, spec, expect", [
+    ("def broken(:\n", "", r"syntax error.*line 1"),
+    ("raise RuntimeError('no config here')\n", "", r"raised at import: RuntimeError: no config here"),
+    ("import workbench as wb\nSCENARIO = 3\n", ":", r"'SCENARIO' .*is of type int, not a Scenario"),
+    ("import workbench as wb\nX = wb.Scenario('x')\n", ":", r"no Scenario named 'SCENARIO'; it has: X"),
+    ("import workbench as wb\nthing = 'text'\n", ":thing", r"'thing' .*is of type str, not a Scenario"),
+])
+def test_bad_scenario_files_are_one_line(tmp_path, body, spec, expect):
+    from workbench import scenarios
+    from workbench.errors import WorkbenchError
+
+    path = tmp_path / "user_sc.py"
+    path.write_text(body)
+    with pytest.raises(WorkbenchError, match=expect) as err:
+        scenarios.resolve(f"{path}{spec or ':'}")
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+# 5 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--json", "--bundle", "--report"])
+def test_bad_output_paths_fail_before_engines_start(tmp_path, flag, capsys):
+    from workbench import cli
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    (tmp_path / "taken.out").mkdir()
+    for bad in ("/dev/null/x.out", str(tmp_path / "taken.out")):
+        assert cli.main(["run", "fsdp1-rotary-meta-init", flag, bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag in err and bad in err and "Traceback" not in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing was started
+
+
+def _tiny_records(cluster):
+    s = cluster.session(TINY)
+    s.run()
+    s.close()
+    return s
+
+
+def test_each_output_is_written_even_when_another_fails(fresh, tmp_path):
+    from workbench import cli
+
+    s = _tiny_records(fresh)
+    (tmp_path / "taken").mkdir()
+    args = cli.build_parser().parse_args(["run", "x", "--json", str(tmp_path / "taken"),
+                                          "--bundle", str(tmp_path / "b.wbundle"),
+                                          "--report", str(tmp_path / "r.html")])
+    errors = cli.write_outputs([s], [s.record()], args)
+    assert len(errors) == 1 and "--json" in errors[0]
+    assert (tmp_path / "b.wbundle").is_file() and (tmp_path / "r.html").is_file()
+
+
+def test_report_to_a_directory_is_one_line_and_leaves_no_temp(fresh, tmp_path, capsys):
+    from workbench import cli
+    from workbench.postmortem import bundle, report
+
+    s = _tiny_records(fresh)
+    b = bundle.save(s, tmp_path / "run.wbundle")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli.main(["report", str(b), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "-o" in err and str(out) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run.wbundle"]
+    # a leftover of another writer under the old fixed temp name does not stop this one
+    (tmp_path / "r.html.tmp").mkdir()
+    assert report.write(bundle.load(b), tmp_path / "r.html").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.html", "r.html.tmp", "run.wbundle"]
+
+
+# 6 -------------------------------------------------------------------------------------
+BOOM = wb.Scenario("boom-on-rank-1", probe=None)
+BOOM.step(setup)
+
+
+@BOOM.step
+def boom(ctx) -> None:
+    if ctx.rank == 1:
+        raise ZeroDivisionError("rank 1 divides by zero")
+
+
+@BOOM.step
+def after(ctx) -> None:
+    ctx.output("x", ctx.x.clone())
+
+
+def test_after_a_failed_step_later_steps_are_skipped_on_that_rank(fresh):
+    s = fresh.session(BOOM)
+    frames = s.run()
+    assert [f.kinds for f in frames] == [set(), {"error"}, {"skipped"}]
+    ev = frames[2].events
+    assert list(ev["rank"]) == [1] and "'boom'" in ev.iloc[0]["message"]
+    assert list(frames[2].outputs["rank"]) == [0]  # rank 0 still ran the step
+
+
+def test_scenario_parameter_rules_fail_before_engines_start(capsys):
+    from workbench import cli, scenarios
+    from workbench.errors import WorkbenchError
+
+    sc = scenarios.get("fsdp1-rotary-meta-init")
+    for bad in ("0", "-8", "7"):
+        with pytest.raises(WorkbenchError, match=f"head_dim={bad}"):
+            sc.resolve_params({"head_dim": bad})
+    assert sc.resolve_params({"head_dim": "16"})["head_dim"] == 16
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert cli.main(["run", "fsdp1-rotary-meta-init", "--set", "head_dim=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "head_dim=0" in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_cli_run_whose_steps_raised_exits_non_zero(tmp_path, capsys):
+    from workbench import cli
+
+    path = tmp_path / "raises.py"
+    path.write_text("import workbench as wb\nSCENARIO = wb.Scenario('raises')\n\n\n"
+                    "@SCENARIO.step\ndef load(ctx):\n    raise ZeroDivisionError('head_dim 0')\n\n\n"
+                    "@SCENARIO.step\ndef use(ctx):\n    ctx.model.forward()\n")
+    assert cli.main(["run", f"{path}:", "--timeout", "8"]) == 1
+    captured = capsys.readouterr()
+    assert "ZeroDivisionError" in captured.out and "AttributeError" not in captured.out
+    assert "step(s) failed" in captured.err
+
+
+# 2 -------------------------------------------------------------------------------------
+FLAKY = wb.Scenario("flaky-once", probe=None, params={"marker": ""})
+FLAKY.step(setup)
+
+
+@FLAKY.step
+def grow_once(ctx) -> None:
+    """Fails on rank 1 the first time only (a marker file remembers), after growing x."""
+    ctx.x = ctx.x + 1
+    if ctx.rank == 1 and not os.path.exists(ctx.params["marker"]):
+        open(ctx.params["marker"], "w").close()
+        raise RuntimeError("transient failure on rank 1")
+
+
+FLAKY.step(report)
+
+
+def _x(frame) -> list[float]:
+    out = frame.outputs
+    return [float(h[0]) for h in out[out["name"] == "x"].sort_values("rank")["head"]]
+
+
+@pytest.mark.parametrize("replay_failed", [True, False])
+def test_recover_replays_the_failed_step_or_says_it_did_not(fresh, tmp_path, replay_failed):
+    s = fresh.session(FLAKY, marker=str(tmp_path / "failed-once"))
+    s.step()
+    assert s.step().kinds == {"error"}
+    info = s.recover(replay_failed=replay_failed)
+    after = s.step()
+    notes = [n for ns in after.notes.values() for n in ns]
+    assert after.ok and len(notes) == 2  # one per rank
+    if replay_failed:
+        assert info["replayed"] == ["setup", "grow_once"] and info["not_replayed"] == []
+        assert _x(after) == [2.0, 2.0] and "replayed setup, grow_once" in notes[0]
+    else:
+        assert info["replayed"] == ["setup"] and info["not_replayed"] == ["grow_once"]
+        assert _x(after) == [1.0, 1.0] and "'grow_once' was not replayed" in notes[0]
+
+
+# 4 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "in-step"
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent(f'''
+        import time
+        import workbench as wb
+
+        SCENARIO = wb.Scenario("slow")
+
+        @SCENARIO.step
+        def wait(ctx):
+            open({str(marker)!r} + str(ctx.rank), "w").close()
+            time.sleep(120)
+    '''))
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", f"{path}:", "--timeout", "8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "in-step1").exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert (tmp_path / "in-step1").exists(), proc.stderr.read() if proc.poll() is not None else "no step"
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert len(family) >= 3  # controller and two engines at least
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=60) == 130
+        assert "interrupted; engines stopped" in proc.stderr.read()
+        _, alive = psutil.wait_procs(family, timeout=5)
+        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+
+
+# 9 -------------------------------------------------------------------------------------
+def test_close_removes_the_ledger_dir_and_rank_workdirs_but_keeps_the_rows(fresh):
+    import glob
+    import tempfile
+
+    s = fresh.session(TINY)
+    s.run()
+    workdirs = glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{s.id}-r*"))
+    rows = len(s.ledger)
+    assert len(workdirs) == 2 and rows >= 2 and os.path.isdir(s.ledger_dir)
+    first_dir = s.ledger_dir
+    s.close()
+    assert not os.path.exists(first_dir) and not any(os.path.exists(d) for d in workdirs)
+    assert len(s.ledger) == rows and len(s.record().ledger) == rows
+    s.reset()
+    assert s.step().ok and s.step().ok  # a reset session gets a fresh ledger dir
+    assert len(s.ledger) > rows
+    s.close()
+    assert not os.path.exists(s.ledger_dir)
+
+
+def test_no_process_of_a_cluster_outlives_stop():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    c = wb.start(ranks=2, backend="gloo", timeout=TIMEOUT_S)
+    family = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert len(family) >= 3
+    c.stop()
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [(p.pid, p.name(), p.cmdline()[-3:]) for p in alive]
+
+
+# 3 -------------------------------------------------------------------------------------
+def test_no_rendezvous_listener_outside_loopback(fresh):
+    import ipaddress
+
+    listening = []
+    for pid in fresh.pids.values():
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append(c.laddr)
+    assert any(a.port == fresh.port for a in listening)  # the store is found, and only on loopback
+    outside = [a for a in listening if not ipaddress.ip_address(a.ip.split("%")[0]).is_loopback]
+    assert outside == []
