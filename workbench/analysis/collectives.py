@@ -306,19 +306,28 @@ class Hang:
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> "all_reduce #9 ..."
     finished: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
-    caught_by: str = "step deadline"  # or "collective timeout", "strict mode (...)", "engine died"
+    caught_by: str = "step deadline"  # or "ledger deadlock", "collective timeout", "strict mode (...)", "engine died"
+    proof: str | None = None  # a deadlock read from the ledgers: why the open calls can never pair
+    blocked_at: float | None = None  # ledger time the last rank entered its open call
+    declared_at: float | None = None  # when the client declared the hang
 
     @property
     def message(self) -> str:
         head = {"engine died": "a rank's engine died",
                 "collective timeout": "a collective timed out (the process group's own timeout)",
                 }.get(self.caught_by, "strict mode (TORCH_DISTRIBUTED_DEBUG=DETAIL) caught a collective mismatch")
+        if self.caught_by == "ledger deadlock":
+            head = "deadlocked, read from the ledgers before any timeout" + (
+                f" ({self.declared_at - self.blocked_at:.2f}s after the last rank blocked)"
+                if self.declared_at and self.blocked_at else "")
         if self.caught_by == "step deadline":
             head = "did not finish on every rank" + (f" within its {self.deadline_s:g}s deadline"
                                                       if self.deadline_s else "")
         lines = [f"step {self.step!r}: {head}"]
         for r in self.ranks.itertuples():
             lines.append(f"  rank {r.rank}: {r.status}")
+        if self.proof:
+            lines.append(f"  proof: {self.proof}")
         if self.divergence is not None:
             lines.append(f"  first divergence: {self.divergence.message}")
         return "\n".join(lines)
@@ -326,7 +335,9 @@ class Hang:
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "deadline_s": self.deadline_s, "caught_by": self.caught_by,
                 "stuck": {str(k): v for k, v in self.stuck.items()},
-                "finished": self.finished, "dead": self.dead, "message": self.message,
+                "finished": self.finished, "dead": self.dead, "message": self.message, "proof": self.proof,
+                "detected_after_s": (self.declared_at - self.blocked_at
+                                     if self.declared_at and self.blocked_at else None),
                 "divergence": None if self.divergence is None else self.divergence.to_dict()}
 
     def __str__(self) -> str:
@@ -381,6 +392,8 @@ def caught_by(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> str:
     errors += " ".join(f.message for f in failures.values())
     if any(f.kind == "died" for f in failures.values()):
         return "engine died"
+    if any(f.error == "Deadlock" for f in failures.values()):
+        return "ledger deadlock"
     if STRICT in errors:
         return "strict mode (TORCH_DISTRIBUTED_DEBUG=DETAIL)"
     if any(f.kind == "timeout" for f in failures.values()):

@@ -23,6 +23,7 @@ import psutil
 from workbench.errors import ClusterError, RankErrors, RankFailure
 
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
+WATCH_EVERY_S = 0.1  # how often a running step's ledgers are read for a deadlock
 # The hub only counts an engine as registered once its heart answers a ping; at the default
 # 3 s period that alone cost ~5 s of every cold start (6.7 s -> 2.2 s measured at 500 ms).
 # Ten missed pings (5 s) still mark an engine dead; the heart runs outside the GIL, so a rank
@@ -113,6 +114,11 @@ class Engines:
         self.dirty = False  # a step failed: the group may hold mispaired messages
         self.generation = 0  # bumped whenever the group (and every rank's session state) is re-formed
         self.step_deadline: float | None = None  # a session step's deadline; None: self.deadline
+        # Declare a deadlock as soon as the ledgers prove it (analysis/deadlock.py). On by default on
+        # NCCL, where nothing releases a stuck rank before the deadline; off on gloo, whose own
+        # collective timeout releases it, so the rank's state after the failed call is still probed
+        # (the headline's rank 1 then reads the garbage into its forward).
+        self.detect_deadlocks: bool | None = None  # None: backend == "nccl"
         self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
         self.group_s: float | None = None
@@ -290,10 +296,16 @@ class Engines:
         return {r: self._view(r).apply_async(fn, *args, **kwargs) for r in ranks}
 
     def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
-             timeout: float | None = None, **kwargs: Any) -> Outcome:
-        """Run ``fn`` on the ranks; every rank's value or failure, never an exception."""
+             timeout: float | None = None, watch: Callable[[set[int]], str | None] | None = None,
+             **kwargs: Any) -> Outcome:
+        """Run ``fn`` on the ranks; every rank's value or failure, never an exception.
+
+        ``watch(done_ranks)`` is polled while ranks are still running; a reason it returns ends
+        the wait at once, the open ranks becoming 'timeout' failures with that reason (a
+        deadlock the ledgers prove needs no deadline).
+        """
         pending = self.submit(fn, *args, ranks=ranks, **kwargs)
-        return self._collect(pending, self.deadline if timeout is None else timeout)
+        return self._collect(pending, self.deadline if timeout is None else timeout, watch)
 
     def run(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
             timeout: float | None = None, **kwargs: Any) -> dict[int, Any]:
@@ -344,11 +356,12 @@ class Engines:
                 dead.append(r)
         return dead
 
-    def _collect(self, pending: dict[int, Any], timeout: float) -> Outcome:
+    def _collect(self, pending: dict[int, Any], timeout: float,
+                 watch: Callable[[set[int]], str | None] | None = None) -> Outcome:
         out = Outcome()
         end = time.monotonic() + timeout
         death_seen: float | None = None
-        last_check = 0.0
+        last_check = last_watch = 0.0
         while True:
             open_ = [r for r, ar in pending.items() if not ar.ready()]
             if not open_:
@@ -364,6 +377,15 @@ class Engines:
                                                       f"engine process {self.pids[r]} exited; call cluster.restart()")
             open_ = [r for r in open_ if r not in out.failures]
             if not open_:
+                break
+            reason = None
+            if watch is not None and now - last_watch > WATCH_EVERY_S:
+                last_watch = now
+                reason = watch({r for r in pending if r not in open_})
+            if reason:
+                for r in open_:
+                    self._busy[r] = pending[r]
+                    out.failures[r] = RankFailure(r, "timeout", "Deadlock", f"deadlocked: {reason}")
                 break
             if now > end or (death_seen is not None and now - death_seen > DEATH_GRACE_S):
                 for r in open_:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from workbench import scenarios
-from workbench.analysis import collectives, diagnosis
+from workbench.analysis import collectives, deadlock, diagnosis
 from workbench.analysis.frames import Frame, last_step
 from workbench.errors import RankFailure, UnknownName, WorkbenchError
 from workbench.postmortem import bundle
@@ -94,17 +94,26 @@ class Session:
         name, fn = self.scenario.steps[index]
         deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
         dead = self.cluster.dead_ranks()  # died between steps: the frame names them, nothing runs without them
+        watch = None
         if dead:
             values, failures = {}, {r: RankFailure(r, "died", "EngineDied", f"engine process {self.cluster.pids[r]} "
                                                    "exited before this step; call cluster.restart()") for r in dead}
         else:
-            outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline, step=name)
+            detect = self.cluster.detect_deadlocks
+            if detect if detect is not None else self.cluster.backend == "nccl":
+                watch = deadlock.Watch(lambda: self._ledger(step=name), list(range(self.cluster.world_size)))
+            outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline,
+                                        watch=watch, step=name)
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
         if collectives.is_hang(failures, frame.ledger):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
+            if watch is not None and watch.found is not None:
+                frame.hang.proof = watch.found.reason
+                frame.hang.blocked_at = watch.blocked_at
+                frame.hang.declared_at = time.time()
         if not frame.ok:
             self.cluster.dirty = True
         if self._recovery is not None:

@@ -1,0 +1,77 @@
+"""Deadlocks read from the ledgers while a step runs: hand-made ledgers, then a real 2-rank hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from workbench.analysis.collectives import OPEN, ledger_table
+from workbench.analysis.deadlock import Watch, find
+
+
+def call(rank, seq, op="all_reduce", dtype="float32", numel=4, state="completed", **kw):
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    return {"rank": rank, "session": "s", "attempt": 0, "step": "x", "group": "0", "group_ranks": [0, 1],
+            "seq": seq, "op": op, "dtypes": [dtype], "shapes": [[numel]], "numel": numel, "bytes": numel * size,
+            "state": state, "t_start": float(seq) + rank / 10, **kw}
+
+
+def test_matching_open_calls_are_progress_not_a_deadlock():
+    led = ledger_table([call(0, 1), call(1, 1), call(0, 2, state=OPEN), call(1, 2, state=OPEN)])
+    assert find(led, done=[], ranks=[0, 1]) is None
+
+
+def test_open_calls_that_cannot_pair_are_a_deadlock():
+    led = ledger_table([call(0, 9, state=OPEN), call(1, 9, op="all_gather_into_tensor", numel=73920, state=OPEN)])
+    d = find(led, done=[], ranks=[0, 1])
+    assert d is not None and set(d.waiting) == {0, 1}
+    assert "cannot pair" in d.reason and "all_reduce #9" in d.reason and "all_gather_into_tensor #9" in d.reason
+    same_op_other_size = ledger_table([call(0, 3, numel=4, state=OPEN), call(1, 3, numel=8, state=OPEN)])
+    assert find(same_op_other_size, done=[], ranks=[0, 1]) is not None
+
+
+def test_a_rank_that_finished_the_step_leaves_its_peer_waiting_for_ever():
+    led = ledger_table([call(0, 1, op="broadcast", src=0), call(1, 1, op="broadcast", src=0),
+                        call(0, 2, op="broadcast", src=0, state=OPEN)])
+    d = find(led, done=[1], ranks=[0, 1])
+    assert d is not None and list(d.waiting) == [0] and list(d.finished) == [1]
+    assert d.reason.startswith("rank 1 finished the step after broadcast #1") and "will never issue" in d.reason
+
+
+def test_a_rank_still_computing_may_yet_pair():
+    led = ledger_table([call(0, 1), call(0, 2, state=OPEN), call(1, 1)])  # rank 1 is between calls, not done
+    assert find(led, done=[], ranks=[0, 1]) is None
+    assert find(led, done=[0, 1], ranks=[0, 1]) is None  # everyone finished: nothing waits
+
+
+def test_the_watch_declares_only_a_picture_that_holds():
+    """A mispaired call the backend completes anyway (NCCL's silent mis-sized broadcast) is no hang."""
+    state = {"led": ledger_table([call(0, 3, numel=4, state=OPEN), call(1, 3, numel=8, state=OPEN)])}
+    w = Watch(lambda: state["led"], [0, 1], hold=0.2)
+    assert w(set()) is None  # first sight: not yet
+    state["led"] = ledger_table([call(0, 3, numel=4), call(1, 3, numel=8)])  # both completed after all
+    time.sleep(0.25)
+    assert w(set()) is None and w.found is None
+    state["led"] = ledger_table([call(0, 4, state=OPEN), call(1, 4, numel=8, state=OPEN)])
+    assert w(set()) is None
+    time.sleep(0.25)
+    assert "cannot pair" in w(set()) and w.found is not None and w.blocked_at == 4.1
+
+
+@pytest.mark.slow
+def test_real_eval_loop_hang_is_declared_from_the_ledgers_before_any_timeout(healthy):
+    healthy.detect_deadlocks = True  # gloo would release the ranks at its 8 s timeout; do not wait for it
+    try:
+        s = healthy.session("eval-loop-uneven-batches")
+        s.deadline = 60.0
+        s.run()
+        hang = s.hangs[0].hang
+        assert hang.caught_by == "ledger deadlock" and "cannot pair" in hang.proof
+        assert "all_reduce #9" in hang.proof and "all_gather_into_tensor #9" in hang.proof
+        assert set(hang.stuck) == {0, 1}
+        assert hang.to_dict()["detected_after_s"] > 0  # declared after the last rank blocked, by content
+        assert all(e == "Deadlock" for e in s.hangs[0].events["error"])  # not gloo's timeout, not the deadline
+        assert healthy.recover()["action"].startswith("re-formed")  # same engines
+    finally:
+        healthy.detect_deadlocks = None

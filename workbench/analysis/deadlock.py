@@ -1,0 +1,117 @@
+"""A deadlock read from the ledgers while a step still runs: declared by content, not by a timeout.
+
+The ranks append every collective to their ledger before they enter it, so the client can
+see who is blocked where while nobody answers. When every rank of a group that has not
+finished the step sits in an open collective and those calls cannot pair (different op,
+call number, dtype or size), or a rank already finished the step while a peer waits for it
+in a collective it will never issue, nothing can make progress: the hang is certain and
+waiting out a deadline only costs time. ``Watch`` adds the one safeguard content cannot give:
+the same picture must hold for a short while, because a mismatched pair that the backend
+completes anyway (NCCL returns a mis-sized broadcast silently) is a corruption, not a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from workbench.analysis.collectives import OPEN, _differ, _group_ranks, describe
+
+
+@dataclass
+class Deadlock:
+    """Who waits where, and why those calls can never complete."""
+
+    group: str
+    waiting: dict[int, dict[str, Any]]  # rank -> its open call on the group
+    finished: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # rank -> its last call, done
+    reason: str = ""
+
+    @property
+    def signature(self) -> tuple:
+        return (self.group, tuple(sorted((r, c.get("seq")) for r, c in self.waiting.items())),
+                tuple(sorted(self.finished)))
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def _first_open(part: pd.DataFrame) -> dict[str, Any] | None:
+    open_ = part[part["state"] == OPEN]
+    if open_.empty:
+        return None
+    return dict(open_.sort_values("seq").iloc[0])
+
+
+def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Deadlock | None:
+    """The deadlock among this step's calls, or None while progress is still possible.
+
+    ``ledger``: the step's calls (one attempt); ``done``: ranks whose step call returned;
+    ``ranks``: every rank running the step.
+    """
+    done, ranks = set(done), set(ranks)
+    waiting_ranks = ranks - done
+    if not waiting_ranks or ledger is None or ledger.empty:
+        return None
+    open_by_rank: dict[int, dict[str, Any]] = {}
+    for r in waiting_ranks:
+        call = _first_open(ledger[ledger["rank"] == r])
+        if call is None:
+            return None  # a rank still computing (or in no collective): it may yet issue the call
+        open_by_rank[r] = call
+    for group, part in ledger.groupby("group", sort=True):
+        members = set(_group_ranks(part)) & ranks
+        here = {r: c for r, c in open_by_rank.items() if str(c.get("group")) == str(group) and r in members}
+        if not here:
+            continue
+        r0, c0 = min(here.items(), key=lambda kv: kv[0])
+        seq = int(c0["seq"])
+        # a finished member never issues the call its peers wait in
+        for q in sorted(members & done):
+            mine = part[part["rank"] == q]
+            last = dict(mine.sort_values("seq").iloc[-1]) if len(mine) else None
+            if last is None or int(last["seq"]) < seq:
+                upto = f"after {describe(last)}" if last else "without a call on this group"
+                return Deadlock(str(group), here, {q: last},
+                                f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
+                                f"which rank {q} will never issue")
+        if set(here) != members:
+            continue  # some member is blocked elsewhere: not provable from this group alone
+        for r, c in here.items():
+            if r == r0:
+                continue
+            if int(c["seq"]) != seq or _differ(c, c0):
+                pairs = "; ".join(f"rank {x}: {describe(y)}" for x, y in sorted(here.items()))
+                return Deadlock(str(group), here, {}, f"the open calls on group {group} cannot pair: {pairs}")
+    return None
+
+
+class Watch:
+    """Polls a ledger source during a step and declares a deadlock once it has held for ``hold`` s."""
+
+    def __init__(self, read: Any, ranks: list[int], hold: float = 0.5):
+        self.read, self.ranks, self.hold = read, ranks, hold
+        self._seen: tuple | None = None
+        self._since = 0.0
+        self.found: Deadlock | None = None
+        self.blocked_at: float | None = None  # ledger time the last rank entered its open call
+
+    def __call__(self, done: Iterable[int]) -> str | None:
+        d = find(self.read(), done, self.ranks)
+        now = time.monotonic()
+        if d is None:
+            self._seen = None
+            return None
+        if d.signature != self._seen:
+            self._seen, self._since = d.signature, now
+            return None
+        if now - self._since < self.hold:
+            return None
+        self.found = d
+        starts = [c.get("t_start") for c in d.waiting.values() if c.get("t_start") is not None]
+        self.blocked_at = max(starts) if starts else None
+        return d.reason
