@@ -70,6 +70,9 @@ def test_real_eval_loop_hang_is_declared_from_the_ledgers_before_any_timeout(hea
         assert hang.caught_by == "ledger deadlock" and "cannot pair" in hang.proof
         assert "all_reduce #9" in hang.proof and "all_gather_into_tensor #9" in hang.proof
         assert set(hang.stuck) == {0, 1}
+        # each stuck rank's Python stack, taken by faulthandler while it sat in the collective
+        assert "eval_loop_uneven_batches.py" in hang.stacks[0] and "in all_reduce" in hang.stacks[0]
+        assert "in all_gather_single" in hang.stacks[1]
         assert hang.to_dict()["detected_after_s"] > 0  # declared after the last rank blocked, by content
         assert all(e == "Deadlock" for e in s.hangs[0].events["error"])  # not gloo's timeout, not the deadline
         assert healthy.recover()["action"].startswith("re-formed")  # same engines

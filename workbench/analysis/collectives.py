@@ -310,6 +310,7 @@ class Hang:
     proof: str | None = None  # a deadlock read from the ledgers: why the open calls can never pair
     blocked_at: float | None = None  # ledger time the last rank entered its open call
     declared_at: float | None = None  # when the client declared the hang
+    stacks: dict[int, str] = field(default_factory=dict)  # rank -> Python stacks while it was stuck
 
     @property
     def message(self) -> str:
@@ -336,6 +337,7 @@ class Hang:
         return {"step": self.step, "deadline_s": self.deadline_s, "caught_by": self.caught_by,
                 "stuck": {str(k): v for k, v in self.stuck.items()},
                 "finished": self.finished, "dead": self.dead, "message": self.message, "proof": self.proof,
+                "stacks": {str(k): v for k, v in self.stacks.items()},
                 "detected_after_s": (self.declared_at - self.blocked_at
                                      if self.declared_at and self.blocked_at else None),
                 "divergence": None if self.divergence is None else self.divergence.to_dict()}

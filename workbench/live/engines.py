@@ -186,6 +186,7 @@ class Engines:
         self.generation += 1
         self.group_s = time.perf_counter() - t0
         self.devices = {r: v["device"] for r, v in outcome.values.items()}
+        self.stacks_files = {r: v.get("stacks_file") for r, v in outcome.values.items()}
         self._set_threads()
 
     def _set_threads(self) -> None:
@@ -346,6 +347,30 @@ class Engines:
             time.sleep(0.05)
         return not self._busy
 
+    def stacks(self, ranks: list[int] | None = None, wait: float = 0.3) -> dict[int, str]:
+        """Each rank's Python stacks, also while it is blocked in a collective (faulthandler on SIGUSR1).
+
+        Reaches engines on this host only (a signal to their pid); the main thread comes first.
+        """
+        out: dict[int, str] = {}
+        files = getattr(self, "stacks_files", {})
+        ranks = [r for r in (range(self.world_size) if ranks is None else ranks) if files.get(r)]
+        for r in ranks:
+            try:
+                open(files[r], "w").close()  # only this dump
+                os.kill(self.pids[r], signal.SIGUSR1)
+            except (OSError, KeyError):
+                continue
+        time.sleep(wait)
+        for r in ranks:
+            try:
+                text = open(files[r]).read()
+            except OSError:
+                continue
+            if text:
+                out[r] = _main_thread_first(text)
+        return out
+
     def dead_ranks(self) -> list[int]:
         dead = []
         for r, pid in self.pids.items():
@@ -409,6 +434,15 @@ class Engines:
                 if out.failures[r].kind == "died":
                     self._dead.add(r)
         return out
+
+
+def _main_thread_first(dump: str) -> str:
+    """faulthandler's dump with the main thread (the one marked 'most recent call first' and
+    'Current thread' on the signal) moved to the front, engine-internal threads after."""
+    blocks = [b for b in dump.split("\n\n") if b.strip()]
+    main = [b for b in blocks if "Current thread" in b or "<module>" in b.splitlines()[-1]]
+    rest = [b for b in blocks if b not in main]
+    return "\n\n".join(main + rest).strip()
 
 
 def ship_by_value(obj: Any) -> None:

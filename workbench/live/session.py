@@ -110,6 +110,8 @@ class Session:
         if collectives.is_hang(failures, frame.ledger):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
+            stuck = sorted(frame.hang.stuck)
+            frame.hang.stacks = self.cluster.stacks(stuck) if stuck else {}
             if watch is not None and watch.found is not None:
                 frame.hang.proof = watch.found.reason
                 frame.hang.blocked_at = watch.blocked_at

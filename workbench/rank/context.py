@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workbench.rank import stacks
+
 RESERVED = frozenset(
     {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
      "output_extras", "notes", "expected", "rank_local"}
@@ -101,7 +103,8 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         **kw,
     )
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
-    return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device)}
+    return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
+            "stacks_file": stacks.install()}
 
 
 def rendezvous_store(addr: str, rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:
