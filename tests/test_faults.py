@@ -290,6 +290,7 @@ def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
     '''))
     proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", f"{path}:", "--timeout", "8"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    family: list[psutil.Process] = []
     try:
         end = time.monotonic() + 120
         while not (tmp_path / "in-step1").exists() and proc.poll() is None and time.monotonic() < end:
@@ -302,11 +303,15 @@ def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
         assert "interrupted; engines stopped" in proc.stderr.read()
         _, alive = psutil.wait_procs(family, timeout=5)
         assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
-    finally:
+    finally:  # a failing run must not leak what it tests for
         if proc.poll() is None:
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                p.kill()
+            family += psutil.Process(proc.pid).children(recursive=True)
             proc.kill()
+        for p in family:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 # 9 -------------------------------------------------------------------------------------
