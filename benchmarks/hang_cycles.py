@@ -1,11 +1,14 @@
 """Hang -> detect -> recover, N times in a row on the same cluster; then look for leaks.
 
     .venv/bin/python benchmarks/hang_cycles.py [--cycles 20] [--timeout 3] [--deadline 1.5] [--deaths 1]
+                                               [--backend gloo|nccl] [--by deadline|ledger]
 
 Each cycle: a session whose second step has rank 0 all-reduce alone (rank 1 never
-posts), run under a per-step deadline shorter than the collective timeout. Measured:
- - detect: seconds from the deadline's expiry to the frame carrying the hang diagnosis
-   (the ledger read from disk names the stuck call);
+posts). ``--by deadline``: a per-step deadline shorter than the collective timeout ends
+the wait; ``--by ledger`` (the default on NCCL): the ledgers prove the deadlock (rank 1
+finished the step, rank 0 waits in a call rank 1 will never issue). Measured:
+ - detect: seconds from the deadline's expiry (``deadline``), or from the moment the last
+   rank blocked to the hang frame (``ledger``);
  - recover: ``session.recover()``: gloo's timeout releases the rank, the same engines
    re-form the group on a new port, and the setup step is replayed;
  - a check step (both ranks all-reduce) must then give the right sum.
@@ -58,7 +61,7 @@ def check(ctx) -> None:
 HANG.params = {"die": False}
 
 
-def cycle(cluster: wb.Cluster, deadline: float, die: bool) -> dict:
+def cycle(cluster: wb.Cluster, deadline: float, die: bool, by: str) -> dict:
     s = cluster.session(HANG, die=die)
     s.step()
     s.deadline = deadline
@@ -66,6 +69,11 @@ def cycle(cluster: wb.Cluster, deadline: float, die: bool) -> dict:
     frame = s.step()
     t_detect = time.perf_counter() - t0 - deadline
     assert frame.hang is not None, "no hang recorded"
+    if die:
+        t_detect += deadline  # a death: from the step's start (no deadline involved)
+    elif by == "ledger":
+        t_detect = frame.hang.to_dict()["detected_after_s"] or float("nan")
+    pids = dict(cluster.pids)
     where = "died" if frame.hang.dead else frame.hang.stuck.get(0, "?").split(" at ")[0]
     port = cluster.port
     t1 = time.perf_counter()
@@ -76,7 +84,8 @@ def cycle(cluster: wb.Cluster, deadline: float, die: bool) -> dict:
     ok = len(heads) == 2 and all(list(h) == [2.0] * 4 for h in heads)
     s.reset()
     return {"detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
-            "where": where, "check_ok": ok, "old_port": port}
+            "where": where, "check_ok": ok, "old_port": port, "restarted": pids != cluster.pids,
+            "caught_by": frame.hang.caught_by}
 
 
 def listening(ports: list[int]) -> list[int]:
@@ -103,22 +112,29 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3.0, help="collective (gloo) timeout, s")
     ap.add_argument("--deadline", type=float, default=1.5, help="per-step deadline, s")
     ap.add_argument("--deaths", type=int, default=1, help="extra cycles where rank 1 dies")
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--by", choices=["deadline", "ledger"], default=None,
+                    help="what ends the wait (default: ledger on NCCL, deadline on gloo)")
     a = ap.parse_args()
+    by = a.by or ("ledger" if a.backend == "nccl" else "deadline")
 
     t = time.perf_counter()
-    cluster = wb.start(ranks=2, backend="gloo", timeout=a.timeout)
+    cluster = wb.start(ranks=2, backend=a.backend, timeout=a.timeout)
+    cluster.detect_deadlocks = by == "ledger"
+    deadline = a.deadline if by == "deadline" else max(a.deadline, a.timeout * 3)  # a backstop only
     print(f"cluster up in {time.perf_counter() - t:.1f}s: {cluster}")
     seen_pids = set(cluster.pids.values())
     rows = []
     try:
         for i in range(a.cycles + a.deaths):
             die = i >= a.cycles
-            r = cycle(cluster, a.deadline, die)
+            r = cycle(cluster, deadline, die, by)
             seen_pids |= set(cluster.pids.values())
             rows.append(r)
             print(f"{i + 1:>3} {'death' if die else 'hang':<5} detect {r['detect_s'] * 1000:7.1f} ms  "
-                  f"recover {r['recover_s']:5.2f} s  {r['action']:<9} check {'ok' if r['check_ok'] else 'FAILED'}"
-                  f"  stuck in: {r['where']}", flush=True)
+                  f"recover {r['recover_s']:5.2f} s  {r['action']:<9} engines restarted: "
+                  f"{'yes' if r['restarted'] else 'no ':<3}  check {'ok' if r['check_ok'] else 'FAILED'}"
+                  f"  caught by {r['caught_by']}, stuck in: {r['where']}", flush=True)
         current = set(cluster.pids.values())
         leaked = [p for p in engine_processes(seen_pids) if p not in current]
         ports = [r["old_port"] for r in rows]
@@ -134,15 +150,17 @@ def main() -> None:
         return f"median {statistics.median(xs):.3f}  max {max(xs):.3f}" if xs else "-"
 
     print()
-    print(f"| what ({len(hangs)} hang cycles, timeout {a.timeout:g}s, deadline {a.deadline:g}s) | seconds |")
+    print(f"| what ({len(hangs)} hang cycles, {a.backend}, timeout {a.timeout:g}s, by {by}) | seconds |")
     print("| --- | --- |")
-    print(f"| detection latency after the deadline | {stats([r['detect_s'] for r in hangs])} |")
+    after = "after the last rank blocked" if by == "ledger" else "after the deadline"
+    print(f"| detection latency {after} | {stats([r['detect_s'] for r in hangs])} |")
     print(f"| recovery (wait for gloo timeout, re-form, replay) | {stats([r['recover_s'] for r in hangs])} |")
     if deaths:
-        print(f"| dead rank: detection, from step start | {stats([r['detect_s'] + a.deadline for r in deaths])} |")
+        print(f"| dead rank: detection, from step start | {stats([r['detect_s'] for r in deaths])} |")
         print(f"| dead rank: recovery (fresh engines) | {stats([r['recover_s'] for r in deaths])} |")
     print(f"| cycles whose check step gave the right sum | {sum(r['check_ok'] for r in rows)}/{len(rows)} |")
     print(f"| recovery actions | {sorted({r['action'] for r in rows})} |")
+    print(f"| hang cycles that restarted engines | {sum(r['restarted'] for r in hangs)}/{len(hangs)} |")
     print(f"| stale engine processes alive before stop | {leaked or 'none'} |")
     print(f"| engine processes alive after stop | {after_stop or 'none'} |")
     print(f"| earlier group ports still listening | {busy_ports or 'none'} ({len(set(ports))} ports used) |")

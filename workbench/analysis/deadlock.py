@@ -93,7 +93,7 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
 class Watch:
     """Polls a ledger source during a step and declares a deadlock once it has held for ``hold`` s."""
 
-    def __init__(self, read: Any, ranks: list[int], hold: float = 0.5):
+    def __init__(self, read: Any, ranks: list[int], hold: float = 0.3):
         self.read, self.ranks, self.hold = read, ranks, hold
         self._seen: tuple | None = None
         self._since = 0.0
