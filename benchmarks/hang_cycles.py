@@ -68,7 +68,9 @@ def cycle(cluster: wb.Cluster, deadline: float, die: bool, by: str) -> dict:
     t0 = time.perf_counter()
     frame = s.step()
     t_detect = time.perf_counter() - t0 - deadline
-    assert frame.hang is not None, "no hang recorded"
+    if frame.hang is None:
+        raise SystemExit("no hang recorded; events:\n" + frame.events.to_string() + "\nledger:\n"
+                         + frame.ledger[["rank", "seq", "op", "state", "error"]].to_string())
     if die:
         t_detect += deadline  # a death: from the step's start (no deadline involved)
     elif by == "ledger":

@@ -39,6 +39,16 @@ def test_a_rank_that_finished_the_step_leaves_its_peer_waiting_for_ever():
     assert d.reason.startswith("rank 1 finished the step after broadcast #1") and "will never issue" in d.reason
 
 
+def test_a_finished_rank_whose_call_was_another_size_leaves_its_peer_waiting():
+    """The NCCL headline: rank 0 sent 256 B at #1 and finished; rank 1 waits in #1 for 833.9 KiB."""
+    led = ledger_table([call(0, 1, op="broadcast", numel=64, src=0), call(0, 2, op="broadcast", dtype="bfloat16",
+                                                                          numel=426880, src=0),
+                        call(1, 1, op="broadcast", dtype="bfloat16", numel=426944, src=0, state=OPEN)])
+    d = find(led, done=[0], ranks=[0, 1])
+    assert d is not None and list(d.waiting) == [1]
+    assert "its call #1 was broadcast #1 float32 [64]" in d.reason and "cannot pair" in d.reason
+
+
 def test_a_rank_still_computing_may_yet_pair():
     led = ledger_table([call(0, 1), call(0, 2, state=OPEN), call(1, 1)])  # rank 1 is between calls, not done
     assert find(led, done=[], ranks=[0, 1]) is None

@@ -95,3 +95,11 @@ def test_rows_stay_small_for_a_large_tensor():
 
     row = one(torch.randn(1_000_000))
     assert len(json.dumps(row, default=str)) < 1024
+
+
+def test_windows_of_many_tensors_in_one_copy_equal_the_per_tensor_windows():
+    from workbench.rank import probe
+
+    group = [torch.randn(n).to(torch.bfloat16) for n in (100, 300, 3000, 70000)]
+    assert torch.equal(probe._windows_many(group), torch.cat([probe._windows(t) for t in group]))
+    assert probe._windows_many([torch.zeros(10)]).numel() == 0  # small tensors keep no windows

@@ -79,6 +79,12 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
                 return Deadlock(str(group), here, {q: last},
                                 f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
                                 f"which rank {q} will never issue")
+            same = mine[mine["seq"] == seq]
+            if len(same) and _differ(dict(same.iloc[0]), c0):
+                theirs = dict(same.iloc[0])
+                return Deadlock(str(group), here, {q: last},
+                                f"rank {q} finished the step; its call #{seq} was {describe(theirs)}, while rank "
+                                f"{r0} waits in {describe(c0)}: they cannot pair, and rank {q} issues nothing more")
         if set(here) != members:
             continue  # some member is blocked elsewhere: not provable from this group alone
         for r, c in here.items():

@@ -121,6 +121,18 @@ def _windows(flat: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=flat.device)
 
 
+def _windows_many(flats: list[torch.Tensor]) -> torch.Tensor:
+    """``_windows`` of many same-dtype tensors in one copy: the slices are views, one ``cat`` moves
+    them (per-tensor slicing, copying and casting cost ~8 kernel launches a tensor: 13 ms at 313)."""
+    views = []
+    for flat in flats:
+        es = flat.element_size()
+        views += [flat[off // es: (off + WINDOW) // es] for off in WINDOW_OFFSETS[:_n_windows(flat.numel() * es)]]
+    if not views:
+        return torch.zeros(0, dtype=torch.float64, device=flats[0].device if flats else "cpu")
+    return torch.cat(views).contiguous().view(torch.uint8).to(torch.float64)
+
+
 def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
     """The plain path's device parts: 6 stats, 2 fingerprint lanes, head, raw bytes."""
     with torch.no_grad():
@@ -286,7 +298,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         stats, raw = _fused([t for _, t in members])
         groups.append((dtype, members))
         parts += [stats.reshape(-1), raw.double().reshape(-1)]
-        parts += [_windows(t.reshape(-1)) for _, t in members]
+        parts.append(_windows_many([t.reshape(-1) for _, t in members]))
     host = _to_host(parts)
     pos = 0
     for row, flat in plain:
