@@ -34,7 +34,7 @@ HANG = Scenario(name="bench-lonely-all-reduce")
 
 @HANG.step
 def setup(ctx) -> None:
-    ctx.x = torch.ones(4)
+    ctx.x = torch.ones(4, device=ctx.device)  # on the rank's GPU under NCCL
 
 
 @HANG.step
