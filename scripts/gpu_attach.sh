@@ -10,21 +10,7 @@
 # Leaves $OUT/attach.txt (default ./gpu-out). Installs carried wheels from .whl/ when ipyparallel is missing.
 # Device tool: run(command="bash scripts/gpu_attach.sh", carry=[".whl"], kind="nvidia-h200-x2").
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-PY=${PY:-python3}
-if ! $PY -c "import ipyparallel" 2>/dev/null; then
-  if [ -d .whl ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site
-  else
-    echo "ipyparallel missing and no .whl/ carried (run ../shared/tools/gpu-wheels.sh first)"; exit 1
-  fi
-fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+source "$(dirname "$0")/gpu_env.sh"
 P=$(mktemp -d)/profile_gpu
 WB="$PY -m workbench.cli"
 SC=fsdp1-rotary-meta-init

@@ -1,0 +1,17 @@
+# Sourced by the GPU scripts (gpu_suite.sh, gpu_attach.sh): NVLink multicast off, $OUT made, and the
+# carried wheels (.whl/, from ../shared/tools/gpu-wheels.sh) installed when the image lacks ipyparallel.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if ! $PY -c "import ipyparallel" 2>/dev/null; then
+  if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+  else
+    echo "ipyparallel missing and no .whl/ carried (run ../shared/tools/gpu-wheels.sh first)"; exit 1
+  fi
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
