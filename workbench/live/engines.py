@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
+from workbench.rank.host import free_port, set_threads
 
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
 WATCH_EVERY_S = 0.1  # how often a running step's ledgers are read for a deadlock
@@ -29,12 +30,6 @@ WATCH_EVERY_S = 0.1  # how often a running step's ledgers are read for a deadloc
 # Ten missed pings (5 s) still mark an engine dead; the heart runs outside the GIL, so a rank
 # blocked in a collective keeps beating.
 CONTROLLER_ARGS = ["--ping=500"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
@@ -191,8 +186,7 @@ class Engines:
 
     def _set_threads(self) -> None:
         # Two engines on two cores must not each spin up two intra-op threads.
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        self.run(_set_num_threads, threads)
+        self.run(set_threads, self.world_size)
 
     def _rendezvous(self) -> tuple[str, int]:
         """Where the group's TCP store listens: loopback here (attached clusters ask rank 0's host)."""
@@ -504,8 +498,3 @@ def _import_rank_layer() -> None:
     import workbench.rank.context  # noqa: F401  (imports torch; on GPUs also initialises CUDA lazily)
 
 
-def _set_num_threads(n: int) -> int:
-    import torch
-
-    torch.set_num_threads(n)
-    return n

@@ -57,12 +57,17 @@ def status_height(rows: int, names: list[str]) -> tuple[int, int]:
     return 90 + bottom + row_px * rows, bottom
 
 
-def _discrete_scale() -> list[list]:
-    n = len(STATUSES)
+def discrete_scale(order: list[str], colors: dict[str, str]) -> list[list]:
+    """A step colour scale: one flat band per category, so heatmap codes 0..n-1 read as swatches."""
+    n = len(order)
     scale = []
-    for i, s in enumerate(STATUSES):
-        scale += [[i / n, COLORS[s]], [(i + 1) / n, COLORS[s]]]
+    for i, s in enumerate(order):
+        scale += [[i / n, colors[s]], [(i + 1) / n, colors[s]]]
     return scale
+
+
+def _discrete_scale() -> list[list]:
+    return discrete_scale(STATUSES, COLORS)
 
 
 GROUP_ABOVE = 4  # more ranks than this: identical ranks share one row (``group=None``)

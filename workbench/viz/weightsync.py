@@ -12,17 +12,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.analysis import weightsync as ws
+from workbench.viz.tensors import discrete_scale
 
 STATUS_ORDER = ["match", "cast", "mislabel", "stale"]
 STATUS_COLORS = {"match": "#2ca02c", "cast": "#bcbd22", "mislabel": "#d62728", "stale": "#7f7f7f"}
 
 
 def _scale() -> list[list]:
-    n = len(STATUS_ORDER)
-    out = []
-    for i, s in enumerate(STATUS_ORDER):
-        out += [[i / n, STATUS_COLORS[s]], [(i + 1) / n, STATUS_COLORS[s]]]
-    return out
+    return discrete_scale(STATUS_ORDER, STATUS_COLORS)
 
 
 def _short(name: str) -> str:
