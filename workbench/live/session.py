@@ -45,6 +45,7 @@ class Session:
         self.id = f"{self.scenario.name}-{uuid.uuid4().hex[:8]}"
         self.frames: list[Frame] = []
         self.started_at: float | None = None
+        self.updated_at: float | None = None  # when the last step ended: what "recorded" means
         self._begun = False
         self._generation = -1  # the cluster generation this session's rank state lives in
         self.ledger_dir = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")  # ranks append, the client reads
@@ -76,7 +77,7 @@ class Session:
             self.ledger_dir = self._ledger_reader.source = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")
         cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison,
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
-        self.started_at = time.time()
+        self.started_at = self.updated_at = time.time()
         self._begun = True
         self._generation = cluster.generation
 
@@ -123,6 +124,7 @@ class Session:
                            for r in range(self.cluster.world_size)}
             self._recovery = None
         self.frames.append(frame)
+        self.updated_at = time.time()
         return frame
 
     def run(self, until: str | None = None) -> list[Frame]:
@@ -252,7 +254,7 @@ class Session:
             "timeout_s": c.timeout,
             "seed": self.params.get("seed"),
             "started_at": self.started_at,
-            "saved_at": time.time(),
+            "saved_at": self.updated_at,  # the state recorded, not the call: two records of it are equal
             "versions": versions(),
         }
         return RunRecord(manifest, self.history, self.outputs, self.events, notes, trace=self.trace,
