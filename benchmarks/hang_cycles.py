@@ -9,12 +9,14 @@ the wait; ``--by ledger`` (the default on NCCL): the ledgers prove the deadlock 
 finished the step, rank 0 waits in a call rank 1 will never issue). Measured:
  - detect: seconds from the deadline's expiry (``deadline``), or from the moment the last
    rank blocked to the hang frame (``ledger``);
- - recover: ``session.recover()``: gloo's timeout releases the rank, the same engines
+ - recover: ``session.recover()``: each rank's control thread releases the blocked call
+   (NCCL: aborts the communicators; gloo: cuts the group's sockets), the same engines
    re-form the group on a new port, and the setup step is replayed;
  - a check step (both ranks all-reduce) must then give the right sum.
 ``--deaths`` extra cycles kill rank 1 (os._exit) and recover by restarting engines.
-At the end: engine processes alive (only the current ones), and the ports of every
-group formed on the way (all free again).
+At the end: engine processes alive (only the current ones), the ports of every group
+formed on the way (all free again), and the device memory each rank holds after each
+cycle (it must not grow).
 """
 
 from __future__ import annotations
@@ -85,9 +87,17 @@ def cycle(cluster: wb.Cluster, deadline: float, die: bool, by: str) -> dict:
     heads = out.outputs[out.outputs["name"] == "sum"]["head"].tolist() if out.ok else []
     ok = len(heads) == 2 and all(list(h) == [2.0] * 4 for h in heads)
     s.reset()
-    return {"detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
+    mem = cluster.call(_allocated).values
+    return {"mem": [mem.get(r) for r in sorted(mem)], "detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
             "where": where, "check_ok": ok, "old_port": port, "restarted": pids != cluster.pids,
             "caught_by": frame.hang.caught_by}
+
+
+def _allocated() -> int:
+    """Bytes of device memory this rank's torch holds (0 on CPU)."""
+    import torch
+
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
 
 
 def listening(ports: list[int]) -> list[int]:
@@ -136,7 +146,7 @@ def main() -> None:
             print(f"{i + 1:>3} {'death' if die else 'hang':<5} detect {r['detect_s'] * 1000:7.1f} ms  "
                   f"recover {r['recover_s']:5.2f} s  {r['action']:<9} engines restarted: "
                   f"{'yes' if r['restarted'] else 'no ':<3}  check {'ok' if r['check_ok'] else 'FAILED'}"
-                  f"  caught by {r['caught_by']}, stuck in: {r['where']}", flush=True)
+                  f"  caught by {r['caught_by']}, stuck in: {r['where']}, device bytes {r['mem']}", flush=True)
         current = set(cluster.pids.values())
         leaked = [p for p in engine_processes(seen_pids) if p not in current]
         ports = [r["old_port"] for r in rows]
@@ -156,17 +166,22 @@ def main() -> None:
     print("| --- | --- |")
     after = "after the last rank blocked" if by == "ledger" else "after the deadline"
     print(f"| detection latency {after} | {stats([r['detect_s'] for r in hangs])} |")
-    print(f"| recovery (wait for gloo timeout, re-form, replay) | {stats([r['recover_s'] for r in hangs])} |")
+    print(f"| recovery (abort through the control threads, re-form, replay) | "
+          f"{stats([r['recover_s'] for r in hangs])} |")
     if deaths:
         print(f"| dead rank: detection, from step start | {stats([r['detect_s'] for r in deaths])} |")
         print(f"| dead rank: recovery (fresh engines) | {stats([r['recover_s'] for r in deaths])} |")
     print(f"| cycles whose check step gave the right sum | {sum(r['check_ok'] for r in rows)}/{len(rows)} |")
     print(f"| recovery actions | {sorted({r['action'] for r in rows})} |")
     print(f"| hang cycles that restarted engines | {sum(r['restarted'] for r in hangs)}/{len(hangs)} |")
+    mems = [r["mem"] for r in rows]
+    grew = bool(mems) and any((b or 0) > (a or 0) for a, b in zip(mems[0], mems[-1]))
+    print(f"| device bytes per rank after the first / last cycle | {mems[0] if mems else '-'} / "
+          f"{mems[-1] if mems else '-'} |")
     print(f"| stale engine processes alive before stop | {leaked or 'none'} |")
     print(f"| engine processes alive after stop | {after_stop or 'none'} |")
     print(f"| earlier group ports still listening | {busy_ports or 'none'} ({len(set(ports))} ports used) |")
-    if leaked or after_stop or busy_ports or not all(r["check_ok"] for r in rows):
+    if leaked or after_stop or busy_ports or grew or not all(r["check_ok"] for r in rows):
         raise SystemExit("leak or failed cycle")
 
 

@@ -23,6 +23,7 @@ import psutil
 from workbench.errors import ClusterError, RankErrors, RankFailure
 from workbench.rank.host import free_port, set_threads
 
+ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
 WATCH_EVERY_S = 0.1  # how often a running step's ledgers are read for a deadlock
 # The hub only counts an engine as registered once its heart answers a ping; at the default
@@ -102,6 +103,7 @@ class Engines:
         self._ids: list[int] = []
         self.pids: dict[int, int] = {}
         self.devices: dict[int, str] = {}
+        self.controls: dict[int, dict[str, Any] | None] = {}  # rank -> its control thread (host, port, token)
         self.local_index: dict[int, int] = {}  # rank -> index on its host (GPU); empty: the rank itself
         self.master_addr = "127.0.0.1"
         self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
@@ -182,6 +184,7 @@ class Engines:
         self.group_s = time.perf_counter() - t0
         self.devices = {r: v["device"] for r, v in outcome.values.items()}
         self.stacks_files = {r: v.get("stacks_file") for r, v in outcome.values.items()}
+        self.controls = {r: v.get("control") for r, v in outcome.values.items()}
         self._set_threads()
 
     def _set_threads(self) -> None:
@@ -242,6 +245,14 @@ class Engines:
         dead = sorted(set(self.dead_ranks()) | self._dead) if self.alive else []
         stuck = sorted(self._busy)
         action = "restarted the engines"
+        aborted: dict[int, Any] = {}
+        if self.alive and not dead and stuck:
+            # Release the blocked calls through each rank's control thread (NCCL: abort the communicators;
+            # gloo: cut the group's sockets) instead of waiting out the collective timeout.
+            aborted = {r: self.control(r, "abort") for r in range(self.world_size)}
+            if not self.wait_idle(ABORT_WAIT_S):
+                logging.getLogger("workbench").warning(
+                    "workbench: ranks %s still blocked %.0fs after the abort", sorted(self._busy), ABORT_WAIT_S)
         if self.alive and not dead and (not stuck or self.wait_idle(self.timeout + 5 if wait is None else wait)):
             self.dirty = True
             try:
@@ -252,6 +263,7 @@ class Engines:
         if action == "restarted the engines":
             self.restart()
         info = {"action": action, "dead": dead, "stuck": stuck, "seconds": time.perf_counter() - t0,
+                "aborted": {r: a.get("did") or a.get("why") or a.get("error") for r, a in aborted.items()},
                 "at": time.time()}
         self.recoveries.append(info)
         logging.getLogger("workbench").warning(
@@ -340,6 +352,15 @@ class Engines:
         while self._prune_busy() and time.monotonic() < end:
             time.sleep(0.05)
         return not self._busy
+
+    def control(self, rank: int, cmd: str, timeout: float = 3.0) -> dict[str, Any]:
+        """Ask a rank's control thread (``ping``, ``stacks``, ``abort``); it answers while the rank is stuck."""
+        from workbench.rank.control import ask
+
+        where = self.controls.get(rank)
+        if not where:
+            return {"error": f"rank {rank} has no control thread (its process group was never formed)"}
+        return ask(where, cmd, timeout)
 
     def stacks(self, ranks: list[int] | None = None, wait: float = 0.3) -> dict[int, str]:
         """Each rank's Python stacks, also while it is blocked in a collective (faulthandler on SIGUSR1).

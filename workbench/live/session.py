@@ -191,16 +191,17 @@ class Session:
     def hangs(self) -> list[Frame]:
         return [f for f in self.frames if f.hang is not None]
 
-    def recover(self, replay_failed: bool = False) -> dict[str, Any]:
+    def recover(self, replay_failed: bool = False, wait: float | None = None) -> dict[str, Any]:
         """After a hang or a failed step: bring the ranks back (``cluster.recover()``) and re-run the
         steps before the first failed one, and that one too with ``replay_failed=True``.
 
         The failed frame stays in the history. Without ``replay_failed`` the next step runs on
         ranks that never ran the failed one (what a hung step needs: replaying it would hang
         again); the returned info (``replayed``, ``not_replayed``) and the next frame's notes
-        say which steps the ranks hold. The ledger starts a new attempt.
+        say which steps the ranks hold. The ledger starts a new attempt. ``wait``: see
+        ``Engines.recover`` (how long ranks still blocked after the abort get before a restart).
         """
-        info = self.cluster.recover()
+        info = self.cluster.recover(wait=wait)
         failed = next((i for i, f in enumerate(self.frames) if not f.ok), len(self.frames))
         upto = failed + 1 if replay_failed and failed < len(self.frames) else failed
         self.attempt += 1

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.rank import stacks
+from workbench.rank import control, stacks
 
 RESERVED = frozenset(
     {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
@@ -91,6 +91,12 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         device = torch.device("cpu")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if backend == "nccl":
+        # The default (3) lets NCCL's watchdog kill the engine when a collective times out; 2 aborts
+        # the communicators and leaves the process alive, so the same engine can re-form the group.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    where = control.start(addr, port)  # answers (stacks, abort) while this rank is stuck
+    before = control.socket_fds()
     kw: dict[str, Any] = {}
     if backend == "nccl":
         kw["device_id"] = device
@@ -102,9 +108,10 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         timeout=datetime.timedelta(seconds=timeout_s),
         **kw,
     )
+    control.remember_group_sockets(before, port)
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
-            "stacks_file": stacks.install()}
+            "stacks_file": stacks.install(), "control": where}
 
 
 def rendezvous_store(addr: str, rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:

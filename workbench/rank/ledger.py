@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from workbench.rank import control
+
 NAMESPACES = ("c10d", "_c10d_functional")
 OP_NAMES = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
@@ -198,10 +200,13 @@ class _Recorder(TorchDispatchMode):
              note: str | None = None) -> None:
         if state is None:
             state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
+        text = None if error is None else f"{type(error).__name__}: {str(error)[:500]}"
+        if text is not None and control.aborted():  # released by recovery, not failed or timed out on its own
+            state, text = "failed", f"aborted by the workbench's recovery ({text})"
         self.ledger.write({
             "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
             "group": rec["group"], "seq": rec["seq"], "state": state,
-            "error": None if error is None else f"{type(error).__name__}: {str(error)[:500]}", "t": time.time(),
+            "error": text, "t": time.time(),
             "note": note,
         })
 

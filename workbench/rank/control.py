@@ -1,0 +1,209 @@
+"""A rank's control path: it answers while the engine's main thread is blocked in a collective.
+
+An ipyparallel engine runs one task at a time on its main thread, so a rank stuck in a
+collective cannot be asked anything through the engine, and restarting the engine costs
+the whole warm state (measured 27.5 s on 2 x H200). A daemon thread started when the rank
+joins its group listens on one socket and can release the blocked call instead:
+
+- NCCL: ``_abort_process_group`` aborts the communicators; the kernels see the abort flag
+  and exit, so the host sync the main thread waits in returns and the collective raises.
+- gloo: aborting its group object does not wake a waiter, but gloo's pairs are plain TCP
+  sockets: shutting them down (they were opened while the group formed, so we know which)
+  makes every pending send or receive fail at once, on this rank and on its peers.
+
+The client then re-forms the group on the same engines. The socket listens on loopback
+when the group does (one host) and otherwise only on the address this rank uses to reach
+rank 0; every request must carry the token the client got from ``init_rank``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+_STATE: dict[str, Any] = {"group_sockets": {}}
+
+
+def start(rendezvous_addr: str, rendezvous_port: int) -> dict[str, Any]:
+    """Start the control thread once per process; where and how to reach it (host, port, token)."""
+    if _STATE.get("port"):
+        return {"host": _STATE["host"], "port": _STATE["port"], "token": _STATE["token"]}
+    host = bind_address(rendezvous_addr, rendezvous_port)
+    srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, 0))
+    srv.listen(8)
+    _STATE.update(host=host, port=srv.getsockname()[1], token=secrets.token_hex(16))
+    threading.Thread(target=_serve, args=(srv,), name="workbench-control", daemon=True).start()
+    return {"host": _STATE["host"], "port": _STATE["port"], "token": _STATE["token"]}
+
+
+def bind_address(rendezvous_addr: str, rendezvous_port: int) -> str:
+    """Loopback when the group is on loopback; else this host's address on the route to rank 0."""
+    if rendezvous_addr in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET6 if ":" in rendezvous_addr else socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((rendezvous_addr, rendezvous_port or 9))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def _serve(srv: socket.socket) -> None:
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            try:
+                conn.settimeout(5.0)
+                req = json.loads(conn.makefile("rb").readline() or b"{}")
+                if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
+                    reply: dict[str, Any] = {"error": "wrong token"}
+                else:
+                    reply = handle(str(req.get("cmd", "")))
+            except Exception as exc:  # the control path must never die of one bad request
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            try:
+                conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+            except OSError:
+                pass
+
+
+def handle(cmd: str) -> dict[str, Any]:
+    """One command: ``ping``, ``stacks`` or ``abort``."""
+    if cmd == "ping":
+        return {"ok": True, "pid": os.getpid()}
+    if cmd == "stacks":
+        return {"stacks": stacks()}
+    if cmd == "abort":
+        return abort()
+    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, abort"}
+
+
+def stacks() -> dict[str, str]:
+    """Every thread's Python stack, the main thread first, this control thread left out."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    out: dict[str, str] = {}
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        if ident != threading.get_ident():
+            out[names.get(ident, str(ident))] = "".join(traceback.format_stack(frame))
+    return out
+
+
+# -- the group's sockets --------------------------------------------------------------------
+def socket_fds() -> dict[int, str]:
+    """This process's open sockets: fd -> 'socket:[inode]' (Linux /proc; empty elsewhere)."""
+    out: dict[int, str] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[int(name)] = target
+    return out
+
+
+def remember_group_sockets(before: dict[int, str], store_port: int) -> int:
+    """Keep the connected sockets that appeared while the group formed, but not the store's:
+    those are gloo's pairs. (Cutting the store's connections kills the process: its server
+    thread does not survive a reset peer.)"""
+    after = socket_fds()
+    group = {}
+    for fd, ino in after.items():
+        if before.get(fd) == ino:
+            continue
+        ends = _ends(fd)
+        if ends is not None and store_port not in ends and _STATE.get("port") not in ends:
+            group[fd] = ino
+    _STATE["group_sockets"] = group
+    _STATE["aborted"] = False  # a fresh group: nothing of it was aborted
+    return len(group)
+
+
+def _ends(fd: int) -> tuple[int, int] | None:
+    """(local port, peer port) of a connected TCP socket; None for anything else."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        return s.getsockname()[1], s.getpeername()[1]
+    except (OSError, IndexError, TypeError):
+        return None  # a listener, or not connected
+    finally:
+        s.close()
+
+
+def _shutdown_group_sockets() -> int:
+    """Shut down (not close: the group still owns the fds) every socket of the group still open."""
+    now, n = socket_fds(), 0
+    for fd, ino in _STATE.get("group_sockets", {}).items():
+        if now.get(fd) != ino:  # closed since, or the number reused by someone else: not ours
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass  # a listening or never-connected socket
+        finally:
+            s.close()
+    return n
+
+
+def abort() -> dict[str, Any]:
+    """Release a call blocked in this rank's process groups; the group is unusable afterwards."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    t0 = time.perf_counter()
+    if not dist.is_initialized():
+        return {"aborted": False, "why": "no process group"}
+    _STATE["aborted"] = True  # the calls it releases fail because of us: the ledger says so
+    backend = str(dist.get_backend())
+    done: list[str] = []
+    if backend == "nccl":
+        try:
+            c10d._abort_process_group()
+            done.append("aborted the NCCL communicators")
+        except Exception as exc:
+            return {"aborted": False, "why": f"abort: {type(exc).__name__}: {exc}"}
+    else:  # NCCL's own sockets are its business; gloo's pairs are ours to cut
+        done.append(f"shut down {_shutdown_group_sockets()} group socket(s)")
+    _STATE["group_sockets"] = {}
+    return {"aborted": True, "backend": backend, "did": done, "seconds": time.perf_counter() - t0}
+
+
+def aborted() -> bool:
+    """Whether this rank's current group was aborted by the control thread (its failures are ours)."""
+    return bool(_STATE.get("aborted"))
+
+
+def ask(where: dict[str, Any], cmd: str, timeout: float = 3.0) -> dict[str, Any]:
+    """Client side: one command to a rank's control thread; its reply, or the error as a dict."""
+    try:
+        with socket.create_connection((where["host"], where["port"]), timeout=timeout) as s:
+            s.sendall(json.dumps({"cmd": cmd, "token": where["token"]}).encode() + b"\n")
+            data = s.makefile("rb").readline()
+        return json.loads(data) if data else {"error": "no reply"}
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
