@@ -88,7 +88,8 @@ def cycle(cluster: wb.Cluster, deadline: float, die: bool, by: str) -> dict:
     ok = len(heads) == 2 and all(list(h) == [2.0] * 4 for h in heads)
     s.reset()
     mem = cluster.call(_allocated).values
-    return {"mem": [mem.get(r) for r in sorted(mem)], "detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
+    return {"mem": [mem.get(r) for r in sorted(mem)],
+            "detect_s": t_detect, "recover_s": t_recover, "action": info["action"].split(" ")[0],
             "where": where, "check_ok": ok, "old_port": port, "restarted": pids != cluster.pids,
             "caught_by": frame.hang.caught_by}
 

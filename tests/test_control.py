@@ -65,6 +65,13 @@ def test_one_rank_stuck_is_released_and_the_same_engines_go_on(detecting):
     assert frame.hang is not None and list(frame.hang.stuck) == [0]
     main = healthy.control(0, "stacks")["stacks"]["MainThread"]
     assert "lonely_broadcast" in main and "broadcast" in main.splitlines()[-2]  # read while it waits
+    assert "lonely_broadcast" in frame.hang.stacks[0]  # the frame holds it too (faulthandler, a local engine)
+    healthy.is_local = lambda rank: False  # as for an engine on another host: no signal, the control thread
+    try:
+        remote = healthy.stacks([0])[0]
+    finally:
+        del healthy.is_local
+    assert remote.startswith("Thread MainThread:") and "lonely_broadcast" in remote
     info = s.recover(wait=0)
     assert info["action"] == "re-formed the process group on the same engines", info
     assert dict(healthy.pids) == pids

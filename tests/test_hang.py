@@ -61,7 +61,8 @@ def test_real_hang_is_detected_diagnosed_and_recovered(healthy):
     assert set(led["attempt"]) == {0, 1}
     # Released by recovery's abort (the control thread), not by gloo's 8 s timeout: the ledger says which.
     first = led[led["attempt"] == 0]
-    assert first["state"].tolist() == ["failed"] and first["error"].iloc[0].startswith("aborted by the workbench's recovery")
+    assert first["state"].tolist() == ["failed"]
+    assert first["error"].iloc[0].startswith("aborted by the workbench's recovery")
 
 
 def test_eval_loop_bug_hangs_all_reduce_vs_all_gather_and_fix_agrees(healthy):

@@ -197,6 +197,9 @@ class AttachedCluster(Cluster):
         return (f"{who} died; the workbench did not launch these engines, so it cannot restart them: "
                 f"bring them back with {how}, then wb.connect(...) again")
 
+    def is_local(self, rank: int) -> bool:
+        return self.hosts.get(rank) == socket.gethostname()
+
     def dead_ranks(self) -> list[int]:
         """Local engines by their process; engines on other hosts by the controller's registry."""
         here = socket.gethostname()

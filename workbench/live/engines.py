@@ -365,11 +365,14 @@ class Engines:
     def stacks(self, ranks: list[int] | None = None, wait: float = 0.3) -> dict[int, str]:
         """Each rank's Python stacks, also while it is blocked in a collective (faulthandler on SIGUSR1).
 
-        Reaches engines on this host only (a signal to their pid); the main thread comes first.
+        Engines on this host get a signal (faulthandler writes from C, even while the rank holds
+        the GIL); the others, or one whose dump stays empty, are asked through their control
+        thread (Python's view of every thread). The main thread comes first.
         """
         out: dict[int, str] = {}
         files = getattr(self, "stacks_files", {})
-        ranks = [r for r in (range(self.world_size) if ranks is None else ranks) if files.get(r)]
+        wanted = list(range(self.world_size) if ranks is None else ranks)
+        ranks = [r for r in wanted if files.get(r) and self.is_local(r)]
         for r in ranks:
             try:
                 open(files[r], "w").close()  # only this dump
@@ -384,7 +387,16 @@ class Engines:
                 continue
             if text:
                 out[r] = _main_thread_first(text)
+        for r in wanted:
+            if r not in out:
+                threads = self.control(r, "stacks").get("stacks") or {}
+                if threads:
+                    out[r] = "\n\n".join(f"Thread {name}:\n{text}" for name, text in threads.items()).strip()
         return out
+
+    def is_local(self, rank: int) -> bool:
+        """Whether the rank's engine runs on this host (its pid means something here)."""
+        return True
 
     def dead_ranks(self) -> list[int]:
         dead = []
