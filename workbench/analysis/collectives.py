@@ -202,7 +202,8 @@ def _sig(c: dict[str, Any]) -> tuple:
 ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 
-def _differ(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+def mismatch_kind(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Why two ranks' calls at the same position cannot pair (op, dtype, size, root), or None."""
     if a.get("op") != b.get("op"):
         return "op"
     if (a.get("dtypes") or "") != (b.get("dtypes") or ""):
@@ -237,7 +238,8 @@ def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
     return min(found, key=lambda x: x[0])[1]
 
 
-def _group_ranks(part: pd.DataFrame) -> list[int]:
+def group_ranks(part: pd.DataFrame) -> list[int]:
+    """The ranks of a group: those seen in its rows plus the members the rows name."""
     ranks = {int(r) for r in part["rank"]}
     for v in part["group_ranks"].dropna().unique():
         try:
@@ -248,7 +250,7 @@ def _group_ranks(part: pd.DataFrame) -> list[int]:
 
 
 def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
-    ranks = _group_ranks(part)
+    ranks = group_ranks(part)
     calls = {r: [dict(row) for _, row in part[part["rank"] == r].sort_values("seq").iterrows()] for r in ranks}
     length = max(len(v) for v in calls.values())
     for k in range(length):
@@ -262,7 +264,7 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
             msg = (f"group {group} call #{seq}: rank(s) {present} issued {describe(ref)}; "
                    f"rank(s) {absent} never issued a call #{seq} on this group")
             return Divergence("extra", group, seq, present, at, msg, step)
-        kinds = {r: _differ(at[r], ref) for r in present}
+        kinds = {r: mismatch_kind(at[r], ref) for r in present}
         if not any(kinds.values()):
             continue
         # An extra call: one rank's next call is what the others issued here.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.collectives import OPEN, _differ, _group_ranks, describe
+from workbench.analysis.collectives import OPEN, describe, group_ranks, mismatch_kind
 
 
 @dataclass
@@ -64,7 +64,7 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
             return None  # a rank still computing (or in no collective): it may yet issue the call
         open_by_rank[r] = call
     for group, part in ledger.groupby("group", sort=True):
-        members = set(_group_ranks(part)) & ranks
+        members = set(group_ranks(part)) & ranks
         here = {r: c for r, c in open_by_rank.items() if str(c.get("group")) == str(group) and r in members}
         if not here:
             continue
@@ -80,7 +80,7 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
                                 f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
                                 f"which rank {q} will never issue")
             same = mine[mine["seq"] == seq]
-            if len(same) and _differ(dict(same.iloc[0]), c0):
+            if len(same) and mismatch_kind(dict(same.iloc[0]), c0):
                 theirs = dict(same.iloc[0])
                 return Deadlock(str(group), here, {q: last},
                                 f"rank {q} finished the step; its call #{seq} was {describe(theirs)}, while rank "
@@ -90,7 +90,7 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
         for r, c in here.items():
             if r == r0:
                 continue
-            if int(c["seq"]) != seq or _differ(c, c0):
+            if int(c["seq"]) != seq or mismatch_kind(c, c0):
                 pairs = "; ".join(f"rank {x}: {describe(y)}" for x, y in sorted(here.items()))
                 return Deadlock(str(group), here, {}, f"the open calls on group {group} cannot pair: {pairs}")
     return None

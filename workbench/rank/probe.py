@@ -113,16 +113,9 @@ def _n_windows(nbytes: int) -> int:
     return sum(1 for off in WINDOW_OFFSETS if nbytes >= off + WINDOW) if nbytes > RAW_SMALL else 0
 
 
-def _windows(flat: torch.Tensor) -> torch.Tensor:
-    """The bytes at ``WINDOW_OFFSETS`` that lie inside ``flat`` (offsets are multiples of every element size)."""
-    es = flat.element_size()
-    n = _n_windows(flat.numel() * es)
-    parts = [flat[off // es: (off + WINDOW) // es].contiguous().view(torch.uint8) for off in WINDOW_OFFSETS[:n]]
-    return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=flat.device)
-
-
 def _windows_many(flats: list[torch.Tensor]) -> torch.Tensor:
-    """``_windows`` of many same-dtype tensors in one copy: the slices are views, one ``cat`` moves
+    """The bytes at ``WINDOW_OFFSETS`` inside each of many same-dtype tensors (offsets are multiples of
+    every element size), in one copy: the slices are views, one ``cat`` moves
     them (per-tensor slicing, copying and casting cost ~8 kernel launches a tensor: 13 ms at 313)."""
     # One slice per tensor covering all its windows, one copy of them all, one gather of the window bytes:
     # Python slicing per window (4 a tensor) was the cost, not the bytes.
@@ -159,7 +152,7 @@ def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
         raw = flat[: (raw_n + es - 1) // es].contiguous().view(torch.uint8)[:raw_n]
         dev = flat.device
         return [torch.stack([s.to(dev, torch.float64) for s in (*stats, h1, h2)]), head.to(torch.float64),
-                raw.to(torch.float64), _windows(flat)]
+                raw.to(torch.float64), _windows_many([flat])]
 
 
 # -- the fused path (CUDA + Triton) ---------------------------------------------------
