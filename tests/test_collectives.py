@@ -107,6 +107,17 @@ def test_hang_diagnosis_tells_stuck_from_finished_and_dead():
     assert dead.dead == [1]
 
 
+def test_a_rank_that_returned_with_an_error_while_its_call_stays_open_hung():
+    """NCCL: the step returns at once, then the probe's wait for the stuck stream gives up (an
+    error, not a deadline miss). The open call in the ledger makes it a hang all the same."""
+    df = ledger_table([*both({}), call(0, 2, state=OPEN)])
+    assert not is_hang({}, df)  # still running, no error: not yet
+    assert is_hang({}, df, errored={0})
+    assert not is_hang({}, ledger_table(both({})), errored={0})  # an error with nothing open is no hang
+    hang = diagnose("s", df, {}, [0, 1])
+    assert list(hang.stuck) == [0] and hang.finished == [1]
+
+
 def test_strict_mode_mismatch_counts_as_caught():
     msg = "RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running collective: ..."
     df = ledger_table([call(0, 1, state="failed", error=msg), call(1, 1, op="broadcast", src=0, state="failed",

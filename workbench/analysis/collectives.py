@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,11 +406,14 @@ def caught_by(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> str:
     return "collective timeout"
 
 
-def is_hang(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> bool:
-    """A step hung (or would have): a rank missed its deadline or died, a collective timed out, or strict
-    mode caught a mismatch."""
+def is_hang(failures: dict[int, RankFailure], ledger: pd.DataFrame, errored: Iterable[int] = ()) -> bool:
+    """A step hung (or would have): a rank missed its deadline or died, a collective timed out, strict
+    mode caught a mismatch, or a rank in ``errored`` returned while its call stayed open (NCCL
+    returns at once; the probe's wait for the stuck stream is what gives up)."""
     if any(f.kind in ("timeout", "died") for f in failures.values()):
         return True
     if ledger is None or not len(ledger):
         return False
+    if set(errored) & {int(r) for r in ledger.loc[ledger["state"] == OPEN, "rank"]}:
+        return True
     return bool((ledger["state"] == "timed out").any() or ledger["error"].fillna("").str.contains(STRICT).any())

@@ -108,7 +108,9 @@ class Session:
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
-        if collectives.is_hang(failures, frame.ledger):
+        ev = frame.events
+        errored = {int(r) for r in ev.loc[ev["kind"] == "error", "rank"]} if len(ev) else set()
+        if collectives.is_hang(failures, frame.ledger, errored):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
             stuck = sorted(frame.hang.stuck)
