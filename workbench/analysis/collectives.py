@@ -115,6 +115,18 @@ def ledger_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df.sort_values(["session", "attempt", "rank", "group", "seq"], ignore_index=True) if len(df) else df
 
 
+def from_flight_recorder(path: str | os.PathLike, prefix: str | None = None) -> pd.DataFrame:
+    """Flight Recorder dumps of a real job (NCCL or gloo, pickle or JSON) as the ledger table.
+
+    ``path``: a directory of per-rank dumps (``<prefix><rank>``) or one dump file. The
+    result feeds ``first_divergence``, ``diagnose`` and ``wb.viz.swimlane`` unchanged.
+    Conversion details: ``workbench.analysis.flightrecorder``.
+    """
+    from workbench.analysis.flightrecorder import rows_from_flight_recorder
+
+    return ledger_table(rows_from_flight_recorder(path, prefix))
+
+
 def _join(v: Any) -> str:
     if v is None or (isinstance(v, float) and pd.isna(v)):
         return ""
