@@ -51,7 +51,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.synchronize(device)
     if rank == 0:
         dist.all_reduce(torch.ones(2, device=device), async_op=True)  # nobody joins: stays open
-    time.sleep(1.0)  # let the NCCL watchdog mark the finished calls completed
+    time.sleep(1.0 if nccl else 0.1)  # let the NCCL watchdog mark the finished calls completed
     out = Path(args.out)
     c10d = torch._C._distributed_c10d
     # torch 2.11 keeps NCCL's buffer apart (_dump_nccl_trace*); _dump_fr_trace* there holds only gloo's
@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     port = args.port or _free_port()
     t0 = time.perf_counter()
-    mp.spawn(rank_main, args=(args, port), nprocs=args.ranks)
+    # gloo on CPU can fork (the ranks start with torch imported: seconds faster); CUDA needs spawn
+    method = "spawn" if args.backend == "nccl" or sys.platform != "linux" else "fork"
+    mp.start_processes(rank_main, args=(args, port), nprocs=args.ranks, start_method=method)
     files = sorted(str(f.relative_to(args.out)) for f in Path(args.out).rglob("*") if f.is_file())
     print(f"{args.ranks} {args.backend} ranks: {len(files)} dumps in {args.out} ({time.perf_counter() - t0:.1f}s): "
           + ", ".join(files))

@@ -61,8 +61,27 @@ def mismatched_ledger() -> pd.DataFrame:
 
 
 def _fr_trace(directory: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(directory),
-                           "-p", PREFIX], capture_output=True, text=True, timeout=120)
+    """The installed ``torchfrtrace`` command, as a user would run it."""
+    exe = Path(sys.executable).parent / "torchfrtrace"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+    return subprocess.run([*cmd, str(directory), "-p", PREFIX], capture_output=True, text=True, timeout=120)
+
+
+def _torch_db(directory: Path, caplog: pytest.LogCaptureFixture | None = None):
+    """PyTorch's analyser through its Python API (what ``torchfrtrace`` runs, in-process): the database of
+    paired collectives, and with ``caplog`` also what it printed."""
+    from torch.distributed.flight_recorder.components.builder import build_db
+    from torch.distributed.flight_recorder.components.config_manager import JobConfig
+    from torch.distributed.flight_recorder.components.loader import read_dir
+
+    args = JobConfig().parse_args([str(directory), "-p", PREFIX])
+    details, version = read_dir(args)
+    if caplog is None:
+        return build_db(details, args, version)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="Flight Recorder"):
+        db = build_db(details, args, version)
+    return db, "\n".join(r.getMessage() for r in caplog.records)
 
 
 # -- export -> PyTorch's analyser -> import ------------------------------------------------
@@ -81,14 +100,8 @@ def test_export_writes_torchs_dump_format(tmp_path):
 
 
 def test_torch_analyser_reads_a_matched_export_and_pairs_every_call(tmp_path):
-    from torch.distributed.flight_recorder.components.builder import build_db
-    from torch.distributed.flight_recorder.components.config_manager import JobConfig
-    from torch.distributed.flight_recorder.components.loader import read_dir
-
     to_flight_recorder(matched_ledger(), tmp_path)
-    args = JobConfig().parse_args([str(tmp_path), "-p", PREFIX])
-    details, version = read_dir(args)
-    db = build_db(details, args, version)
+    db = _torch_db(tmp_path)
     assert len(db.collectives) == 6
     assert all(c.pass_check and not c.missing_ranks for c in db.collectives), db.collectives
     assert [c.collective_name for c in db.collectives][:3] == ["gloo:all_reduce", "gloo:broadcast", "gloo:broadcast"]
@@ -129,6 +142,26 @@ def test_round_trip_keeps_rows_ops_sizes_and_dtypes(tmp_path):
     pd.testing.assert_frame_equal(bare[cols], ledger[cols])
 
 
+def test_a_real_scenario_ledger_through_torchs_analyser(tmp_path, caplog):
+    """The headline incident's ledger from a real 2-rank gloo run (a saved bundle): bug path and fix."""
+    import workbench as wb
+
+    bug, fix = list(wb.load(ROOT / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle"))[:2]
+    assert fix.manifest["fix"] == "cast-params-only"
+    to_flight_recorder(bug.ledger, tmp_path / "bug")
+    db, out = _torch_db(tmp_path / "bug", caplog)
+    assert not db.collectives[0].pass_check
+    assert "Collective sequence number: 1 has errors" in out and "[[64]]" in out and "[[426944]]" in out
+    back = collectives.from_flight_recorder(tmp_path / "bug")
+    pd.testing.assert_frame_equal(back[KEEP], bug.ledger[KEEP])  # "timed out" survives Flight Recorder's states
+    before, after = collectives.first_divergence(bug.ledger), collectives.first_divergence(back)
+    assert (after.kind, after.seq, after.ranks, after.message) == (before.kind, 1, [0], before.message)
+
+    to_flight_recorder(fix.ledger, tmp_path / "fix")
+    db = _torch_db(tmp_path / "fix")
+    assert len(db.collectives) == len(fix.ledger) // 2 and all(c.pass_check for c in db.collectives)
+
+
 # -- real dumps -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gloo_dumps(tmp_path_factory) -> Path:
@@ -163,12 +196,10 @@ def test_import_of_real_gloo_dumps(gloo_dumps, fmt):
         assert ledger["user_frame"].str.contains("fr_dump.py").all()
 
 
-def test_real_gloo_dumps_converted_for_torchs_analyser(gloo_dumps, tmp_path):
+def test_real_gloo_dumps_converted_for_torchs_analyser(gloo_dumps, tmp_path, caplog):
     """A gloo dump torch's analyser cannot pair (empty group name) goes through import + export."""
     to_flight_recorder(collectives.from_flight_recorder(gloo_dumps / "pickle"), tmp_path)
-    run = _fr_trace(tmp_path)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    _, out = _torch_db(tmp_path, caplog)
     assert "Collective sequence number: 2 has errors" in out and "'[[8]]' does not match found input sizes: " \
         "'[[16]]'" in out
     assert "Not all ranks joining collective, sequence number: 4" in out
