@@ -224,6 +224,49 @@ def test_import_of_a_recorded_nccl_dump(fmt):
     assert len(done) == 6 and done["t_end"].notna().all()  # NCCL keeps timing; gloo does not
 
 
+def _fr_entry(record_id: int, name: str, sizes: list, seq: int = 0, p2p_seq: int = 0, dtype: str = "Float") -> dict:
+    """One entry as NCCL's Flight Recorder writes it (2 x H200 recording: fixtures/gpu/flightrecorder)."""
+    return {"record_id": record_id, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "p2p_seq_id": p2p_seq, "op_id": record_id + 1, "profiling_name": f"nccl:{name}",
+            "time_created_ns": 10**18 + record_id, "input_sizes": sizes, "input_dtypes": [dtype] * len(sizes),
+            "output_sizes": sizes, "output_dtypes": [dtype] * len(sizes), "state": "completed", "retired": True,
+            "time_discovered_started_ns": None, "time_discovered_completed_ns": 10**18 + record_id + 5,
+            "is_p2p": name.startswith(("send", "recv")), "frames": []}
+
+
+def _write_dumps(directory: Path, entries: dict[int, list[dict]]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank, es in entries.items():
+        dump = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+                "pg_status": {}, "entries": es}
+        (directory / f"{PREFIX}{rank}").write_bytes(pickle.dumps(dump))
+    return directory
+
+
+def test_send_pairs_with_recv_per_pair_of_ranks(tmp_path):
+    def job(last_recv: int) -> dict[int, list[dict]]:
+        return {0: [_fr_entry(0, "all_reduce", [[4]], seq=1), _fr_entry(1, "send 0->1", [[8]], p2p_seq=1),
+                    _fr_entry(2, "send 0->1", [[8]], p2p_seq=2)],
+                1: [_fr_entry(0, "all_reduce", [[4]], seq=1), _fr_entry(1, "recv 1<-0", [[8]], p2p_seq=1),
+                    _fr_entry(2, "recv 1<-0", [[last_recv]], p2p_seq=2)]}
+
+    ok = collectives.from_flight_recorder(_write_dumps(tmp_path / "ok", job(8)))
+    p2p = ok[ok["group"] == "0:p2p 0-1"]
+    assert list(zip(p2p["rank"], p2p["seq"], p2p["op"], p2p["src"], p2p["dst"], strict=True)) == [
+        (0, 1, "send", 0, 1), (0, 2, "send", 0, 1), (1, 1, "recv", 0, 1), (1, 2, "recv", 0, 1)]
+    assert collectives.first_divergence(ok) is None
+    div = collectives.first_divergence(collectives.from_flight_recorder(_write_dumps(tmp_path / "bad", job(16))))
+    assert (div.kind, div.group, div.seq) == ("size", "0:p2p 0-1", 2)
+
+
+def test_a_wrapped_ring_buffer_is_cut_to_the_calls_every_rank_holds(tmp_path):
+    calls = {r: [_fr_entry(i, "all_reduce", [[4]], seq=i + 1) for i in range(5)] for r in (0, 1)}
+    calls[0] = calls[0][2:]  # rank 0's buffer lost #1 and #2
+    ledger = collectives.from_flight_recorder(_write_dumps(tmp_path, calls))
+    assert sorted(ledger.loc[ledger["rank"] == 1, "seq"]) == [3, 4, 5]
+    assert collectives.first_divergence(ledger) is None
+
+
 # -- bad input ------------------------------------------------------------------------------
 def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
     (tmp / "empty").mkdir()

@@ -283,6 +283,10 @@ def cmd_frtrace(args: argparse.Namespace) -> int:
     ranks = sorted({int(r) for r in ledger["rank"]})
     backends = sorted({str(v).split(":")[0] for v in ledger["c10d_op"].dropna()})
     print(f"{args.dir}: {len(ledger)} calls from {len(ranks)} ranks ({', '.join(backends) or '?'})")
+    members = {int(r) for v in ledger["group_ranks"].dropna().unique() for r in json.loads(v)}
+    if members - set(ranks):
+        print(f"  no dump from rank(s) {sorted(members - set(ranks))}: a call they 'never issued' may only be "
+              "missing from the dumps")
     if len(ledger):
         for row in collectives.diagnose("flight recorder", ledger, {}, ranks).ranks.itertuples():
             print(f"  rank {row.rank}: {row.status}")

@@ -215,7 +215,7 @@ ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 
 def _differ(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    if a.get("op") != b.get("op"):
+    if a.get("op") != b.get("op") and {a.get("op"), b.get("op")} != {"send", "recv"}:  # a send pairs a recv
         return "op"
     if (a.get("dtypes") or "") != (b.get("dtypes") or ""):
         return "dtype"

@@ -20,7 +20,11 @@ records disagree on, measured on torch 2.13 (gloo) and 2.11 (NCCL):
   same: the dump cannot tell it from a finished one.
 - Flight Recorder numbers collectives and point-to-point calls separately
   (``collective_seq_id``, ``p2p_seq_id``) and does not record a broadcast's root; gloo does
-  not record send/recv at all. Imported p2p calls go to a group of their own (``<pg>:p2p``).
+  not record send/recv at all. Imported p2p calls go to one group per pair of ranks
+  (``<pg>:p2p 0-1``), numbered in issue order, so rank 0's n-th send to rank 1 lines up
+  with rank 1's n-th receive from rank 0.
+- A ring buffer that wrapped starts later on some ranks: each group keeps only the
+  sequence numbers every rank still holds, so the first divergence is not an artefact.
 - A coalesced group (several entries sharing one ``collective_seq_id``, closed by a
   ``coalesced`` marker) becomes one row per member with ``via="coalesced"`` and its index
   in ``bucket``; the marker itself is dropped.
@@ -110,6 +114,9 @@ def to_flight_recorder(ledger: pd.DataFrame, out_dir: str | os.PathLike, prefix:
     if ledger is None or not len(ledger):
         raise FlightRecorderError("the ledger is empty: nothing to export")
     df = ledger
+    if df["session"].nunique() > 1:
+        raise FlightRecorderError(f"the ledger holds {df['session'].nunique()} sessions; export one "
+                                  "(ledger[ledger.session == ...])")
     if df["attempt"].nunique() > 1:
         df = df[df["attempt"] == df["attempt"].max()]
     backend = backend or _backend_of(df)
@@ -340,9 +347,21 @@ def rows_from_flight_recorder(path: str | os.PathLike, prefix: str | None = None
         dump = read_dump(f)
         try:
             rows.extend(_rows(rank, dump))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise FlightRecorderError(f"{f}: a malformed Flight Recorder entry ({type(exc).__name__}: {exc})") from None
-    return rows
+    return common_window(rows)
+
+
+def common_window(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per collective group, drop the calls some rank's ring buffer no longer holds (sequence numbers
+    below the latest first one): positional pairing would otherwise report a divergence that is not."""
+    first: dict[str, dict[int, int]] = {}
+    for r in rows:
+        if ":p2p " not in r["group"]:
+            ranks = first.setdefault(r["group"], {})
+            ranks[r["rank"]] = min(ranks.get(r["rank"], r["seq"]), r["seq"])
+    start = {g: max(v.values()) for g, v in first.items()}
+    return [r for r in rows if r["seq"] >= start.get(r["group"], 0)]
 
 
 def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
@@ -356,6 +375,7 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
             key = (_pg_name(e), e.get("collective_seq_id"))
             members[key] = members.get(key, 0) + 1
     rows, index = [], {}
+    pairs: dict[str, int] = {}
     for e in entries:
         backend, _, title = str(e["profiling_name"]).partition(":")
         words = title.split(" ")
@@ -372,6 +392,15 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
         elif op == "recv" and len(words) > 1 and "<-" in words[1]:
             dst, src = (int(x) for x in words[1].split("<-"))
         seq = int(e["p2p_seq_id"] if is_p2p else e["collective_seq_id"])
+        ranks = _ranks(config, group, e)
+        key_group = group
+        if is_p2p:
+            local = dst if op == "send" else src
+            peer = ranks[local] if ranks and local is not None and 0 <= local < len(ranks) else local
+            lo, hi = sorted((rank, rank if peer is None else int(peer)))
+            key_group = f"{group}:p2p {lo}-{hi}"
+            pairs[key_group] = pairs.get(key_group, 0) + 1
+            seq, ranks = pairs[key_group], [lo, hi]
         sizes = [list(s) for s in (e.get("input_sizes") or [])]
         dtypes = [TORCH_DTYPES.get(d, str(d).lower()) for d in (e.get("input_dtypes") or [])]
         numel = sum(math.prod(s) for s in sizes)
@@ -386,9 +415,8 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
         t0 = _seconds(e.get("time_created_ns"))
         done = _finished(e, status, seq, is_p2p)
         extra = e.get("workbench") if isinstance(e.get("workbench"), dict) else {}
-        ranks = _ranks(config, group, e)
         row = {
-            "rank": rank, "session": "", "attempt": 0, "step": "", "group": group + (":p2p" if is_p2p else ""),
+            "rank": rank, "session": "", "attempt": 0, "step": "", "group": key_group,
             "group_ranks": ranks, "seq": seq, "op": op, "dtypes": sorted(set(dtypes)), "shapes": sizes,
             "numel": numel, "bytes": nbytes, "src": src, "dst": dst, "via": via, "bucket": bucket,
             "bucket_tensors": None, "state": "completed" if done else "started", "error": None,
