@@ -259,6 +259,17 @@ def test_send_pairs_with_recv_per_pair_of_ranks(tmp_path):
     assert (div.kind, div.group, div.seq) == ("size", "0:p2p 0-1", 2)
 
 
+def test_a_coalesced_group_is_its_calls_without_the_marker(tmp_path):
+    calls = {r: [_fr_entry(0, "_all_gather_base", [[64]], seq=1), _fr_entry(1, "_all_gather_base", [[32]], seq=1),
+                 _fr_entry(2, "coalesced", [], seq=1), _fr_entry(3, "all_reduce", [[4]], seq=2)] for r in (0, 1)}
+    ledger = collectives.from_flight_recorder(_write_dumps(tmp_path, calls))
+    mine = ledger[ledger["rank"] == 0]
+    assert list(zip(mine["seq"], mine["op"], mine["via"].fillna("-"), mine["bucket"].fillna(-1), strict=True)) == [
+        (1, "all_gather_into_tensor", "coalesced", 0), (1, "all_gather_into_tensor", "coalesced", 1),
+        (2, "all_reduce", "-", -1)]
+    assert collectives.first_divergence(ledger) is None
+
+
 def test_a_wrapped_ring_buffer_is_cut_to_the_calls_every_rank_holds(tmp_path):
     calls = {r: [_fr_entry(i, "all_reduce", [[4]], seq=i + 1) for i in range(5)] for r in (0, 1)}
     calls[0] = calls[0][2:]  # rank 0's buffer lost #1 and #2

@@ -368,21 +368,19 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
     config = dump.get("pg_config") or {}
     status = dump.get("pg_status") or {}
     entries = sorted(dump["entries"], key=lambda e: e.get("record_id", 0))
-    # a coalesced group: several entries with one collective_seq_id on one group, closed by a marker
-    members: dict[tuple[str, int], int] = {}
+    # a coalesced group: several entries with one sequence number on one group, closed by a marker
+    members: dict[tuple, int] = {}
     for e in entries:
-        if not e.get("is_p2p"):
-            key = (_pg_name(e), e.get("collective_seq_id"))
-            members[key] = members.get(key, 0) + 1
+        if not _marker(_title(e)[1].split(" ")[0]):
+            members[_coalesce_key(e)] = members.get(_coalesce_key(e), 0) + 1
     rows, index = [], {}
     pairs: dict[str, int] = {}
     for e in entries:
-        backend, _, title = str(e["profiling_name"]).partition(":")
+        backend, title = _title(e)
         words = title.split(" ")
         name = words[0]
-        if name == "coalesced" or (name.endswith("_coalesced") and not e.get("input_sizes")
-                                   and name not in LEDGER_OPS):
-            continue  # the marker closing a coalesced group, not a call of its own
+        if _marker(name) and members.get(_coalesce_key(e), 0):
+            continue  # the marker closing a coalesced group whose calls are recorded one by one
         op = LEDGER_OPS.get(name, name)
         group = _pg_name(e)
         is_p2p = bool(e.get("is_p2p")) or op in P2P
@@ -407,8 +405,8 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
         per = dtypes if len(dtypes) == len(sizes) else (dtypes[:1] * len(sizes))
         nbytes = sum(math.prod(s) * ITEMSIZE.get(d, 0) for s, d in zip(sizes, per, strict=False)) if per else None
         via = bucket = None
-        key = (group, e.get("collective_seq_id"))
-        if not is_p2p and members.get(key, 0) > 1:
+        key = _coalesce_key(e)
+        if members.get(key, 0) > 1:
             via, bucket = "coalesced", index.get(key, 0)
             index[key] = bucket + 1
         caller, user = _frames_in(e.get("frames") or [])
@@ -427,6 +425,22 @@ def _rows(rank: int, dump: dict[str, Any]) -> list[dict[str, Any]]:
         row.update({k: v for k, v in extra.items() if k in EXTRAS})
         rows.append(row)
     return rows
+
+
+def _title(e: dict[str, Any]) -> tuple[str, str]:
+    """("nccl", "send 0->1") from the entry's profiling name."""
+    backend, _, title = str(e["profiling_name"]).partition(":")
+    return (backend, title) if title else ("", backend)
+
+
+def _marker(name: str) -> bool:
+    """NCCL closes a coalesced group with "coalesced" or "<OPTYPE>_coalesced" (ALLGATHER_coalesced ...)."""
+    return name == "coalesced" or (name.endswith("_coalesced") and name.split("_")[0].isupper())
+
+
+def _coalesce_key(e: dict[str, Any]) -> tuple:
+    p2p = bool(e.get("is_p2p"))
+    return (_pg_name(e), p2p, e.get("p2p_seq_id") if p2p else e.get("collective_seq_id"))
 
 
 def _pg_name(e: dict[str, Any]) -> str:
