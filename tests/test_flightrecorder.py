@@ -125,7 +125,7 @@ def test_torch_analyser_reports_the_mismatch_of_an_export_and_the_import_gives_i
 
 def test_round_trip_keeps_rows_ops_sizes_and_dtypes(tmp_path):
     ledger = matched_ledger()
-    to_flight_recorder(ledger, tmp_path / "fr", backend="nccl")
+    collectives.to_flight_recorder(ledger, tmp_path / "fr", backend="nccl")  # the wb.collectives spelling
     back = collectives.from_flight_recorder(tmp_path / "fr")
     cols = [*KEEP, "group_ranks", "src"]
     pd.testing.assert_frame_equal(back[cols], ledger[cols])

@@ -276,6 +276,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_frtrace(args: argparse.Namespace) -> int:
     """Read a job's Flight Recorder dumps as a ledger: who is where, and the first divergence."""
+    import json
+
     from workbench.analysis import collectives
 
     check_output(args.html, "--html")

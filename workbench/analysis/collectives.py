@@ -127,6 +127,14 @@ def from_flight_recorder(path: str | os.PathLike, prefix: str | None = None) -> 
     return ledger_table(rows_from_flight_recorder(path, prefix))
 
 
+def to_flight_recorder(ledger: pd.DataFrame, out_dir: str | os.PathLike, prefix: str = "nccl_trace_rank_",
+                       backend: str | None = None) -> list:
+    """The ledger as one Flight Recorder dump per rank, for ``torchfrtrace OUT_DIR`` (see ``flightrecorder``)."""
+    from workbench.analysis import flightrecorder
+
+    return flightrecorder.to_flight_recorder(ledger, out_dir, prefix, backend)
+
+
 def _join(v: Any) -> str:
     if v is None or (isinstance(v, float) and pd.isna(v)):
         return ""
