@@ -1,4 +1,4 @@
-"""``workbench list | run | report | rerun | up | down | status | lab``: the catalogue headless, warm
+"""``workbench list | run | report | rerun | up | down | status | frtrace | lab``: the catalogue headless, warm
 ranks, one clear line on bad input."""
 
 from __future__ import annotations
@@ -274,6 +274,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_frtrace(args: argparse.Namespace) -> int:
+    """Read a job's Flight Recorder dumps as a ledger: who is where, and the first divergence."""
+    import json
+
+    from workbench.analysis import collectives
+
+    check_output(args.html, "--html")
+    ledger = collectives.from_flight_recorder(args.dir, args.prefix)
+    ranks = sorted({int(r) for r in ledger["rank"]})
+    backends = sorted({str(v).split(":")[0] for v in ledger["c10d_op"].dropna()})
+    print(f"{args.dir}: {len(ledger)} calls from {len(ranks)} ranks ({', '.join(backends) or '?'})")
+    members = {int(r) for v in ledger["group_ranks"].dropna().unique() for r in json.loads(v)}
+    if members - set(ranks):
+        print(f"  no dump from rank(s) {sorted(members - set(ranks))}: a call they 'never issued' may only be "
+              "missing from the dumps")
+    if len(ledger):
+        for row in collectives.diagnose("flight recorder", ledger, {}, ranks).ranks.itertuples():
+            print(f"  rank {row.rank}: {row.status}")
+    div = collectives.first_divergence(ledger)
+    print(f"first divergence: {div.message}" if div else "no divergence: every rank's calls pair up")
+    if args.html:
+        from workbench.viz.collectives import swimlane
+
+        swimlane(ledger, title=f"Flight Recorder: {args.dir}").write_html(args.html)
+        print(f"html: {args.html}")
+    return 1 if div else 0
+
+
 def _add_cluster_args(p: argparse.ArgumentParser, flag: str) -> None:
     help_ = "profile name or directory of a running cluster (see `workbench up`)"
     p.add_argument(flag, default=None if flag == "--cluster" else "default", metavar="P", help=help_)
@@ -326,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="recorded clusters: ranks, backend, age")
     st.add_argument("--profile", default=None, metavar="P", help="one profile (default: every profile)")
     st.set_defaults(fn=cmd_status)
+    fr = sub.add_parser("frtrace", help="read a job's Flight Recorder dumps: where each rank is, the first divergence")
+    fr.add_argument("dir", help="directory of per-rank dumps (<prefix><rank>, pickle or JSON) or one dump file")
+    fr.add_argument("--prefix", default=None, metavar="P", help="dump file name before the rank (default: inferred)")
+    fr.add_argument("--html", default=None, metavar="OUT", help="also write the swimlane figure as HTML")
+    fr.set_defaults(fn=cmd_frtrace)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
     return p
 

@@ -116,6 +116,26 @@ def ledger_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df.sort_values(["session", "attempt", "rank", "group", "seq"], ignore_index=True) if len(df) else df
 
 
+def from_flight_recorder(path: str | os.PathLike, prefix: str | None = None) -> pd.DataFrame:
+    """Flight Recorder dumps of a real job (NCCL or gloo, pickle or JSON) as the ledger table.
+
+    ``path``: a directory of per-rank dumps (``<prefix><rank>``) or one dump file. The
+    result feeds ``first_divergence``, ``diagnose`` and ``wb.viz.swimlane`` unchanged.
+    Conversion details: ``workbench.analysis.flightrecorder``.
+    """
+    from workbench.analysis.flightrecorder import rows_from_flight_recorder
+
+    return ledger_table(rows_from_flight_recorder(path, prefix))
+
+
+def to_flight_recorder(ledger: pd.DataFrame, out_dir: str | os.PathLike, prefix: str = "nccl_trace_rank_",
+                       backend: str | None = None) -> list:
+    """The ledger as one Flight Recorder dump per rank, for ``torchfrtrace OUT_DIR`` (see ``flightrecorder``)."""
+    from workbench.analysis import flightrecorder
+
+    return flightrecorder.to_flight_recorder(ledger, out_dir, prefix, backend)
+
+
 def _join(v: Any) -> str:
     if v is None or (isinstance(v, float) and pd.isna(v)):
         return ""
@@ -205,7 +225,7 @@ ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 def mismatch_kind(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """Why two ranks' calls at the same position cannot pair (op, dtype, size, root), or None."""
-    if a.get("op") != b.get("op"):
+    if a.get("op") != b.get("op") and {a.get("op"), b.get("op")} != {"send", "recv"}:  # a send pairs a recv
         return "op"
     if (a.get("dtypes") or "") != (b.get("dtypes") or ""):
         return "dtype"
