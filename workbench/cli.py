@@ -67,7 +67,7 @@ def status_summary(tensors: Any) -> Any:
     import pandas as pd
 
     from workbench.analysis.findings import status
-    from workbench.viz.tensors import shorten
+    from workbench.analysis.frames import shorten
 
     st = status(tensors)
     st = st[~st["status"].isin(["ok", "meta", "sharded"])]

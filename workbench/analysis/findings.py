@@ -184,7 +184,7 @@ def _informative(b: bytes) -> bool:
 
 def _byte_windows(row: object) -> list[tuple[int, bytes]]:
     """(byte offset, bytes) the probe kept of one tensor: its first bytes, then the fixed-offset windows."""
-    from workbench.rank.probe import WINDOW, WINDOW_OFFSETS
+    from workbench.rank.columns import WINDOW, WINDOW_OFFSETS
 
     out = [(0, bytes.fromhex(getattr(row, "raw", None) or ""))]
     win = getattr(row, "windows", None)

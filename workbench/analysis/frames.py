@@ -11,8 +11,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.errors import RankFailure
-from workbench.rank.probe import COLUMNS
-from workbench.rank.trace import TRACE_COLUMNS
+from workbench.rank.columns import COLUMNS, TRACE_COLUMNS
 
 EVENT_COLUMNS = ["rank", "kind", "error", "message", "traceback"]
 OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
@@ -168,3 +167,25 @@ def last_step(df: pd.DataFrame) -> pd.DataFrame:
 
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:
     return [{k: jsonable(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+
+def short(name: str) -> str:
+    """Tensor names without the wrapper prefixes every row shares."""
+    for prefix in ("model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def shorten(names: list[str]) -> dict[str, str]:
+    """Full name -> label (a figure's axis, the CLI's summary): the dotted prefix every name shares is
+    dropped (a figure keeps the full name in its hover text), so
+    ``model.model.layers.0.mlp.up_proj.weight`` reads ``layers.0.mlp.up_proj.weight``."""
+    parts = [str(n).split(".") for n in names]
+    k = 0
+    if len(parts) > 1:
+        while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
+            k += 1
+    else:
+        return {n: short(n) for n in names}
+    return {n: ".".join(p[k:]) for n, p in zip(names, parts)}

@@ -49,6 +49,8 @@ def resolve_backend(backend: str, ranks: int) -> str:
         raise ClusterError(f"ranks must be >= 1, got {ranks}")
     if backend not in ("auto", "gloo", "nccl"):
         raise ClusterError(f"unknown backend {backend!r}; valid: auto, gloo, nccl")
+    if backend == "gloo":
+        return backend  # no GPU count needed: a client asking for gloo (or attaching) never imports torch
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -141,6 +141,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     from IPython.core.profiledir import ProfileDir
 
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
+    from workbench.rank.byname import RankFn
     from workbench.rank.host import order, pick_backend, whoami
 
     if ranks < 1:
@@ -165,6 +166,9 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         view.use_cloudpickle()
         infos = dict(zip(view.targets, view.apply_sync(whoami)))
         view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
+        # ... nor FSDP's and transformers' (seconds more): queued on the engines, not awaited, so `up` returns
+        # now; a run that attaches meanwhile waits behind it on the engines.
+        leave_queued(client, view.apply_async(RankFn("workbench.rank.remote", "warm")), view.targets)
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
     except BaseException as exc:
@@ -180,6 +184,20 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     with open(sidecar(pdir, cluster_id), "w") as f:
         json.dump(doc, f)
     return doc
+
+
+def leave_queued(client: Any, ar: Any, targets: list[int], wait: float = 5.0) -> bool:
+    """Return once the controller holds ``ar``'s task in every target's queue (or it ran): then the
+    engines run it after this client has gone. Sent alone is not enough: a client that closes right
+    after sending loses the message (measured). False when the controller did not confirm in ``wait`` s."""
+    ar.wait_for_send(wait)
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        q = client.queue_status(targets=targets)
+        if ar.ready() or all(q[e]["queue"] > 0 for e in targets):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def down(profile: str | None = None, cluster_id: str = "") -> int:

@@ -24,11 +24,15 @@ from workbench.analysis.frames import Frame, last_step
 from workbench.errors import RankFailure, UnknownName, WorkbenchError
 from workbench.postmortem import bundle
 from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
-from workbench.rank import remote
+from workbench.rank.byname import RankFn
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
     from workbench.live.engines import Engines
+
+# The rank-side entry points (workbench.rank.remote), by name: the client never imports torch to call them.
+START_SESSION, RUN_STEP, END_SESSION = (RankFn("workbench.rank.remote", n) for n in
+                                        ("start_session", "run_step", "end_session"))
 
 
 class Session:
@@ -75,7 +79,7 @@ class Session:
             cluster.form_group()  # a failed collective leaves the group unusable: form a fresh one
         if not os.path.isdir(self.ledger_dir):  # closed (or reset) earlier: a fresh dir, the rows read stay
             self.ledger_dir = self._ledger_reader.source = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")
-        cluster.run(remote.start_session, self.id, self.fix, self.params, self.poison,
+        cluster.run(START_SESSION, self.id, self.fix, self.params, self.poison,
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
         self.started_at = self.updated_at = time.time()
         self._begun = True
@@ -103,7 +107,7 @@ class Session:
             detect = self.cluster.detect_deadlocks
             if detect if detect is not None else self.cluster.backend == "nccl":
                 watch = deadlock.Watch(lambda: self._ledger(step=name), list(range(self.cluster.world_size)))
-            outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline,
+            outcome = self.cluster.call(RUN_STEP, self.id, fn, self.scenario.probe, timeout=deadline,
                                         watch=watch, step=name)
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
@@ -154,7 +158,7 @@ class Session:
         session's temp dirs; the frames and the ledger rows read so far stay here."""
         if self._begun and self.cluster.alive and not self.cluster.needs_recovery \
                 and self._generation == self.cluster.generation:
-            self.cluster.call(remote.end_session, self.id)
+            self.cluster.call(END_SESSION, self.id)
         self._begun = False
         self._ledger_reader.poll()  # the rows first: a bundle saved later still holds them
         shutil.rmtree(self.ledger_dir, ignore_errors=True)
@@ -210,7 +214,7 @@ class Session:
         self._begun = False
         self._begin()
         for name, fn in self.scenario.steps[:upto]:
-            out = self.cluster.call(remote.run_step, self.id, fn, [], step=name, timeout=self.cluster.deadline)
+            out = self.cluster.call(RUN_STEP, self.id, fn, [], step=name, timeout=self.cluster.deadline)
             errors = [f.line() for f in out.failures.values()]
             errors += [f"rank {r} error: {v['error']['error']}: {v['error']['message'][:300]}"
                        for r, v in sorted(out.values.items()) if v["error"]]

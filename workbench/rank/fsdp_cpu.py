@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch.distributed.fsdp._init_utils as _init_utils
-
 _CHECK = "_check_module_states_for_sync_module_states"
 
 
@@ -22,6 +20,8 @@ def allow_cpu_sync_module_states(device_type: str) -> Iterator[None]:
     if device_type != "cpu":
         yield
         return
+    import torch.distributed.fsdp._init_utils as _init_utils  # here, not at import: scenario declarations import this
+
     original = getattr(_init_utils, _CHECK)
     setattr(_init_utils, _CHECK, lambda module_states: None)
     try:

@@ -2,14 +2,17 @@
 
 Every rank can rebuild the same checkpoint from a seed, so a rank needs no shared disk to
 hold the reference, and ``from_pretrained`` runs the loader code path the incident took.
+torch and transformers are imported inside the functions: scenario declarations read
+``QWEN3_SHAPE`` on the client, which never builds a model.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 QWEN3_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
@@ -38,6 +41,7 @@ def save_checkpoint(config, directory: str, seed: int = 0) -> str:
     Written by hand: ``save_pretrained`` silently writes nothing on ranks other than 0
     once a process group exists, and every rank here keeps its own copy.
     """
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -60,6 +64,7 @@ def load_pretrained(directory: str, dtype: torch.dtype, device: torch.device):
 
 
 def build_on_meta(config):
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -67,5 +72,7 @@ def build_on_meta(config):
 
 
 def token_batch(vocab_size: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, (1, seq_len), generator=g).to(device)

@@ -27,23 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank.columns import COLUMNS, WINDOW, WINDOW_OFFSETS  # noqa: F401  (re-exported: the row vocabulary)
 from workbench.rank.fingerprint import _M32, _fingerprint_lanes
 from workbench.rank.poison import POISON_BITS, poison_count
 
 HEAD = 8
 RAW_SMALL = 256  # bytes kept whole for tensors up to this size
 RAW_LARGE = 64  # bytes kept from the start of larger tensors
-# Bytes kept at fixed offsets further in (``windows``: the windows that fit, concatenated): a transfer whose
-# stream slid by some bytes (NCCL pairing a 256 B bucket with a larger one slides rank 1's tensors by 128 B)
-# shows as one rank's window equal to another rank's bytes at another offset. The offsets' differences
-# (with the first RAW_LARGE bytes) cover slides of 128-176, 256-304, 384, 512 B and more; 128 bytes a tensor.
-WINDOW_OFFSETS = (128, 256, 512, 4096)
-WINDOW = 32
-
-COLUMNS = [
-    "rank", "name", "kind", "dtype", "device", "is_meta", "shape", "numel",
-    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw", "windows",
-]
 _NO_DATA = {"nan": None, "inf": None, "poisoned": None, "min": None, "max": None, "mean": None, "head": []}
 
 

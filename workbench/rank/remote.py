@@ -11,6 +11,7 @@ stop the steps after it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import shutil
 import time
 import traceback
@@ -108,3 +109,25 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
         row["written"] = None if t is None else poison.written_state(t)
         row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
+
+
+# What the catalogue's first steps import on a rank beyond the rank layer: FSDP, the transformers
+# auto classes and the two model families the scenarios build (Qwen3, DeepseekV3). Seconds per engine.
+WARM_MODULES = (
+    "torch.distributed.fsdp",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+)
+
+
+def warm(modules: tuple[str, ...] = WARM_MODULES) -> dict[str, str]:
+    """Import ``modules`` now (``workbench up`` calls this), so the first attached run does not pay for
+    them in its first step. Best effort: a module that fails to import is named, never raised."""
+    failed = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an older transformers without a model family: that scenario says so itself
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    return failed

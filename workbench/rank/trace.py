@@ -21,13 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank.columns import TRACE_COLUMNS  # noqa: F401  (re-exported: the row vocabulary)
 from workbench.rank.fingerprint import _fingerprint
 from workbench.rank.probe import _local
 
-TRACE_COLUMNS = [
-    "rank", "run", "call", "module", "type", "dtype", "shape", "numel",
-    "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint",
-]
 _ATTR = "_trace_rows"
 # Prefixes wrappers put in front of the wrapped module's own names.
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})

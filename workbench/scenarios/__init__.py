@@ -1,7 +1,9 @@
 """The incident catalogue: scenario id -> module holding a ``SCENARIO``.
 
 Modules load on first use, so ``workbench list`` stays cheap and a broken scenario file
-cannot stop the others from loading.
+cannot stop the others from loading. A catalogue module's top level is only its declaration
+(names, fixes, parameters): torch and the rank helpers are imported inside the steps, which run
+on the ranks, so the client resolves a scenario without importing torch.
 """
 
 from __future__ import annotations

@@ -20,11 +20,16 @@ loss.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from workbench.rank.models import QWEN3_SHAPE, qwen3_config
 from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 SCENARIO = Scenario(
     name="eval-loop-uneven-batches",
@@ -45,6 +50,7 @@ HAS_DATA_MIN = SCENARIO.fix(
 @SCENARIO.step
 def build(ctx) -> None:
     """The same seeded tiny Qwen3 on every rank (fp32, CPU or this rank's GPU)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(ctx.params["seed"])
@@ -86,6 +92,9 @@ def load_data(ctx) -> None:
 @SCENARIO.step
 def evaluate(ctx) -> None:
     """Mean loss over this rank's batches, then all-reduce (loss sum, token count)."""
+    import torch
+    import torch.distributed as dist
+
     loss_sum = torch.zeros((), device=ctx.device)
     tokens = torch.zeros((), device=ctx.device)
     seen = 0
@@ -106,6 +115,9 @@ def evaluate(ctx) -> None:
 
 def batches_in_lockstep(ctx):
     """Yield batches while every rank still has one: a MIN all-reduce of a has-data flag."""
+    import torch
+    import torch.distributed as dist
+
     it = iter(ctx.batches)
     while True:
         batch = next(it, None)
@@ -119,6 +131,8 @@ def batches_in_lockstep(ctx):
 def packed_batches(samples: int, min_len: int, max_len: int, seq_len: int, batch_size: int, vocab: int,
                    seed: int) -> list[torch.Tensor]:
     """Variable-length samples concatenated and cut into ``seq_len`` chunks; the last partial is dropped."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (samples,), generator=g)
     stream = torch.randint(1, vocab, (int(lengths.sum()),), generator=g)

@@ -27,8 +27,7 @@ elements), finite logits ~1.5 off the single-GPU reference.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from workbench.rank.fsdp_cpu import allow_cpu_sync_module_states
 from workbench.rank.models import (
@@ -39,8 +38,13 @@ from workbench.rank.models import (
     save_checkpoint,
     token_batch,
 )
-from workbench.rank.trace import trace_forward
 from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 SCENARIO = Scenario(
     name="fsdp1-rotary-meta-init",
@@ -72,6 +76,8 @@ RECOMPUTE_AFTER_WRAP = SCENARIO.fix(
 @SCENARIO.step
 def load(ctx) -> None:
     """Rank 0: from_pretrained(dtype=bf16). Other ranks: the same config built on meta."""
+    import torch
+
     config = qwen3_config(**ctx.params)
     ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
     if ctx.rank == 0:
@@ -85,6 +91,8 @@ def load(ctx) -> None:
 @SCENARIO.step
 def cast(ctx) -> None:
     """Meta ranks cast to bf16: the whole module (bug) or only what from_pretrained casts."""
+    import torch
+
     if ctx.rank == 0:
         return
     if ctx.fix == CAST_PARAMS_ONLY:
@@ -121,6 +129,10 @@ def wrap_fsdp1(ctx) -> None:
 @SCENARIO.step
 def forward(ctx) -> None:
     """One forward on every rank, against a reference loaded from the same checkpoint."""
+    import torch
+
+    from workbench.rank.trace import trace_forward
+
     ids = token_batch(ctx.params["vocab_size"], ctx.params["seq_len"], ctx.params["seed"], ctx.device)
     net = getattr(ctx, "wrapped", None)
     if net is None:

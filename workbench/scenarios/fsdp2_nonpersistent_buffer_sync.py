@@ -23,14 +23,17 @@ on meta. Two ways the incident goes wrong, one parameter:
 from __future__ import annotations
 
 import os
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from workbench.rank.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
-from workbench.rank.trace import trace_forward
 from workbench.scenario import Scenario
 from workbench.scenarios.fsdp1_rotary_meta_init import recompute_rope
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 VARIANTS = ("never-synced", "rank0-garbage")
 
@@ -63,6 +66,8 @@ def meta_rank(ctx) -> bool:
 @SCENARIO.step
 def load(ctx) -> None:
     """Rank 0 from_pretrained(dtype=bf16) (never-synced only); meta ranks from_config on meta."""
+    import torch
+
     if ctx.params["variant"] not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {ctx.params['variant']!r}")
     config = qwen3_config(**ctx.params)
@@ -102,6 +107,7 @@ def materialize(ctx) -> None:
 @SCENARIO.step
 def load_state_dict(ctx) -> None:
     """set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True): params + persistent buffers."""
+    import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full_sd: dict[str, torch.Tensor] = {}
@@ -133,6 +139,10 @@ def sync_buffers(ctx) -> None:
 @SCENARIO.step
 def forward(ctx) -> None:
     """One traced forward on every rank, next to a reference loaded from the same checkpoint."""
+    import torch
+
+    from workbench.rank.trace import trace_forward
+
     ids = token_batch(ctx.params["vocab_size"], ctx.params["seq_len"], ctx.params["seed"], ctx.device)
     reference = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)
     with torch.no_grad():
@@ -149,6 +159,9 @@ def sync_non_persistent_buffers(model: torch.nn.Module, device: torch.device) ->
 
     Rank 0 sends whatever it holds; nothing checks that it was ever initialised.
     """
+    import torch
+    import torch.distributed as dist
+
     count = 0
     for module in model.modules():
         for key in sorted(module._non_persistent_buffers_set):

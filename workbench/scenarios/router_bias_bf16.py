@@ -25,16 +25,18 @@ requests per bucket, each with its own metadata.
 
 from __future__ import annotations
 
-from workbench.rank.weightsync import model as wm
-from workbench.rank.weightsync import pack as wp
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
 from workbench.scenario import Scenario
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 SCENARIO = Scenario(
     name="router-bias-bf16",
     title="Weight sync casts the fp32 MoE router bias to bf16: per-expert offsets collapse, routing changes",
     doc=__doc__,
-    params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
+    params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "router_scale": 0.01},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
@@ -49,6 +51,8 @@ KEEP_FP32 = SCENARIO.fix(
 @SCENARIO.step
 def build(ctx) -> None:
     """Trainer shard (router bias fp32: offset ~41, per-expert std 7e-4), the worker's stale copy."""
+    from workbench.rank.weightsync import model as wm
+
     colocated.build(ctx)
     for name, b in wm.router_biases(ctx._trainer_model):
         ctx.note(f"trainer {name}: {wm.distinct_values(b)} distinct values, mean {float(b.mean()):.4f}, "
@@ -58,6 +62,8 @@ def build(ctx) -> None:
 @SCENARIO.step
 def pack(ctx) -> None:
     """Export and cast for the sync: everything to bf16 (the fix: the router bias keeps fp32, packed apart)."""
+    from workbench.rank.weightsync import pack as wp
+
     colocated.pack(ctx, wp.ROUTING_SUFFIXES if ctx.fix == KEEP_FP32 else ())
 
 
@@ -70,6 +76,8 @@ def share(ctx) -> None:
 @SCENARIO.step
 def load(ctx) -> None:
     """The worker loads by name; a bf16 bias lands in its fp32 buffer with the bf16 values."""
+    from workbench.rank.weightsync import model as wm
+
     colocated.load(ctx)
     for name, b in wm.router_biases(ctx._inference):
         ctx.note(f"worker {ctx.worker} {name}: {wm.distinct_values(b)} distinct values after the sync")

@@ -30,11 +30,7 @@ bias values without any error (the silent outcome the incident saw on NCCL).
 
 from __future__ import annotations
 
-import torch
-
-from workbench.rank.weightsync import broadcast as bc
-from workbench.rank.weightsync import conversion as cv
-from workbench.rank.weightsync.pack import dtype_of
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, TOY_SHAPE
 from workbench.scenario import Scenario
 from workbench.scenarios.weight_sync_order_desync import (
     build_roles,
@@ -45,11 +41,14 @@ from workbench.scenarios.weight_sync_order_desync import (
     stream,
 )
 
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
+
 SCENARIO = Scenario(
     name="stale-conversion-cache",
     title="Weight sync: reused conversion tasks keep a stale pipeline-broadcast spec (bias bf16 -> fp32)",
     doc=__doc__,
-    params={**cv.TOY_SHAPE, "seed": 0, "bucket_bytes": cv.DEFAULT_BUCKET_BYTES, "threshold_bytes": bc.DEFAULT_THRESHOLD,
+    params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
             "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32"},
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
@@ -63,6 +62,9 @@ REBUILD = SCENARIO.fix(
 
 def sync(ctx, n: int) -> None:
     """Metadata walk, stream walk and delivery, as one sync; notes what the mapping caches hold."""
+    from workbench.rank.weightsync import broadcast as bc
+    from workbench.rank.weightsync import conversion as cv
+
     forget_expectations(ctx)
     ex = ctx.extractor
     before = ex.task_builds
@@ -82,6 +84,8 @@ def sync(ctx, n: int) -> None:
 @SCENARIO.step
 def build(ctx) -> None:
     """Trainer replica (bf16, the router bias bf16 as after the mixed-precision wrapper); the worker's copy."""
+    from workbench.rank.weightsync.pack import dtype_of
+
     build_roles(ctx, bias_dtype=dtype_of(ctx.params["bias_dtype_sync1"]))
     ctx.extractor = extractor(ctx, "one-plan", reuse_tasks=ctx.fix != REBUILD)
 
@@ -103,6 +107,11 @@ def train_step(ctx) -> None:
 
     (``bias_dtype_sync2`` picks the bias dtype after the step; every replica follows it,
     only the owner's copy is exported.)"""
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+    from workbench.rank.weightsync.pack import dtype_of
+
     forget_expectations(ctx)
     g = torch.Generator().manual_seed(ctx.params["seed"] + 1000)
     biases = {id(b) for _, b in cv.router_biases(ctx.trainer)}

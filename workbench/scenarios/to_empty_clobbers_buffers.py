@@ -21,14 +21,16 @@ meta, through ``Module._apply`` with an ``is_meta`` guard, leaving real buffers 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from workbench.rank.poison import poison_
-from workbench.rank.trace import trace_forward
 from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch and the rank helpers (the toy MoE model included) are imported inside the steps, which run on
+# the ranks: the client imports this module only for its declaration (tests/test_client_imports.py).
 
 SCENARIO = Scenario(
     name="to-empty-clobbers-buffers",
@@ -45,48 +47,13 @@ META_ONLY = SCENARIO.fix(
 )
 
 
-class Router(nn.Module):
-    """Sigmoid top-k router with a load-balancing bias used for expert selection only."""
-
-    def __init__(self, hidden: int, experts: int, top_k: int, bias_device: torch.device):
-        super().__init__()
-        self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(experts, hidden))
-        # As in Megatron: an explicit device, so the buffer is real even under a meta context.
-        self.register_buffer("expert_bias", torch.zeros(experts, device=bias_device))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)  # parameters only: the bias is not touched
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(x @ self.weight.t())
-        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
-        gates = scores.gather(-1, chosen)
-        return chosen, gates / gates.sum(-1, keepdim=True)
-
-
-class TinyMoE(nn.Module):
-    def __init__(self, vocab: int, hidden: int, experts: int, top_k: int, bias_device: torch.device):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.router = Router(hidden, experts, top_k, bias_device)
-        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.embed(ids)
-        chosen, gates = self.router(x)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            tok, slot = (chosen == e).nonzero(as_tuple=True)
-            if tok.numel():
-                out.index_add_(0, tok, gates[tok, slot, None] * expert(x[tok]))
-        return out, chosen
-
-
 @SCENARIO.step
 def build(ctx) -> None:
     """Build on meta; the router's expert_bias is created on the rank's device (zeros)."""
+    import torch
+
+    from workbench.rank.toy_moe import TinyMoE
+
     p = ctx.params
     with torch.device("meta"):
         ctx.model = TinyMoE(p["vocab_size"], p["hidden"], p["experts"], p["top_k"], ctx.device)
@@ -96,6 +63,8 @@ def build(ctx) -> None:
 @SCENARIO.step
 def materialize(ctx) -> None:
     """Per module: to_empty(recurse=False) then reset_parameters (the fix: meta tensors only)."""
+    import torch
+
     torch.manual_seed(ctx.params["seed"])  # same weights on every rank, as a seeded init gives
     for module in ctx.model.modules():
         if ctx.fix == META_ONLY:
@@ -110,6 +79,11 @@ def materialize(ctx) -> None:
 @SCENARIO.step
 def route(ctx) -> None:
     """Route one batch (the same on every rank), traced, next to a reference with the zero bias."""
+    import torch
+    import torch.distributed as dist
+
+    from workbench.rank.trace import trace_forward
+
     p = ctx.params
     g = torch.Generator().manual_seed(p["seed"])
     ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
@@ -136,6 +110,10 @@ def materialize_meta_only(module: nn.Module, device: torch.device, poison: bool 
     ``poison`` fills the fresh memory like the workbench's ``to_empty`` does, so a tensor
     this path hands out and nobody writes still shows up as never written.
     """
+    import torch
+
+    from workbench.rank.poison import poison_
+
     def fresh(t: torch.Tensor) -> torch.Tensor:
         if not t.is_meta:
             return t

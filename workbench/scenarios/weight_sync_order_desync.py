@@ -31,19 +31,24 @@ parts before anything is streamed), and both together.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from workbench.rank.weightsync import broadcast as bc
-from workbench.rank.weightsync import conversion as cv
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, TOY_SHAPE
 from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 SCENARIO = Scenario(
     name="weight-sync-order-desync",
     title="Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs",
     doc=__doc__,
-    params={**cv.TOY_SHAPE, "seed": 0, "bucket_bytes": cv.DEFAULT_BUCKET_BYTES, "threshold_bytes": bc.DEFAULT_THRESHOLD,
+    params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
             "seq_len": 16},
     probe=["inference"],
     incident="002_79cad179003d2dbf",
@@ -65,13 +70,18 @@ SENDER, WORKER = 0, 1
 
 
 # -- roles ----------------------------------------------------------------------------------
-def build_roles(ctx, bias_dtype: torch.dtype = torch.float32) -> None:
-    """Trainer replica on every rank (bf16, router bias in ``bias_dtype``); the worker's own model on rank 1."""
+def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
+    """Trainer replica on every rank (bf16, router bias in ``bias_dtype``, default fp32); the worker's own model on
+    rank 1."""
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+
     p = ctx.params
     ctx.config = cv.toy_config(**p)
     trainer = cv.build_model(ctx.config, p["seed"], dtype=torch.bfloat16, device=ctx.device)
     for _, b in cv.router_biases(trainer):
-        b.data = b.data.to(bias_dtype)
+        b.data = b.data.to(torch.float32 if bias_dtype is None else bias_dtype)
     ctx.trainer = trainer
     # Each rank is its own pipeline stage and only rank 1 hosts the inference copy: role-local.
     ctx.local("trainer", "inference", "buffers", "logprob_gap", "names_wrong")
@@ -92,12 +102,18 @@ def forget_expectations(ctx) -> None:
 
 
 def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExtractor:
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+
     p = ctx.params
     return cv.ConversionExtractor(ctx.trainer, ctx.mesh, torch.bfloat16, p["bucket_bytes"], reuse_tasks, metadata)
 
 
 def make_plan(ctx, metadata: str, stage: int) -> None:
     """Every trainer rank builds the metadata (walking the export: collectives); the sender keeps it."""
+    from workbench.rank.weightsync import broadcast as bc
+
     forget_expectations(ctx)
     ctx.extractor = extractor(ctx, metadata)
     meta = ctx.extractor.get_weight_metadata()
@@ -109,6 +125,8 @@ def make_plan(ctx, metadata: str, stage: int) -> None:
 
 def stream(ctx, stage: int) -> None:
     """Every trainer rank walks ``extract_weights``; the sender packs the stream, the others drain it."""
+    from workbench.rank.weightsync import broadcast as bc
+
     forget_expectations(ctx)
     threshold = ctx.params["threshold_bytes"]
     chunks = ctx.extractor.extract_weights()
@@ -127,6 +145,11 @@ def stream(ctx, stage: int) -> None:
 
 def deliver(ctx, check: bool) -> None:
     """The update request (the plan) goes to the worker, then the packed bytes."""
+    import torch.distributed as dist
+
+    from workbench.rank.weightsync import broadcast as bc
+    from workbench.rank.weightsync import conversion as cv
+
     forget_expectations(ctx)
     threshold = ctx.params["threshold_bytes"]
     box = [ctx.plan.to_metadata() if ctx.rank == SENDER else None]
@@ -147,6 +170,8 @@ def score(ctx, sync: int) -> None:
     Also declares the trainer's values as what every worker tensor should hold
     (``ctx.expect``), so the reference detector names each tensor that came out wrong.
     """
+    import torch
+
     if ctx.rank != WORKER:
         return
     trainer = dict(ctx.trainer.named_parameters()) | dict(ctx.trainer.named_buffers())
@@ -161,6 +186,10 @@ def score(ctx, sync: int) -> None:
 
 
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+
     want = cv.hf_state(trainer, torch.bfloat16)
     have = cv.hf_state(inference, torch.bfloat16)
     wrong = [n for n, t in want.items() if not _same_bytes(t, have[n].to(t.dtype))]
@@ -172,6 +201,8 @@ def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
                                                                       b.contiguous().view(torch.uint8))
 

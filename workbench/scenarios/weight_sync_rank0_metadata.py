@@ -31,20 +31,22 @@ every worker slices with its own device's lists.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from workbench.rank.weightsync import ipc, receive
-from workbench.rank.weightsync import model as wm
-from workbench.rank.weightsync import pack as wp
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
 from workbench.scenario import Scenario
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
+# this module only for its declaration (tests/test_client_imports.py keeps it that way).
 
 SCENARIO = Scenario(
     name="weight-sync-rank0-metadata",
     title="Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata",
     doc=__doc__,
-    params={**wm.TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": wp.DEFAULT_BUCKET_BYTES,
+    params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "router_scale": 1.0, "keep_fp32_routing": True},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
@@ -54,17 +56,23 @@ PER_RANK = SCENARIO.fix(
     "Each rank gathers its own names/dtypes/shapes/sizes with its handle; every worker slices its buffer with "
     "its own device's metadata (PR #1816).",
 )
-SYNC_DTYPE = torch.bfloat16
+SYNC_DTYPE = "bfloat16"  # the torch dtype the sync casts to, by name (getattr(torch, SYNC_DTYPE) on the ranks)
 ROUTING_NOTE = "routing:"  # JSON notes for the client's routing view
 
 
 # -- the pieces both colocated-sync scenarios step through ------------------------------------
 def build(ctx) -> None:
     """Trainer model (bf16, router bias fp32) one training step ahead of the hosted worker's copy."""
+    import torch
+
+    from workbench.rank.weightsync import ipc
+    from workbench.rank.weightsync import model as wm
+
     p = ctx.params
+    sync_dtype = getattr(torch, SYNC_DTYPE)
     ctx.config = wm.tiny_config(**p)
     kw = {"router_scale": p["router_scale"]}
-    ctx._trainer_model = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.device, **kw)
+    ctx._trainer_model = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.device, **kw)
     wm.training_step(ctx._trainer_model, p["seed"])
     # this trainer rank's tensors as it computes with them (native dtypes): what the sync must deliver
     ctx.trainer = dict(wm.export_hf_weights(ctx._trainer_model, ctx.rank, ctx.world_size, p["layout"]))
@@ -74,7 +82,7 @@ def build(ctx) -> None:
     # they should hold, never to rank 0's (which has other experts and another worker).
     ctx.local("trainer", "sent", "packs", "written", f"worker{ctx.worker}", f"worker{ctx.worker}_model",
               "logprobs_before", "logprobs", "experts")
-    ctx._inference = wm.build_model(ctx.config, p["seed"], SYNC_DTYPE, ctx.worker_device, **kw)  # last sync's policy
+    ctx._inference = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.worker_device, **kw)  # last sync's policy
     ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx._trainer_model, ctx.worker, ctx.world_size, p["layout"])]
     served_elsewhere = {n: t for n, t in wm.hf_state(ctx._trainer_model).items() if n not in set(ctx.hosted)}
     for name, t in served_elsewhere.items():
@@ -92,16 +100,23 @@ def build(ctx) -> None:
 
 def pack(ctx, keep_suffixes: tuple[str, ...]) -> None:
     """Export this trainer rank's shard, cast for the sync, bucket and pack per dtype."""
+    import torch
+
+    from workbench.rank.weightsync import pack as wp
+
     p = ctx.params
+    sync_dtype = getattr(torch, SYNC_DTYPE)
     exported = list(ctx.trainer.items())
-    ctx.sent = dict(wp.cast_for_sync(exported, SYNC_DTYPE, keep_suffixes))
-    ctx.packs = wp.pack_for_sync(exported, SYNC_DTYPE, keep_suffixes, p["bucket_bytes"])
+    ctx.sent = dict(wp.cast_for_sync(exported, sync_dtype, keep_suffixes))
+    ctx.packs = wp.pack_for_sync(exported, sync_dtype, keep_suffixes, p["bucket_bytes"])
     ctx.note(f"packed {len(ctx.sent)} tensors (first {next(iter(ctx.sent))}) into {len(ctx.packs)} buffer(s): "
              + ", ".join(f"{p.data.numel()} x {p.dtype_names[0]}" for p in ctx.packs))
 
 
 def share(ctx, per_rank: bool) -> None:
     """Per buffer: a handle, all-gathered with (fix) or without this rank's metadata; rank 0's request out."""
+    from workbench.rank.weightsync import ipc
+
     ctx.requests = []
     key = ipc.device_key(ctx.device, ctx.rank)
     for pk in ctx.packs:
@@ -117,6 +132,11 @@ def share(ctx, per_rank: bool) -> None:
 
 def load(ctx) -> None:
     """The hosted worker rebuilds its device's handles, slices them in metadata order, loads by name."""
+    import torch.distributed as dist
+
+    from workbench.rank.weightsync import ipc, receive
+    from workbench.rank.weightsync import model as wm
+
     key = ipc.device_key(ctx.worker_device, ctx.worker)
     written: list[str] = []
     try:
@@ -136,6 +156,8 @@ def load(ctx) -> None:
 
 def check(ctx) -> None:
     """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
+    from workbench.rank.weightsync import model as wm
+
     lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
     gap = (lp - ctx.reference_lp).abs()
     truth = wm.hf_state(ctx._trainer_model)
@@ -177,6 +199,8 @@ def expose_worker(ctx, loaded: dict[str, torch.Tensor]) -> None:
 
 
 def _experts(ctx, rank: int) -> str:
+    from workbench.rank.weightsync import model as wm
+
     if ctx.params["layout"] == "replicated":
         return "all"
     r = wm.owned_experts(ctx.config.n_routed_experts, rank, ctx.world_size)
@@ -184,17 +208,23 @@ def _experts(ctx, rank: int) -> str:
 
 
 def _module_name(hf_name: str) -> str:
+    from workbench.rank.weightsync import model as wm
+
     m = wm.EXPERT_RE.match(hf_name)
     return f"{m['prefix']}.{m['w']}" if m else hf_name
 
 
 def _fused_expected(trainer, name: str, t: torch.Tensor) -> torch.Tensor:
     """The worker's module tensor a right sync leaves: the trainer's (fused experts whole)."""
+    from workbench.rank.weightsync import model as wm
+
     m = wm.EXPERT_RE.match(name)
     return trainer.get_parameter(f"{m['prefix']}.{m['w']}").detach() if m else t.detach()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
     b = b.to(device=a.device, dtype=a.dtype)
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
@@ -209,6 +239,8 @@ def build_step(ctx) -> None:
 @SCENARIO.step(name="pack")
 def pack_step(ctx) -> None:
     """Export this rank's shard (its experts first), bf16 with the router bias kept fp32, pack per dtype."""
+    from workbench.rank.weightsync import pack as wp
+
     pack(ctx, wp.ROUTING_SUFFIXES if ctx.params["keep_fp32_routing"] else ())
 
 

@@ -10,33 +10,12 @@ from plotly.subplots import make_subplots
 
 from workbench.analysis import rankgroups
 from workbench.analysis.findings import STATUSES
-from workbench.analysis.frames import fmt, last_step
+from workbench.analysis.frames import fmt, last_step, short, shorten
 
 COLORS = {
     "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
     "reference": "#bcbd22", "inf": "#e377c2", "nan": "#d62728", "poison": "#8c0000", "missing": "#7f7f7f",
 }
-
-
-def short(name: str) -> str:
-    """Tensor names without the wrapper prefixes every row shares."""
-    for prefix in ("model.model.", "model."):
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
-
-
-def shorten(names: list[str]) -> dict[str, str]:
-    """Full name -> axis label: the dotted prefix every name shares is dropped (the full name stays in the
-    hover text), so ``model.model.layers.0.mlp.up_proj.weight`` reads ``layers.0.mlp.up_proj.weight``."""
-    parts = [str(n).split(".") for n in names]
-    k = 0
-    if len(parts) > 1:
-        while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
-            k += 1
-    else:
-        return {n: short(n) for n in names}
-    return {n: ".".join(p[k:]) for n, p in zip(names, parts)}
 
 
 def legend_entries(statuses: list[str], show: bool = True) -> list[go.Scatter]:

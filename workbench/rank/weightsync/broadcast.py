@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.defaults import DEFAULT_THRESHOLD
 from workbench.rank.weightsync.pack import dtype_name, dtype_of
-
-DEFAULT_THRESHOLD = 1 << 20  # vLLM: 1 GiB; the toy models here are far below 1 MiB: one buffer
 
 
 class StreamPlanMismatch(WorkbenchError):

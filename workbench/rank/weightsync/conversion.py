@@ -43,12 +43,10 @@ import torch.distributed as dist
 from workbench.errors import WorkbenchError
 from workbench.rank.weightsync import model as model_mod
 from workbench.rank.weightsync import pack
-from workbench.rank.weightsync.pack import DEFAULT_BUCKET_BYTES, dtype_name
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TOY_SHAPE  # noqa: F401  (re-exported)
+from workbench.rank.weightsync.pack import dtype_name
 
 METADATA_MODES = ("raw", "mirrored-local", "one-plan")
-
-# Part 1's tiny DeepseekV3 with a dense layer in front: two layers, two pipeline stages.
-TOY_SHAPE: dict[str, Any] = {**model_mod.TINY, "num_hidden_layers": 2, "first_k_dense_replace": 1}
 
 toy_config = model_mod.tiny_config
 build_model = model_mod.build_model

@@ -28,19 +28,12 @@ import torch
 from torch import nn
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.defaults import TINY
 
 BIAS_SUFFIX = "e_score_correction_bias"
 EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 FUSED = (".experts.gate_up_proj", ".experts.down_proj")
 LAYOUTS = ("ep", "replicated")
-
-TINY: dict[str, Any] = {
-    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-    "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 8, "n_shared_experts": 1, "max_position_embeddings": 64,
-    "initializer_range": 0.2,  # 10x the default: peaky enough logits that wrong weights show in log-probs
-}
 
 
 def tiny_config(**shape: Any):

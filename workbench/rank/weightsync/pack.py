@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES
 
-DEFAULT_BUCKET_BYTES = 1 << 30  # SkyRL's default 1 GB: a tiny model is one bucket
 ROUTING_SUFFIXES = ("e_score_correction_bias",)  # PR #1816's _FP32_SYNC_SUFFIXES
 
 Named = tuple[str, torch.Tensor]

@@ -1,0 +1,66 @@
+"""The client stays light: reading a scenario's declaration and driving attached ranks imports no torch.
+
+`workbench run --cluster P` is meant to take about a second on warm ranks; importing torch
+(and FSDP with it) took over two of them. The steps run on the engines, which import what
+they need; the client only needs names, fixes, parameters and the step functions as
+references. Each check runs in a fresh interpreter, so nothing this test process imported counts.
+(Still in the attach path: ``Engines.form_group`` imports ``workbench.rank.context`` to send
+``init_rank``; that import happens when the group forms, not when these modules load.)
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import cloudpickle
+
+from workbench import scenarios
+from workbench.rank.byname import RankFn
+
+# What `workbench run SCENARIO --cluster P` imports before it talks to a rank, every catalogue
+# scenario resolved, the attach and session layers loaded.
+CLIENT = """
+import json, sys
+import workbench.cli
+from workbench import scenarios
+import workbench.live.attach, workbench.live.session, workbench.postmortem.bundle, workbench.analysis.findings
+decl = {n: (s.step_names, sorted(s.fixes)) for n in scenarios.names() for s in [scenarios.get(n)]}
+print(json.dumps({"decl": decl, "loaded": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))}))
+"""
+
+
+def _client_modules() -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def test_scenario_declarations_and_the_attach_path_import_no_torch():
+    doc = _client_modules()
+    assert set(doc["decl"]) == set(scenarios.names())
+    assert doc["decl"]["fsdp1-rotary-meta-init"] == [["load", "cast", "wrap_fsdp1", "forward"],
+                                                     ["cast-params-only", "recompute-after-wrap"]]
+    assert "torch.distributed.fsdp" not in doc["loaded"], "a scenario declaration pulls in FSDP on the client"
+    assert doc["loaded"] == [], f"the client imports torch: {doc['loaded'][:5]}"
+
+
+def test_step_functions_travel_by_reference():
+    """The engines import a step's module by name: the function must be that module's attribute, so
+    cloudpickle sends a reference, not the code (a closure or a local def would go by value)."""
+    for name in scenarios.names():
+        for step, fn in scenarios.get(name).steps:
+            assert pickle.loads(cloudpickle.dumps(fn)) is fn, f"{name}: step {step} does not pickle by reference"
+
+
+def test_rank_fn_ships_without_importing_its_module():
+    code = ("import sys, cloudpickle\nfrom workbench.rank.byname import RankFn\n"
+            "blob = cloudpickle.dumps(RankFn('workbench.rank.remote', 'run_step'))\n"
+            "print(len(blob), 'workbench.rank.remote' in sys.modules, 'torch' in sys.modules)")
+    size, remote, torch = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                         text=True).stdout.split()
+    assert (remote, torch) == ("False", "False")
+    assert int(size) < 300  # two names, not the function's code
+    join = pickle.loads(cloudpickle.dumps(RankFn("os.path", "join")))
+    assert join("a", "b") == "a/b" and join.__name__ == "join"

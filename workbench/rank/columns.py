@@ -1,0 +1,23 @@
+"""The row vocabularies the ranks report in, without torch.
+
+The probe (``probe.COLUMNS``) and the forward trace (``trace.TRACE_COLUMNS``) fill rows
+with these names on the ranks; the client's frames, findings, JSON and bundles read them.
+They live here so a client that only reads rows never imports torch to learn a column name.
+"""
+
+from __future__ import annotations
+
+COLUMNS = [
+    "rank", "name", "kind", "dtype", "device", "is_meta", "shape", "numel",
+    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw", "windows",
+]
+TRACE_COLUMNS = [
+    "rank", "run", "call", "module", "type", "dtype", "shape", "numel",
+    "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint",
+]
+# Bytes kept at fixed offsets further in (``windows``: the windows that fit, concatenated): a transfer whose
+# stream slid by some bytes (NCCL pairing a 256 B bucket with a larger one slides rank 1's tensors by 128 B)
+# shows as one rank's window equal to another rank's bytes at another offset. The offsets' differences
+# (with the first RAW_LARGE bytes) cover slides of 128-176, 256-304, 384, 512 B and more; 128 bytes a tensor.
+WINDOW_OFFSETS = (128, 256, 512, 4096)
+WINDOW = 32

@@ -1,0 +1,51 @@
+"""A toy MoE block whose router keeps a load-balancing bias created on a real device.
+
+As in Megatron, ``expert_bias`` is registered with an explicit device, so it is real even
+when the module is built under ``with torch.device("meta")``; the to-empty-clobbers-buffers
+scenario builds it that way. Here, not in the scenario file, because the client imports a
+scenario's module for its declaration and must not import torch to do it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with a load-balancing bias used for expert selection only."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, bias_device: torch.device):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        # As in Megatron: an explicit device, so the buffer is real even under a meta context.
+        self.register_buffer("expert_bias", torch.zeros(experts, device=bias_device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)  # parameters only: the bias is not touched
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(x @ self.weight.t())
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        gates = scores.gather(-1, chosen)
+        return chosen, gates / gates.sum(-1, keepdim=True)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, vocab: int, hidden: int, experts: int, top_k: int, bias_device: torch.device):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = Router(hidden, experts, top_k, bias_device)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(ids)
+        chosen, gates = self.router(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, gates[tok, slot, None] * expert(x[tok]))
+        return out, chosen
