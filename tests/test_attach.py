@@ -116,6 +116,17 @@ def test_cli_run_cluster_shows_the_bug_and_leaves_the_engines_up(ext):
     assert alive(before) == before
 
 
+def test_an_attached_run_imports_no_torch_on_the_client(ext):
+    """The whole `run --cluster` (attach, form the group, steps, diagnosis) without torch in the client:
+    it costs ~1.5 s of import that the ranks, which have it, do not need from us."""
+    code = ("import sys\nfrom workbench import cli\n"
+            f"rc = cli.main(['run', {SC!r}, '--fix', {FIX!r}, '--cluster', {ext!r}, '--timeout', '8'])\n"
+            "print('RC', rc, 'TORCH', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert "diagnosis (clean)" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "RC 0 TORCH []" in out.stdout, out.stdout[-500:]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["run", SC, "--cluster", "no-such-profile"], "unknown profile 'no-such-profile'"),
     (["down", "--profile", "no-such-profile"], "unknown profile 'no-such-profile'"),

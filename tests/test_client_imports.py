@@ -4,8 +4,7 @@
 (and FSDP with it) took over two of them. The steps run on the engines, which import what
 they need; the client only needs names, fixes, parameters and the step functions as
 references. Each check runs in a fresh interpreter, so nothing this test process imported counts.
-(Still in the attach path: ``Engines.form_group`` imports ``workbench.rank.context`` to send
-``init_rank``; that import happens when the group forms, not when these modules load.)
+(A whole attached run, group formation included, is checked in tests/test_attach.py.)
 """
 
 from __future__ import annotations

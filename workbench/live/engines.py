@@ -168,7 +168,10 @@ class Engines:
 
     def form_group(self) -> None:
         """(Re-)form the process group on every engine with a fresh port (see ``_rendezvous``)."""
-        from workbench.rank.context import destroy_rank, init_rank
+        from workbench.rank.byname import RankFn
+
+        # By name: importing rank.context here would import torch into the client (~1.5 s of every attached run).
+        destroy_rank, init_rank = (RankFn("workbench.rank.context", n) for n in ("destroy_rank", "init_rank"))
 
         if self.dirty or self.port is not None:
             self.call(destroy_rank, timeout=self.timeout + 10)
