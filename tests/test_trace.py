@@ -60,6 +60,20 @@ def test_all_ranks_agreeing_on_garbage_is_caught_by_the_reference_only():
     assert len(found) == 2 and all("from the reference at `rotary`" in f["finding"] for f in found)
 
 
+def test_an_integer_output_departs_on_any_change_however_small_its_stats_move():
+    """A router's chosen expert ids: one token routed elsewhere barely moves mean|x| (within the
+    float tolerance), yet every later module sees other tokens; the router is where it bites."""
+    ref = [("router", 0, 7.0, 3.5000), ("experts.2", 0, 2.0, 0.70), ("(root)", 0, 3.0, 0.8)]
+    off = [("router", 0, 7.0, 3.5001), ("experts.2", 0, 2.6, 0.90), ("(root)", 0, 3.6, 0.9)]
+    model, reference = rows(off, 1), rows(ref, 1, "reference")
+    for r in model[:1] + reference[:1]:
+        r["dtype"] = "int64"
+    assert first_fault(table(model + reference, TRACE_COLUMNS), 1) == "router"
+    for r in model[:1] + reference[:1]:  # the same change in a float output stays within tolerance
+        r["dtype"] = "float32"
+    assert first_fault(table(model + reference, TRACE_COLUMNS), 1) == "experts.2"
+
+
 def test_silent_on_identical_and_within_tolerance_and_without_a_trace():
     close = [(m, n, a * (1 + 1e-4), b) for m, n, a, b in HEALTHY]
     trace = table(rows(HEALTHY, 0) + rows(close, 1) + rows(HEALTHY, 1, "reference"), TRACE_COLUMNS)

@@ -48,11 +48,16 @@ def _close(a: float, b: float, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b)) + ATOL
 
 
+def _exact(dtype: Any) -> bool:
+    return isinstance(dtype, str) and dtype.startswith(("int", "uint", "bool"))
+
+
 def departs(a: Any, b: Any, rtol: float = RTOL) -> bool:
-    """Whether call ``a`` differs from call ``b``: non-finite counts, absmax or mean |x|."""
+    """Whether call ``a`` differs from call ``b``: non-finite counts, absmax or mean |x|; for integer
+    outputs (indices, counts) any change, since there is no rounding to tolerate."""
     if a.fingerprint == b.fingerprint:
         return False
-    if _bad(a) != _bad(b):
+    if _bad(a) != _bad(b) or _exact(a.dtype) or _exact(b.dtype):
         return True
     return not (_close(a.absmax, b.absmax, rtol) and _close(a.meanabs, b.meanabs, rtol))
 
