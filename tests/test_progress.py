@@ -60,18 +60,25 @@ def test_the_step_line_waits_a_second_then_draws_and_clears():
     assert quiet == []  # a step quicker than `after` shows nothing, not even a clear
 
 
-def test_a_failing_sink_is_dropped_and_the_ledger_is_read_once_per_poll():
-    reads = []
-    read = live.PerPoll(lambda: reads.append(1) or ledger_table([]))
-
+def test_a_failing_sink_is_dropped_and_the_watch_still_polled():
     def broken(text):
         raise RuntimeError("no display")
 
-    line = live.StepLine(broken, [0], read=read, after=0.0, every=0.0)
-    poll = live.poll_with(read, line, lambda done: "proof" if read() is not None else None)
-    assert poll(set()) == "proof" and len(reads) == 1  # line and watch shared one read
-    assert line.sink is None and poll(set()) == "proof" and len(reads) == 2
-    assert live.poll_with(read, None, None) is None
+    line = live.StepLine(broken, [0], read=lambda: [], after=0.0, every=0.0)
+    polled = []
+    poll = live.poll_with(line, lambda done: polled.append(done) or "proof")
+    assert poll({0}) == "proof" and line.sink is None  # the step goes on, without the line
+    assert poll({0}) == "proof" and len(polled) == 2
+    assert live.poll_with(None, None) is None  # nothing to poll: the engines wait as before
+
+
+def test_the_reader_raw_rows_word_the_same_line_as_the_table():
+    """The live line reads raw open rows (no table of every call); both give one line."""
+    rows = [call(0, 1, op="broadcast", dtype="float32", numel=64),
+            {**call(1, 1, state=OPEN, t=T0 + 0.3), "group": 0}]  # as the reader holds them: lists, int group
+    line = "rank 0 done 0.4 s · rank 1 in broadcast #1 bf16 833.9 KiB for 7.2 s"
+    assert status_line(rows, [0, 1], {0: 0.42}, T0 + 7.5, T0) == line
+    assert status_line(ledger_table(rows), [0, 1], {0: 0.42}, T0 + 7.5, T0) == line
 
 
 class _Stream(io.StringIO):
@@ -113,7 +120,9 @@ def test_real_hang_shows_the_waiting_collective_live_and_the_report_its_proof_an
                                                                                       tmp_path):
     from workbench.postmortem import bundle, report
 
-    monkeypatch.setattr(live, "AFTER_S", 0.0)  # the status line from the first poll: the hang is declared fast
+    # the status line from the first poll, at every poll: the hang is declared 0.3 s after both ranks block
+    monkeypatch.setattr(live, "AFTER_S", 0.0)
+    monkeypatch.setattr(live, "EVERY_S", 0.0)
     healthy.detect_deadlocks = True  # declared from the ledgers; gloo's 8 s timeout releases the ranks later
     shown: list[str] = []
     try:
@@ -124,7 +133,7 @@ def test_real_hang_shows_the_waiting_collective_live_and_the_report_its_proof_an
         hang = s.hangs[0].hang
         assert hang.caught_by == "ledger deadlock"
         lines = [x for x in shown if x]
-        # the deadlock watch saw both ranks in their open calls for 0.3 s, on the same reads as the line
+        # the deadlock watch saw both ranks in their open calls for 0.3 s; the line was drawn at each of those polls
         assert any("rank 0 in all_reduce #9 fp32" in x and "rank 1 in all_gather_into_tensor #9 fp32" in x
                    for x in lines), lines[-3:]
         assert shown[-1] == ""  # cleared when the step ended

@@ -3,8 +3,10 @@
 A step that runs past a second shows, until it ends, which ranks are done and where the
 others wait (``analysis/progress.py`` words it from the ledgers). The engines' wait loop
 polls a callback anyway (``Engines.call(watch=...)``, every ``WATCH_EVERY_S``); the
-session hands it a poll that reads the ledger at most once and feeds both the status line
-and the deadlock watch. Where the line goes is a *sink*: a callable taking the line, and
+session hands it a poll that feeds the status line, then the deadlock watch. The line reads
+only the open calls (raw rows, no table), and redraws at most every ``EVERY_S`` or ten times
+its own cost, whichever is longer, so a step with thousands of calls does not pay for being
+watched. Where the line goes is a *sink*: a callable taking the line, and
 ``""`` when the step ended (clear it). A terminal rewrites one stderr line in place; stderr
 that is no terminal (CI logs) gets a plain line at most every ``PLAIN_EVERY_S``; a notebook
 gets one display that updates. Drawing is best effort: a sink that fails is dropped, the
@@ -28,44 +30,27 @@ PLAIN_EVERY_S = 5.0  # stderr that is no terminal: a plain line at most this oft
 Sink = Callable[[str], Any]  # shows a line; "" means the step ended: clear it
 
 
-class PerPoll:
-    """A ledger read shared by everything one poll calls: read at most once, and only if asked."""
-
-    def __init__(self, read: Callable[[], Any]):
-        self._read = read
-        self._value: Any = None
-        self._fresh = False
-
-    def __call__(self) -> Any:
-        if not self._fresh:
-            self._value, self._fresh = self._read(), True
-        return self._value
-
-    def next(self) -> None:
-        self._fresh = False
-
-
 class StepLine:
     """One step's status line: notes when each rank returns, renders through ``sink`` once the step
     has run ``AFTER_S``, and clears it at ``close()`` (only if it ever showed)."""
 
     def __init__(self, sink: Sink, ranks: Iterable[int], read: Callable[[], Any], after: float | None = None,
-                 every: float = EVERY_S):
-        self.sink, self.ranks, self.read = sink, list(ranks), read
+                 every: float | None = None):
+        self.sink: Sink | None = sink
+        self.ranks, self.read = list(ranks), read  # read(): the step's open calls (rows or a ledger table)
         self.after = AFTER_S if after is None else after
-        self.every = every
+        self.every = EVERY_S if every is None else every
         self.started = time.time()
         self.done: dict[int, float] = {}  # rank -> seconds its step took (to the poll that saw it)
         self.lines: list[str] = []  # what was shown, in order
-        self._last = 0.0
+        self._next = self.started + self.after
 
     def __call__(self, done: Iterable[int]) -> None:
         now = time.time()
         for r in done:
             self.done.setdefault(r, now - self.started)
-        if self.sink is None or now - self.started < self.after or now - self._last < self.every:
+        if self.sink is None or now < self._next:
             return
-        self._last = now
         try:
             line = status_line(self.read(), self.ranks, self.done, now, self.started)
             self.sink(line)
@@ -73,6 +58,7 @@ class StepLine:
             self.sink = None
             return
         self.lines.append(line)
+        self._next = now + max(self.every, 10 * (time.time() - now))  # drawing costs at most ~10% of a core
 
     def close(self) -> None:
         if self.sink is not None and self.lines:
@@ -83,15 +69,14 @@ class StepLine:
         self.sink = None
 
 
-def poll_with(read: PerPoll, line: StepLine | None, watch: Callable[[set[int]], str | None] | None
+def poll_with(line: StepLine | None, watch: Callable[[set[int]], str | None] | None
               ) -> Callable[[set[int]], str | None] | None:
-    """The engines' poll callback: a fresh ledger read, the status line, then the deadlock watch
-    (whose reason, if any, ends the wait). None when neither is on: the engines poll nothing."""
+    """The engines' poll callback: the status line, then the deadlock watch (whose reason, if any,
+    ends the wait). None when neither is on: the engines poll nothing."""
     if line is None and watch is None:
         return None
 
     def poll(done: set[int]) -> str | None:
-        read.next()
         if line is not None:
             line(done)
         return watch(done) if watch is not None else None

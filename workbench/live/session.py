@@ -108,16 +108,15 @@ class Session:
                                                    "exited before this step; call cluster.restart()") for r in dead}
         else:
             ranks = list(range(self.cluster.world_size))
-            read = live_progress.PerPoll(lambda: self._ledger(step=name))  # one ledger read per poll, shared
             detect = self.cluster.detect_deadlocks
             if detect if detect is not None else self.cluster.backend == "nccl":
-                watch = deadlock.Watch(read, ranks)
+                watch = deadlock.Watch(lambda: self._ledger(step=name), ranks)
             sink = live_progress.sink_for(self.progress if self.progress is not None
                                           else getattr(self.cluster, "progress", True))
-            line = live_progress.StepLine(sink, ranks, read) if sink is not None else None
+            line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
             try:
                 outcome = self.cluster.call(remote.run_step, self.id, fn, self.scenario.probe, timeout=deadline,
-                                            watch=live_progress.poll_with(read, line, watch), step=name)
+                                            watch=live_progress.poll_with(line, watch), step=name)
             finally:
                 if line is not None:
                     line.close()
@@ -196,6 +195,11 @@ class Session:
         if step is not None:
             where["step"] = step
         return collectives.ledger_table(self._ledger_reader.calls(**where))
+
+    def _open_calls(self, step: str) -> list[dict[str, Any]]:
+        """The step's calls some rank is still inside, as raw rows (cheap: no table of every call)."""
+        self._ledger_reader.poll()
+        return self._ledger_reader.calls(attempt=self.attempt, step=step, state=collectives.OPEN)
 
     @property
     def ledger(self) -> pd.DataFrame:
