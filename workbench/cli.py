@@ -175,6 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     with ranks_for(args) as cluster:
+        cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
         print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
               f"process group {cluster.group_s:.2f}s")
         runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
@@ -327,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario parameter")
     r.add_argument("--timeout", type=positive_seconds, default=60.0, help="collective timeout in seconds")
     r.add_argument("--no-poison", action="store_true", help="leave to_empty memory as the allocator gives it")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no status line on stderr while a step runs past a second")
     r.add_argument("--report", default=None, metavar="FILE", help="write a self-contained HTML report")
     r.add_argument("--bundle", default=None, metavar="FILE",
                    help="save the run(s) as a postmortem bundle (open with `workbench report` or wb.load)")

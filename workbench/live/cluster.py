@@ -7,6 +7,7 @@ engines they run on; the engines never know about sessions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from workbench.errors import ClusterError
@@ -16,6 +17,10 @@ from workbench.live.session import Session
 
 class Cluster(Engines):
     """N live ranks (see ``Engines``) plus sessions and ``%%px`` helpers."""
+
+    # A step running past a second shows a live status line (which ranks are done, who waits in which
+    # collective; live/progress.py). False turns it off for every session; a session's own setting wins.
+    progress: bool | Callable[[str], Any] = True
 
     def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Session:
         return Session(self, scenario, fix=fix, poison=poison, params=params)
@@ -79,6 +84,11 @@ class Cluster(Engines):
 
 
 def start(ranks: int = 2, backend: str = "auto", timeout: float = 60.0, port: int | None = None,
-          env: dict[str, str] | None = None) -> Cluster:
-    """Start ``ranks`` engines and form their process group (the notebook's first cell)."""
-    return Cluster(ranks=ranks, backend=backend, timeout=timeout, port=port, env=env).start()
+          env: dict[str, str] | None = None, progress: bool | Callable[[str], Any] = True) -> Cluster:
+    """Start ``ranks`` engines and form their process group (the notebook's first cell).
+
+    ``progress=False``: no live status line while a long step waits (see ``Cluster.progress``).
+    """
+    cluster = Cluster(ranks=ranks, backend=backend, timeout=timeout, port=port, env=env)
+    cluster.progress = progress
+    return cluster.start()

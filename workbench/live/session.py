@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from workbench import scenarios
 from workbench.analysis import collectives, deadlock, diagnosis
 from workbench.analysis.frames import Frame, last_step
 from workbench.errors import RankFailure, UnknownName, WorkbenchError
+from workbench.live import progress as live_progress
 from workbench.postmortem import bundle
 from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
 from workbench.rank.byname import RankFn
@@ -39,7 +41,8 @@ class Session:
     """One run of a scenario (one fix, one poison setting) on a cluster's ranks."""
 
     def __init__(self, cluster: Engines, scenario: str | Scenario, fix: str | None = None,
-                 poison: bool = True, params: dict[str, Any] | None = None):
+                 poison: bool = True, params: dict[str, Any] | None = None,
+                 progress: bool | Callable[[str], Any] | None = None):
         self.cluster = cluster
         self.scenario = scenarios.resolve(scenario)
         self.scenario.check_fix(fix)
@@ -57,6 +60,10 @@ class Session:
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
         self._recovery: dict[str, Any] | None = None  # the last recover()'s info, until the next frame notes it
+        # A step running past a second shows where the ranks are (live/progress.py): True draws it in the
+        # notebook or on stderr, False not at all, a callable gets each line ("" when the step ended);
+        # None: the cluster's setting (``cluster.progress``).
+        self.progress = progress
 
     # -- stepping ---------------------------------------------------------------------
     @property
@@ -104,11 +111,19 @@ class Session:
             values, failures = {}, {r: RankFailure(r, "died", "EngineDied", f"engine process {self.cluster.pids[r]} "
                                                    "exited before this step; call cluster.restart()") for r in dead}
         else:
+            ranks = list(range(self.cluster.world_size))
             detect = self.cluster.detect_deadlocks
             if detect if detect is not None else self.cluster.backend == "nccl":
-                watch = deadlock.Watch(lambda: self._ledger(step=name), list(range(self.cluster.world_size)))
-            outcome = self.cluster.call(RUN_STEP, self.id, fn, self.scenario.probe, timeout=deadline,
-                                        watch=watch, step=name)
+                watch = deadlock.Watch(lambda: self._ledger(step=name), ranks)
+            sink = live_progress.sink_for(self.progress if self.progress is not None
+                                          else getattr(self.cluster, "progress", True))
+            line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
+            try:
+                outcome = self.cluster.call(RUN_STEP, self.id, fn, self.scenario.probe, timeout=deadline,
+                                            watch=live_progress.poll_with(line, watch), step=name)
+            finally:
+                if line is not None:
+                    line.close()
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
@@ -186,6 +201,11 @@ class Session:
         if step is not None:
             where["step"] = step
         return collectives.ledger_table(self._ledger_reader.calls(**where))
+
+    def _open_calls(self, step: str) -> list[dict[str, Any]]:
+        """The step's calls some rank is still inside, as raw rows (cheap: no table of every call)."""
+        self._ledger_reader.poll()
+        return self._ledger_reader.calls(attempt=self.attempt, step=step, state=collectives.OPEN)
 
     @property
     def ledger(self) -> pd.DataFrame:

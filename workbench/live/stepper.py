@@ -31,12 +31,15 @@ class Stepper:
         self.reset = widgets.Button(description="Reset", icon="undo")
         self.status = widgets.HTML()
         self.diagnosis = widgets.HTML()  # the current diagnosis, under the buttons
+        self.progress = widgets.HTML()  # while a long step runs: who is done, who waits in which collective
+        if session.progress is None:  # a button's step has no cell to print into: the line lives here
+            session.progress = self._show_progress
         self.next.on_click(lambda _: self.step())
         self.run_all.on_click(lambda _: self.run())
         self.reset.on_click(lambda _: self.restart())
         self.fix.observe(self._on_fix, names="value")
         self.widget = widgets.VBox([widgets.HBox([self.next, self.run_all, self.reset, self.fix]),
-                                    self.diagnosis, self.status, self.figure])
+                                    self.diagnosis, self.status, self.progress, self.figure])
         self._update()
 
     def _figure(self) -> go.Figure:
@@ -96,9 +99,13 @@ class Stepper:
 
         def switch() -> None:
             old.close()  # free the ranks; the old session's frames stay with whoever holds it
-            self.session = Session(old.cluster, old.scenario, fix=fix, poison=old.poison, params=old.params)
+            self.session = Session(old.cluster, old.scenario, fix=fix, poison=old.poison, params=old.params,
+                                   progress=old.progress)
 
         self._guarded(switch)
+
+    def _show_progress(self, line: str) -> None:
+        self.progress.value = f"<code>{html.escape(line)}</code>" if line else ""
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

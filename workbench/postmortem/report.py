@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from workbench import viz
-from workbench.analysis import diagnosis, findings
+from workbench.analysis import diagnosis, findings, stacks
 from workbench.analysis.frames import fmt, last_step
 from workbench.errors import WorkbenchError
 from workbench.postmortem.record import RunRecord
@@ -34,7 +34,9 @@ body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#22
 table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px}
 th{background:#f4f4f4}.error{color:#b00}.warning{color:#a60}pre{background:#f7f7f7;padding:.5em;overflow:auto}
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em}nav a{margin-right:1em}
-.env th{text-align:left}.muted{color:#777;font-size:12px}pre{white-space:pre-wrap}th,td{text-align:left}
+.env th{text-align:left}details{margin:.3em 0}summary{cursor:pointer}
+.proof{border-left:4px solid #b00;padding:2px 8px}
+.muted{color:#777;font-size:12px}pre{white-space:pre-wrap}th,td{text-align:left}
 """
 
 
@@ -134,8 +136,35 @@ def _ledger_section(page: _Page, rec: RunRecord) -> None:
     page.table(ledger[cols], max_rows=40)
 
 
+def _hang_section(page: _Page, rec: RunRecord) -> None:
+    """Each hang of the run: what caught it, the proof that its open calls cannot pair, and each stuck
+    rank's innermost frames (the whole main thread one click further), from the manifest's hang records."""
+    for h in rec.manifest.get("hangs") or []:
+        page.h(3, f"Hang in step '{h.get('step')}'")
+        page.p(stacks.headline(h))
+        proof = stacks.proof(h)
+        if proof:
+            page.parts.append(f"<p class='proof'><b>proof</b>: {html.escape(proof)}</p>")
+        div = (h.get("divergence") or {}).get("message")
+        if div:
+            page.p(f"first divergence: {div}")
+        for row in stacks.stuck_ranks(h):
+            where = row["where"]
+            summary = f"rank {row['rank']}: " + (f"waits in {where}" if where and where != "no collective"
+                                                 else where or "stack")
+            if not row["innermost"]:
+                body = "<p class='muted'>no stack was taken (an engine on another host, or it did not answer)</p>"
+            else:
+                body = f"<pre class='stack'>{html.escape(row['innermost'])}</pre>"
+                if row["main_thread"] != row["innermost"]:
+                    body += (f"<details><summary>whole main thread</summary>"
+                             f"<pre class='stack'>{html.escape(row['main_thread'])}</pre></details>")
+            page.parts.append(f"<details open><summary>{html.escape(summary)}</summary>{body}</details>")
+
+
 def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> None:
     page.h(2, rec.label, anchor=f"run-{i}")
+    _hang_section(page, rec)
     events = rec.events
     if len(events):
         page.h(3, "Per-rank failures")

@@ -5,14 +5,14 @@ rank x tensor views; further modules add their own (collectives swimlanes, ...).
 May import ``analysis`` (and ``rank`` column lists); never ``postmortem`` or ``live``.
 """
 
-from workbench.viz.collectives import swimlane
+from workbench.viz.collectives import hang_view, swimlane
 from workbench.viz.diagnosis import figure as diagnosis_figure
 from workbench.viz.tensors import buffer_values, comparison, outputs_view, short, status_matrix
 from workbench.viz.weightsync import buffer_layout_view, match_matrix_view, output_gap_view, routing_view
 from workbench.viz.weightsync_cycles import cycles_view, match_view, order_view
 
 __all__ = [
-    "buffer_layout_view", "buffer_values", "comparison", "cycles_view", "diagnosis_figure", "match_matrix_view",
-    "match_view", "order_view", "output_gap_view", "outputs_view", "routing_view", "short", "status_matrix",
-    "swimlane",
+    "buffer_layout_view", "buffer_values", "comparison", "cycles_view", "diagnosis_figure", "hang_view",
+    "match_matrix_view", "match_view", "order_view", "output_gap_view", "outputs_view", "routing_view", "short",
+    "status_matrix", "swimlane",
 ]

@@ -8,9 +8,14 @@ divergence shaded with its one-line cause.
 
 from __future__ import annotations
 
+import html
+import textwrap
+from typing import Any
+
 import pandas as pd
 import plotly.graph_objects as go
 
+from workbench.analysis import stacks
 from workbench.analysis.collectives import OPEN, Divergence, describe, first_divergence
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -76,3 +81,40 @@ def _label(row: pd.Series) -> str:
     short = {"all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS", "all_reduce": "AR",
              "broadcast": "BC", "barrier": "BAR", "send": "S", "recv": "R"}.get(row["op"], row["op"][:6])
     return f"{short} {row['dtypes']}"
+
+
+def hang_view(hang: Any, width: int = 110) -> go.Figure:
+    """The companion of a hung step's swimlane: the proof in the title, then per stuck rank where it
+    waits and its innermost Python frames (most recent first).
+
+    ``hang``: ``frame.hang`` of a live session, or a loaded bundle's ``record.manifest["hangs"][i]``.
+    """
+    rows = stacks.stuck_ranks(hang)
+    proof = stacks.proof(hang)
+    title = [_esc(stacks.headline(hang))]
+    if proof:
+        title += textwrap.wrap(_esc(f"proof: {proof}"), width)
+    frames = ["\n".join(x for x in r["innermost"].splitlines() if not x.startswith(("Current thread", "Thread ")))
+              for r in rows]  # the thread header: the column says it
+    cells = [[f"rank {r['rank']}" for r in rows], [_where(r["where"]) for r in rows],
+             [_esc(f or "(no stack taken)").replace("\n", "<br>") for f in frames]]
+    fig = go.Figure(go.Table(
+        columnwidth=[1, 6, 9],
+        header={"values": ["rank", "waits in", "innermost frames, most recent call first"], "align": "left",
+                "fill_color": "#f4f4f4"},
+        cells={"values": cells, "align": "left", "font": {"family": "monospace", "size": 11}}))
+    lines = sum(max(f.count("\n") + 1, 2) for f in frames)
+    fig.update_layout(title={"text": "<br>".join(title), "font": {"size": 12}}, margin={"t": 40 + 16 * len(title)},
+                      height=120 + 16 * len(title) + 17 * lines)
+    return fig
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=False)  # plotly's text knows <, > and & entities; quotes stay as they are
+
+
+def _where(text: str) -> str:
+    """``op #9 ... at a/b/file.py:95 fn`` -> the call, then ``at file.py:95 fn`` on its own line (a table
+    cell does not wrap a path; the frames beside it have the full one)."""
+    call, sep, loc = text.partition(" at ")
+    return _esc(call) + (f"<br>at {_esc(loc.rsplit('/', 1)[-1])}" if sep else "")
