@@ -162,6 +162,21 @@ def test_a_real_scenario_ledger_through_torchs_analyser(tmp_path, caplog):
     assert len(db.collectives) == len(fix.ledger) // 2 and all(c.pass_check for c in db.collectives)
 
 
+def test_a_recorded_run_exports_under_its_own_backend(tmp_path):
+    """A run recorded on NCCL (2 x H200) exports as nccl:... entries that torch's analyser reads; the same
+    ledger passed bare would be named for gloo."""
+    import pickle
+
+    import workbench as wb
+
+    rec = wb.load(ROOT / "fixtures" / "gpu" / "eval-loop-uneven-batches__bug.bundle")[0]
+    assert rec.manifest["backend"] == "nccl" and len(rec.ledger)
+    files = rec.to_flight_recorder(tmp_path / "nccl")
+    names = {e["profiling_name"].split(":")[0] for f in files for e in pickle.loads(f.read_bytes())["entries"]}
+    assert names == {"nccl"}
+    assert not all(c.pass_check for c in _torch_db(tmp_path / "nccl").collectives)  # its hang: all_reduce vs all_gather
+
+
 # -- real dumps -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gloo_dumps(tmp_path_factory) -> Path:

@@ -291,6 +291,10 @@ class Session:
         """What the postmortem layer saves: one record (a Comparison gives two)."""
         return [self.record()]
 
+    def to_flight_recorder(self, out_dir: str | os.PathLike) -> list[Path]:
+        """This session's ledger as Flight Recorder dumps for PyTorch's analyser (see ``RunRecord``)."""
+        return self.record().to_flight_recorder(out_dir)
+
     def save(self, path: str | os.PathLike) -> Path:
         """Save this run as a postmortem bundle (see ``workbench.bundle``); returns the file."""
         return bundle.save(self, path)

@@ -6,13 +6,15 @@ the HTML report go through one code path whatever the source.
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import diagnosis, findings
+from workbench.analysis import diagnosis, findings, flightrecorder
 
 SCHEMA_VERSION = 1
 
@@ -42,6 +44,11 @@ class RunRecord:
     def diagnose(self) -> diagnosis.Diagnosis:
         """The first cause of what went wrong in this run, in one sentence (``clean`` when nothing did)."""
         return diagnosis.diagnose(self)
+
+    def to_flight_recorder(self, out_dir: str | os.PathLike, prefix: str = flightrecorder.DEFAULT_PREFIX) -> list[Path]:
+        """This run's ledger as Flight Recorder dumps (one per rank), named for the backend it ran on, so
+        PyTorch's own analyser (``torchfrtrace OUT_DIR``) can be pointed at a workbench run."""
+        return flightrecorder.to_flight_recorder(self.ledger, out_dir, prefix, backend=self.manifest.get("backend"))
 
 
 def versions() -> dict[str, str]:
