@@ -63,3 +63,19 @@ def test_rank_fn_ships_without_importing_its_module():
     assert int(size) < 300  # two names, not the function's code
     join = pickle.loads(cloudpickle.dumps(RankFn("os.path", "join")))
     assert join("a", "b") == "a/b" and join.__name__ == "join"
+
+
+def test_auto_backend_on_a_machine_without_a_gpu_driver_imports_no_torch():
+    """A cold `workbench run` asks for backend 'auto': on a CPU box the answer is gloo, known without torch."""
+    import os
+
+    import pytest
+
+    from workbench.live.engines import GPU_DRIVER_PATHS
+
+    if any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        pytest.skip("a GPU driver is present: torch counts the GPUs")
+    code = ("import sys\nfrom workbench.live.engines import resolve_backend\n"
+            "print(resolve_backend('auto', 2), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out == ["gloo", "False"]
