@@ -150,31 +150,34 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
     shapes = c.get("shapes") or ""
     if isinstance(shapes, str) and shapes.startswith("[[") and shapes.count("[") == 2:
         shapes = shapes[1:-1]  # one tensor: [64], not [[64]]
-    text = f"{c['op']} #{c['seq']} {c.get('dtypes') or '?'} {shapes} {_size(c.get('bytes'))}".rstrip()
+    text = f"{c['op']} #{c['seq']} {c.get('dtypes') or '?'} {shapes} {human_bytes(c.get('bytes'))}".rstrip()
     if c.get("via") and isinstance(c.get("via"), str):
         n = c.get("bucket_tensors")
-        text += f" (bucket {c.get('bucket')} of {c['via']}" + (f", {n} tensors)" if _num(n) else ")")
+        text += f" (bucket {c.get('bucket')} of {c['via']}" + (f", {n} tensors)" if is_number(n) else ")")
     src = c.get("src")
-    if _num(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
+    if is_number(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
         text += f" src={src}"
     where = c.get("user_frame") or c.get("caller")
     if isinstance(where, str) and where:
-        text += f" at {_short(where)}"
+        text += f" at {short_path(where)}"
     return text
 
 
-def _num(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A value a table cell really holds (not None, NaN or NA)."""
     return v is not None and not (isinstance(v, float) and pd.isna(v)) and v is not pd.NA
 
 
-def _size(b: Any) -> str:
-    if not _num(b):
+def human_bytes(b: Any) -> str:
+    """``16 B``, ``833.9 KiB``, ``12.0 MiB``; empty when unknown."""
+    if not is_number(b):
         return ""
     b = int(b)
     return f"{b} B" if b < 10_000 else f"{b / 1024:.1f} KiB" if b < 10_000_000 else f"{b / 2**20:.1f} MiB"
 
 
-def _short(where: str) -> str:
+def short_path(where: str) -> str:
+    """``path:line`` from the package (or notebook) folder on, not the machine's whole path."""
     path, _, rest = where.partition(":")
     parts = path.split(os.sep)
     for anchor in ("site-packages", "workbench", "notebooks"):
@@ -237,7 +240,7 @@ def mismatch_kind(a: dict[str, Any], b: dict[str, Any]) -> str | None:
 
 
 def _nz(v: Any) -> Any:
-    return None if not _num(v) else int(v)
+    return None if not is_number(v) else int(v)
 
 
 def _loose(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
@@ -252,7 +255,7 @@ def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
     for (_, _, group), part in ledger.groupby(["session", "attempt", "group"], sort=False):
         div = _group_divergence(str(group), part)
         if div is not None:
-            times = [c.get("t_start") for c in div.calls.values() if c is not None and _num(c.get("t_start"))]
+            times = [c.get("t_start") for c in div.calls.values() if c is not None and is_number(c.get("t_start"))]
             found.append((min(times) if times else float(div.seq), div))
     if not found:
         return None
@@ -278,7 +281,7 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
         at = {r: (calls[r][k] if k < len(calls[r]) else None) for r in ranks}
         present = [r for r in ranks if at[r] is not None]
         ref = at[present[0]]
-        seq = int(ref["seq"]) if _num(ref.get("seq")) else k + 1
+        seq = int(ref["seq"]) if is_number(ref.get("seq")) else k + 1
         step = ref.get("step")
         if len(present) < len(ranks):
             absent = [r for r in ranks if at[r] is None]

@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import collectives, findings, weightsync
+from workbench.analysis.collectives import is_number
 from workbench.analysis.frames import fmt
 
 BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
@@ -103,10 +104,6 @@ def _names(names: list[str], among: list[str], n: int = 3) -> str:
 def _ranks(ranks: list[int]) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
-
-
-def _num(v: Any) -> bool:
-    return v is not None and v is not pd.NA and not (isinstance(v, float) and v != v)
 
 
 def _table(rec: Any, name: str) -> pd.DataFrame:
@@ -220,15 +217,15 @@ def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
     if "step_index" in o:
         o = o[o["step_index"] == o["step_index"].max()]
     ref = {r.name: r.fingerprint for r in o[o["rank"] == 0].itertuples(index=False)}
-    if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(_num).any():
+    if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(is_number).any():
         ref = {}  # the scenario says what right is: ranks may differ by design (roles, shards)
     out = []
     for r in o.itertuples(index=False):
         diff = getattr(r, "ref_max_abs_diff", None)
-        nan = int(r.nan) if _num(r.nan) else 0
+        nan = int(r.nan) if is_number(r.nan) else 0
         if nan:
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": f"{nan} of {r.numel} values NaN"})
-        elif _num(diff) and float(diff) > 1e-3:
+        elif is_number(diff) and float(diff) > 1e-3:
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name,
                         "how": f"departs from the reference by {fmt(float(diff))}"})
         elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint \
@@ -257,13 +254,14 @@ def _bucket_names(run: _Run, rank: int, call: dict[str, Any]) -> list[str]:
     for s in reversed(run.steps[:upto + 1]):
         t = run.at(run.tensors, s)
         t = t[(t["rank"] == rank) & (t["dtype"] == dtype) & ~t["is_meta"].fillna(False).astype(bool)]
-        if len(t) and (not _num(n) or len(t) == int(n)) and (not _num(numel) or int(t["numel"].sum()) == int(numel)):
+        count_ok = not is_number(n) or len(t) == int(n)
+        if len(t) and count_ok and (not is_number(numel) or int(t["numel"].sum()) == int(numel)):
             return list(t["name"])
     return []
 
 
 def _size(call: dict[str, Any]) -> str:
-    return collectives._size(call.get("bytes"))
+    return collectives.human_bytes(call.get("bytes"))
 
 
 def _where_stuck(run: _Run) -> list[dict[str, Any]]:
@@ -391,7 +389,7 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
             slid = abs(int(pick["shift"]))
             es = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dt(row["dtype"]))
             amount = f"{slid // es} {dt(row['dtype'])} elements ({slid} B)" if es and slid % es == 0 else f"{slid} B"
-            why = " (the extra bucket's size)" if _num(call.get("bytes")) and int(call["bytes"]) == slid else ""
+            why = " (the extra bucket's size)" if is_number(call.get("bytes")) and int(call["bytes"]) == slid else ""
             alike = [m for m in re_rows if m.get("shift") == pick["shift"] and m["rank"] == pick["rank"]]
             more = f" and {len(alike) - 1} more of its tensors" if len(alike) > 1 else ""
             head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}`{more} hold rank {sender}'s bytes slid by "
@@ -536,7 +534,7 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
         t = run.at(run.tensors, step)
         g = t[t["name"] == names[0]]
         agree = set(g["rank"]) == set(all_ranks) and g["fingerprint"].nunique() == 1 and len(all_ranks) > 1
-        worst = max((float(x) for x in g["ref_diff"] if _num(x) and float(x) == float(x)), default=float("nan"))
+        worst = max((float(x) for x in g["ref_diff"] if is_number(x) and float(x) == float(x)), default=float("nan"))
         if agree:
             sentence = (f"every rank holds the same wrong {_names(names, among)} from step `{step}` (departs from "
                         f"its reference value by {fmt(worst)}): a cross-rank comparison sees nothing"

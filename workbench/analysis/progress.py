@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.collectives import OPEN, _num, _size
+from workbench.analysis.collectives import OPEN, human_bytes, is_number
 
 SEP = " · "
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -45,14 +45,14 @@ def open_calls(ledger: Rows) -> list[dict[str, Any]]:
 
 def waiting_call(calls: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
     """The rank's earliest open call: where it waits (NCCL may queue more calls behind it)."""
-    mine = [c for c in calls if _num(c.get("rank")) and int(c["rank"]) == rank and _num(c.get("t_start"))]
-    return min(mine, key=lambda c: (float(c["t_start"]), int(c["seq"]) if _num(c.get("seq")) else 0), default=None)
+    mine = [c for c in calls if is_number(c.get("rank")) and int(c["rank"]) == rank and is_number(c.get("t_start"))]
+    return min(mine, key=lambda c: (float(c["t_start"]), int(c["seq"]) if is_number(c.get("seq")) else 0), default=None)
 
 
 def call_words(call: Mapping[str, Any]) -> str:
     """``broadcast #1 bf16 833.9 KiB`` (and ``on group 1`` off the default group)."""
-    parts = [str(call.get("op")), f"#{call['seq']}" if _num(call.get("seq")) else "",
-             short_dtypes(call.get("dtypes")), _size(call.get("bytes"))]
+    parts = [str(call.get("op")), f"#{call['seq']}" if is_number(call.get("seq")) else "",
+             short_dtypes(call.get("dtypes")), human_bytes(call.get("bytes"))]
     group = call.get("group")
     if group is not None and str(group) not in ("0", ""):
         parts.append(f"on group {group}")

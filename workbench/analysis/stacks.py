@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.analysis.collectives import _short
+from workbench.analysis.collectives import short_path
 
 INNERMOST = 8
 
@@ -30,7 +30,7 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<fn>.
 def compact(frame: str) -> str:
     """``  File "/…/site-packages/torch/x.py", line 9 in f`` -> ``  torch/x.py:9 in f`` (other lines as they are)."""
     m = _FRAME.match(frame)
-    return f"  {_short(m['path'] + ':' + m['line'])} in {m['fn']}" if m else frame
+    return f"  {short_path(m['path'] + ':' + m['line'])} in {m['fn']}" if m else frame
 
 
 def innermost(dump: str, n: int = INNERMOST) -> str:
