@@ -71,7 +71,7 @@ def test_auto_backend_on_a_machine_without_a_gpu_driver_imports_no_torch():
 
     import pytest
 
-    from workbench.live.engines import GPU_DRIVER_PATHS
+    from workbench.rank.host import GPU_DRIVER_PATHS
 
     if any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
         pytest.skip("a GPU driver is present: torch counts the GPUs")

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
-from workbench.rank.host import free_port, set_threads
+from workbench.rank.host import free_port, gpu_count, set_threads
 
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
@@ -51,26 +51,12 @@ def resolve_backend(backend: str, ranks: int) -> str:
         raise ClusterError(f"unknown backend {backend!r}; valid: auto, gloo, nccl")
     if backend == "gloo":
         return backend  # no GPU count needed: a client asking for gloo (or attaching) never imports torch
-    gpus = _gpu_count()
+    gpus = gpu_count()
     if backend == "nccl" and gpus < ranks:
         raise ClusterError(f"backend 'nccl' needs one GPU per rank: {ranks} ranks asked, {gpus} GPU(s) visible")
     if backend == "auto":
         return "nccl" if gpus >= ranks else "gloo"
     return backend
-
-
-GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
-
-
-def _gpu_count() -> int:
-    """GPUs this process would see. Without a GPU driver there are none, and saying so needs no torch
-    (importing it costs a cold CPU run ~1.5 s of the client's time); with one, torch counts them."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or \
-            not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_timeout_port(timeout: float, port: int | None) -> None:

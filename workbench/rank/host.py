@@ -26,11 +26,19 @@ def whoami() -> dict[str, Any]:
         if value.isdigit():
             local = int(value)
             break
-    return {"host": socket.gethostname(), "pid": os.getpid(), "local_env": local, "gpus": _gpu_count(),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "local_env": local, "gpus": gpu_count(),
             "cpus": os.cpu_count() or 1, "addrs": _addresses()}
 
 
-def _gpu_count() -> int:
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
+
+
+def gpu_count() -> int:
+    """GPUs this process would see. Without a GPU driver there are none, and saying so needs no torch
+    (importing it costs a cold CPU run's client ~1.5 s); with one, torch counts them."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or \
+            not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        return 0
     try:
         import torch
     except ImportError:
