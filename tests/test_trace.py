@@ -148,3 +148,17 @@ def test_wrapper_prefixes_are_dropped_from_module_names():
     assert module_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.self_attn") == \
         "model.layers.0.self_attn"
     assert module_name("") == "(root)" and module_name("_fsdp_wrapped_module") == "(root)"
+
+
+def test_an_earlier_finite_departure_is_the_first_fault_not_a_later_non_finite_output():
+    """Recycled memory in a rank's rope buffer: rotary's output is finite but wrong, and only a
+    later module overflows. The fault is at rotary; the NaN module must not be blamed for its
+    own state (CI saw the NaN module named first when the garbage happened to be huge)."""
+    off = [("embed", 0, 1.0, 0.5), ("rotary", 0, 9e30, 4e30), ("attn", 4, float("nan"), float("nan")),
+           ("(root)", 4, float("nan"), float("nan"), 4)]
+    trace = table(rows(HEALTHY, 0) + rows(off, 1) + rows(HEALTHY, 1, "reference"), TRACE_COLUMNS)
+    assert first_fault(trace, 1) == "rotary" and first_fault(trace, 0) is None
+    found = forward_trace("forward", None, None, None, trace=trace)
+    assert found[0]["name"] == "rotary"
+    (nan,) = [f["finding"] for f in found if "non-finite" in f["finding"]]
+    assert "own state" not in nan and "departed earlier at `rotary`" in nan

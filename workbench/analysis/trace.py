@@ -71,37 +71,57 @@ def _first_departure(rows: pd.DataFrame, against: pd.DataFrame, rtol: float) -> 
     return None
 
 
+def _departures(rank: int, run: str, g: pd.DataFrame, runs: dict, before: float, rtol: float) -> list[dict]:
+    """The first departure from rank 0 and from the reference, where it comes before ``before``."""
+    out: list[dict] = []
+    where = "" if run == "model" else f" ({run} run)"
+    against = [("rank 0", "warning", runs.get((0, run)) if rank != 0 else None),
+               ("the reference", "error", runs.get((rank, REFERENCE)))]
+    for label, severity, other in against:
+        hit = _first_departure(g, other, rtol) if other is not None else None
+        if hit and hit[0].call < before:
+            r, o = hit
+            out.append({"rank": rank, "run": run, "kind": f"departs from {label}", "severity": severity,
+                        "module": r.module, "call": r.call,
+                        "finding": f"rank {rank}{where}: first output departing from {label} at "
+                                   f"`{r.module}` ({r.type}; absmax {fmt(r.absmax)} vs {fmt(o.absmax)}, "
+                                   f"mean|x| {fmt(r.meanabs)} vs {fmt(o.meanabs)})"})
+    return out
+
+
+def _non_finite(rank: int, run: str, g: pd.DataFrame, bad: list, earlier: list[dict]) -> dict:
+    """The first non-finite call; its inputs being finite clears upstream only if nothing upstream
+    had already departed (huge finite garbage overflows a few modules later)."""
+    b = bad[0]
+    where = "" if run == "model" else f" ({run} run)"
+    if b.in_nonfinite:
+        cause = "its inputs were already non-finite"
+    elif earlier:
+        first = min(earlier, key=lambda d: d["call"])
+        cause = f"its inputs were finite but an output departed earlier at `{first['module']}`"
+    else:
+        cause = "its inputs were finite: the fault is in this module's own state (buffers, weights)"
+    return {"rank": rank, "run": run, "kind": "non-finite", "severity": "error", "module": b.module,
+            "call": b.call,
+            "finding": f"rank {rank}{where}: first non-finite output at `{b.module}` ({b.type}; "
+                       f"{_bad(b)} of {b.numel} values; {cause}); "
+                       f"{len(bad)} of {len(g)} module outputs non-finite"}
+
+
 def analyse(trace: pd.DataFrame, rtol: float = RTOL) -> list[dict]:
-    """Per (rank, run): the first non-finite call and the first departures, as dicts."""
+    """Per (rank, run): the first non-finite call and the first departures before it, as dicts in
+    call order, so the first one for a rank is where it first went wrong."""
     out: list[dict] = []
     if trace is None or trace.empty:
         return out
     runs = {(int(rk), run): _key(g) for (rk, run), g in trace.groupby(["rank", "run"], sort=True)}
     for (rank, run), g in runs.items():
-        where = "" if run == "model" else f" ({run} run)"
         bad = [r for r in g.itertuples(index=False) if _bad(r) > 0]
         first_bad_call = bad[0].call if bad else math.inf
+        found = [] if run == REFERENCE else _departures(rank, run, g, runs, first_bad_call, rtol)
         if bad:
-            b = bad[0]
-            cause = ("its inputs were finite: the fault is in this module's own state (buffers, weights)"
-                     if not b.in_nonfinite else "its inputs were already non-finite")
-            out.append({"rank": rank, "run": run, "kind": "non-finite", "severity": "error", "module": b.module,
-                        "finding": f"rank {rank}{where}: first non-finite output at `{b.module}` ({b.type}; "
-                                   f"{_bad(b)} of {b.numel} values; {cause}); "
-                                   f"{len(bad)} of {len(g)} module outputs non-finite"})
-        if run == REFERENCE:
-            continue
-        against = [("rank 0", "warning", runs.get((0, run)) if rank != 0 else None),
-                   ("the reference", "error", runs.get((rank, REFERENCE)))]
-        for label, severity, other in against:
-            hit = _first_departure(g, other, rtol) if other is not None else None
-            if hit and hit[0].call < first_bad_call:
-                r, o = hit
-                out.append({"rank": rank, "run": run, "kind": f"departs from {label}", "severity": severity,
-                            "module": r.module,
-                            "finding": f"rank {rank}{where}: first output departing from {label} at "
-                                       f"`{r.module}` ({r.type}; absmax {fmt(r.absmax)} vs {fmt(o.absmax)}, "
-                                       f"mean|x| {fmt(r.meanabs)} vs {fmt(o.meanabs)})"})
+            found.append(_non_finite(rank, run, g, bad, found))
+        out.extend(sorted(found, key=lambda d: d["call"]))
     return out
 
 
@@ -113,7 +133,8 @@ def forward_trace(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
 
 
 def first_fault(trace: pd.DataFrame, rank: int, run: str = "model", rtol: float = RTOL) -> str | None:
-    """The module named first for ``rank`` and ``run`` (non-finite, then rank 0, then reference)."""
+    """The earliest module that went wrong on ``rank`` in ``run``: non-finite, or departing from
+    rank 0 or from the reference."""
     for a in analyse(trace, rtol):
         if a["rank"] == rank and a["run"] == run:
             return a["module"]
