@@ -13,7 +13,7 @@ COLUMNS = [
 ]
 TRACE_COLUMNS = [
     "rank", "run", "call", "module", "type", "dtype", "shape", "numel",
-    "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint",
+    "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint", "device",
 ]
 # Bytes kept at fixed offsets further in (``windows``: the windows that fit, concatenated): a transfer whose
 # stream slid by some bytes (NCCL pairing a 256 B bucket with a larger one slides rank 1's tensors by 128 B)

@@ -114,6 +114,7 @@ def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[
                 "dtype": str(first.dtype).replace("torch.", "") if first is not None else "",
                 "shape": "x".join(map(str, first.shape)) or "()" if first is not None else "",
                 "numel": int(sum(_local(t).numel() for t in outs)),
+                "device": first.device.type if first is not None else "",
             }
             pending.append((row, stats))
         return record
