@@ -9,6 +9,7 @@ import pytest
 
 from workbench.analysis.collectives import (
     OPEN,
+    any_timed_out,
     describe,
     diagnose,
     first_divergence,
@@ -126,6 +127,17 @@ def test_strict_mode_mismatch_counts_as_caught():
     hang = diagnose("wrap", df, {}, [0, 1])
     assert hang.caught_by.startswith("strict mode") and hang.finished == [0, 1] and hang.divergence.kind == "op"
     assert "caught a collective mismatch" in hang.message
+
+
+def test_without_a_failed_rank_only_a_timed_out_or_strict_row_can_make_a_hang():
+    """A clean step skips building its ledger table: ``any_timed_out`` on raw rows must agree with
+    ``is_hang`` whenever no rank failed or errored."""
+    strict = "RuntimeError: Detected mismatch between collectives on ranks."
+    cases = [both({}), both({}, {"op": "broadcast", "src": 0}), [call(0, 1, state=OPEN), call(1, 1)],
+             [call(0, 1, state="timed out"), call(1, 1)], [call(0, 1, state="failed", error=strict), call(1, 1)],
+             [call(0, 1, state="failed", error="RuntimeError: something else"), call(1, 1)]]
+    seen = [any_timed_out(rows) for rows in cases]
+    assert seen == [is_hang({}, ledger_table(rows)) for rows in cases] == [False, False, False, True, True, False]
 
 
 def test_groups_are_aligned_separately():

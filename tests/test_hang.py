@@ -93,6 +93,8 @@ def test_headline_ledger_names_rank0_extra_fp32_broadcast(healthy):
     s = healthy.session("fsdp1-rotary-meta-init")
     s.run(until="wrap_fsdp1")
     wrap = s.frames[-1]
+    assert callable(s.frames[0]._ledger)  # a clean step's table waits until someone reads it
+    assert set(s.frames[0].ledger["step"]) <= {"load"}
     div = first_divergence(wrap.ledger)
     assert div is not None and div.kind == "extra" and div.rank == 0 and div.seq == 1
     c = div.call

@@ -429,6 +429,12 @@ def caught_by(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> str:
     return "collective timeout"
 
 
+def any_timed_out(rows: Iterable[dict[str, Any]]) -> bool:
+    """Whether raw ledger rows hold a timed-out call or strict mode's mismatch: the part of
+    ``is_hang`` a step with no failed rank can still meet, without building the table."""
+    return any(r.get("state") == "timed out" or STRICT in str(r.get("error") or "") for r in rows)
+
+
 def is_hang(failures: dict[int, RankFailure], ledger: pd.DataFrame, errored: Iterable[int] = ()) -> bool:
     """A step hung (or would have): a rank missed its deadline or died, a collective timed out, strict
     mode caught a mismatch, or a rank in ``errored`` returned while its call stayed open (NCCL

@@ -6,6 +6,7 @@ One vocabulary for notebooks, the CLI's JSON and bundles: the probe's column nam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -43,13 +44,13 @@ class Frame:
                  events: pd.DataFrame | list[dict[str, Any]], elapsed: dict[int, float] | None = None,
                  notes: dict[int, list[str]] | None = None,
                  trace: pd.DataFrame | list[dict[str, Any]] | None = None,
-                 ledger: pd.DataFrame | None = None, hang: Any = None):
+                 ledger: pd.DataFrame | Callable[[], pd.DataFrame] | None = None, hang: Any = None):
         self.step, self.index, self.scenario, self.fix = step, index, scenario, fix
         self._tables: dict[str, Any] = {"tensors": tensors, "outputs": outputs, "events": events,
                                         "trace": [] if trace is None else trace}
         self.elapsed = elapsed or {}
         self.notes = notes or {}
-        self.ledger = pd.DataFrame() if ledger is None else ledger  # collectives this step issued, per rank
+        self.ledger = pd.DataFrame() if ledger is None else ledger
         self.hang = hang  # workbench.analysis.collectives.Hang when the step did not finish on every rank
 
     def _table(self, name: str, columns: list[str]) -> pd.DataFrame:
@@ -70,6 +71,17 @@ class Frame:
     def events(self) -> pd.DataFrame:
         """One row per rank that failed this step: an exception, a missed deadline, a death."""
         return self._table("events", EVENT_COLUMNS)
+
+    @property
+    def ledger(self) -> pd.DataFrame:
+        """The collectives this step issued, per rank (built when first read, like the tables)."""
+        if callable(self._ledger):
+            self._ledger = self._ledger()
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, value: pd.DataFrame | Callable[[], pd.DataFrame]) -> None:
+        self._ledger = value
 
     @property
     def kinds(self) -> set[str]:

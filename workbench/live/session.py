@@ -126,10 +126,12 @@ class Session:
                     line.close()
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
-        frame.ledger = self._ledger(step=name)  # read from disk: stuck ranks need not answer
+        rows = [dict(r) for r in self._ledger_rows(step=name)]  # as of now: later reads update rows in place
+        frame.ledger = lambda: collectives.ledger_table(rows)  # a table only when asked (~10 ms a step)
         ev = frame.events
         errored = {int(r) for r in ev.loc[ev["kind"] == "error", "rank"]} if len(ev) else set()
-        if collectives.is_hang(failures, frame.ledger, errored):
+        if (failures or errored or collectives.any_timed_out(rows)) \
+                and collectives.is_hang(failures, frame.ledger, errored):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
             stuck = sorted(frame.hang.stuck)
@@ -195,12 +197,15 @@ class Session:
     def events(self) -> pd.DataFrame:
         return _stack(self.frames, "events")
 
-    def _ledger(self, step: str | None = None, attempt: int | None = None) -> pd.DataFrame:
+    def _ledger_rows(self, step: str | None = None, attempt: int | None = None) -> list[dict[str, Any]]:
         self._ledger_reader.poll()
         where: dict[str, Any] = {"attempt": self.attempt if attempt is None else attempt}
         if step is not None:
             where["step"] = step
-        return collectives.ledger_table(self._ledger_reader.calls(**where))
+        return self._ledger_reader.calls(**where)
+
+    def _ledger(self, step: str | None = None, attempt: int | None = None) -> pd.DataFrame:
+        return collectives.ledger_table(self._ledger_rows(step, attempt))
 
     def _open_calls(self, step: str) -> list[dict[str, Any]]:
         """The step's calls some rank is still inside, as raw rows (cheap: no table of every call)."""
