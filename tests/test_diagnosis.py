@@ -195,6 +195,29 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
 NON_FIXES = {"recompute-after-wrap", "check-streamed-names"}
 
 
+def test_a_rank_that_raised_before_anything_went_wrong_leads_the_story():
+    """The streamed-name check refusing a stream is the first cause; the weights it left unloaded
+    (wrong at the next step) come after it, not instead of it."""
+    good = [[("w", INV)], [("w", INV.clone())]]
+    stale = [[("w", INV)], [("w", INV * 2, {"ref_diff": 1.0})]]
+    msg = "weight stream disagrees with the plan at index 33: streamed name 'b', the plan says 'a'"
+    ev = [{"step": "deliver", "step_index": 1, "rank": r, "kind": "error", "error": "StreamPlanMismatch",
+           "message": msg} for r in (0, 1)]
+    d = record(steps(("plan", good), ("deliver", good), ("score", stale)), events=ev).diagnose()
+    assert d.mechanism == "error" and d.step == "deliver" and d.ranks == [0, 1]
+    assert d.sentence.startswith("ranks 0,1 raised StreamPlanMismatch in step `deliver`: weight stream disagrees "
+                                 "with the plan at index 33"), d.sentence
+    assert "; later, in step `score`: `w` on rank 1 departs from its reference value" in d.sentence
+    # raised in the step that left the state wrong: the exception leads, the state follows
+    same = [{**e, "step": "score", "step_index": 2} for e in ev]
+    d = record(steps(("plan", good), ("deliver", good), ("score", stale)), events=same).diagnose()
+    assert d.mechanism == "error" and "; in the same step: `w` on rank 1 departs" in d.sentence
+    # the state went wrong first: it leads, whatever raised later
+    later = [{**e, "step": "report", "step_index": 3} for e in ev]
+    d = record(steps(("plan", good), ("deliver", good), ("score", stale), ("report", stale)), events=later).diagnose()
+    assert d.mechanism == "wrong-value" and d.step == "score"
+
+
 def test_every_catalogue_scenario_has_an_expected_diagnosis():
     from workbench import scenarios
 
@@ -218,6 +241,8 @@ def test_catalogue_bug_paths_name_the_cause_and_fixes_are_clean(name):
             assert rec.diagnose().clean, (fix, rec.diagnose().sentence)
         elif fix == "recompute-after-wrap":
             assert rec.diagnose().mechanism == "reinterpreted"
+        elif fix == "check-streamed-names":  # the refused stream leads, not what it left unloaded
+            assert rec.diagnose().sentence.startswith("ranks 0,1 raised StreamPlanMismatch in step `deliver`")
         elif fix:
             assert not rec.diagnose().clean
 
@@ -235,7 +260,8 @@ def test_gpu_bundles_bug_named_fix_clean(path):
         return
     assert not d.clean
     if fix == "check-streamed-names":  # insurance alone: the check fails loudly, the later walk still parts
-        assert "StreamPlanMismatch" in " ".join(rec.events["error"]) and "later, in step" in d.sentence
+        assert d.sentence.startswith("ranks 0,1 raised StreamPlanMismatch in step `deliver`") \
+            and "later, in step" in d.sentence, d.sentence
         return
     if rec.manifest["scenario"] == "fsdp1-rotary-meta-init":
         assert "rank 0 sent an extra fp32 bucket (broadcast #1, 256 B: `inv_freq`, `original_inv_freq`) that rank 1 " \

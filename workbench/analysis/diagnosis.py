@@ -420,6 +420,54 @@ def diagnose(record: Any) -> Diagnosis:
 
 
 def _diagnose(run: _Run) -> Diagnosis:
+    d = _diagnose_state(run)
+    first = _first_error(run)
+    if first is None:
+        return d
+    if d.clean:
+        return _from_error(run, first.step)
+    at, then = run.index(first.step), run.index(d.step)
+    # A rank raised before anything else went wrong (a check refusing a stream, a failed load), or
+    # in the step where the state went wrong without a collective to blame: the exception is the
+    # first cause, and what it left undone or half-written is the rest of the story.
+    if at < then or (at == then and d.call is None and d.mechanism not in _OUTCOMES):
+        e = _from_error(run, first.step)
+        e.sentence += (f"; later, in step `{d.step}`: " if at < then else "; in the same step: ") + d.sentence
+        e.evidence = pd.concat([e.evidence, d.evidence], ignore_index=True)
+        return e
+    return d
+
+
+_OUTCOMES = ("rank-died", "hang")  # stories about ranks, which already name who raised
+
+
+def _first_error(run: _Run) -> Any:
+    ev = run.events
+    if not len(ev) or "kind" not in ev.columns:
+        return None
+    errors = ev[ev["kind"] == "error"]
+    if not len(errors):
+        return None
+    return min(errors.itertuples(index=False), key=lambda e: run.index(e.step))
+
+
+def _from_error(run: _Run, step: str) -> Diagnosis:
+    """Ranks that raised in ``step``: one sentence for one error, the others named by rank."""
+    ev = run.events
+    errors = ev[(ev["kind"] == "error") & (ev["step"] == step)]
+    e = errors.iloc[0]
+    same = errors[(errors["error"] == e["error"]) & (errors["message"] == e["message"])]
+    ranks = sorted(int(r) for r in same["rank"])
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+    sentence = f"{who} raised {e['error']} in step `{step}`: {str(e['message'])[:200]}"
+    others = errors[~errors.index.isin(same.index)]
+    sentence += "".join(f"; rank {int(o.rank)} raised {o.error}" for o in others.itertuples(index=False))
+    return Diagnosis("error", sentence, step, sorted(int(r) for r in errors["rank"]), None, None,
+                     _ev([{"step": x.step, "rank": x.rank, "what": x.error, "fact": str(x.message)[:300]}
+                          for x in ev[ev["kind"] == "error"].itertuples(index=False)]))
+
+
+def _diagnose_state(run: _Run) -> Diagnosis:
     among = run.names
     div = collectives.first_divergence(run.ledger) if len(run.ledger) else None
     if div is not None:
@@ -450,13 +498,6 @@ def _diagnose(run: _Run) -> Diagnosis:
         sentence = (f"step `{s['step']}` did not finish: " + "; ".join(f"rank {x['rank']} {x['how']}" for x in stuck)
                     + "; the ranks' ledgers agree call for call, so no collective was mispaired")
         return Diagnosis("hang", sentence, s["step"], [x["rank"] for x in stuck], None, s.get("call"), _ev(ev))
-    errors = run.events
-    if len(errors):
-        e = errors.iloc[0]
-        sentence = f"rank {int(e['rank'])} raised {e['error']} in step `{e['step']}`: {str(e['message'])[:200]}"
-        return Diagnosis("error", sentence, e["step"], sorted(int(r) for r in errors["rank"]), None, None,
-                         _ev([{"step": x.step, "rank": x.rank, "what": x.error, "fact": str(x.message)[:300]}
-                              for x in errors.itertuples(index=False)]))
 
     faults = _persistent_faults(run)
     bad_out = _bad_outputs(run)
