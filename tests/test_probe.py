@@ -110,3 +110,30 @@ def test_windows_of_many_tensors_in_one_copy_are_the_bytes_at_the_window_offsets
     expected = torch.cat([by_hand(t) for t in group]).to(torch.float64)
     assert expected.numel() > 0 and torch.equal(probe._windows_many(group), expected)
     assert probe._windows_many([torch.zeros(10)]).numel() == 0  # small tensors keep no windows
+
+
+def test_cpu_shortcuts_give_the_general_paths_values():
+    """The all-finite shortcut and the in-place fingerprint are speed only: same numbers, same bits."""
+    from workbench.rank import fingerprint as fp
+    from workbench.rank.probe import _stats
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (1, 7, 4097):
+            t = (torch.randn(n, generator=g) * 3).to(dtype)
+            x = t if dtype == torch.float64 else t.float()
+            finite = torch.isfinite(x)
+            general = [0, 0, 0, float(torch.where(finite, x, math.inf).min()),
+                       float(torch.where(finite, x, -math.inf).max()),
+                       float(torch.where(finite, x, 0.0).sum() / finite.sum().clamp(min=1))]
+            assert [float(v) for v in _stats(t)[0]] == general, (dtype, n)
+            w = fp._words(t)
+            idx = torch.arange(1, w.numel() + 1, dtype=torch.int64)
+            a = ((w ^ ((idx * fp._K1) & fp._M32)) * fp._K2) & fp._M32
+            c = (((w + idx * fp._K3) & fp._M32) * fp._K4) & fp._M32
+            lanes = (int((a ^ (a >> 15)).sum() & fp._M32), int((c ^ (c >> 13)).sum() & fp._M32))
+            assert tuple(int(v) for v in fp._fingerprint_lanes(t)) == lanes, (dtype, n)
+    mixed = [("a", "tensor", torch.randn(600)), ("b", "tensor", torch.randn(700).bfloat16()),
+             ("c", "tensor", torch.randn(900))]
+    together = probe_tensors(mixed, 0)
+    assert [r["windows"] for r in together] == [probe_tensors([m], 0)[0]["windows"] for m in mixed]

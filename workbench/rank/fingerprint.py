@@ -27,10 +27,14 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
 def _fingerprint_lanes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = _words(flat)
     idx = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
-    a = ((w ^ ((idx * _K1) & _M32)) * _K2) & _M32
-    a = a ^ (a >> 15)
-    c = (((w + idx * _K3) & _M32) * _K4) & _M32
-    c = c ^ (c >> 13)
+    # In place where it can be: the same values as the expressions in the comments, with two
+    # temporaries instead of twelve (on CPU the probe's time is this arithmetic's memory traffic).
+    a = idx * _K1  # a = ((w ^ ((idx * K1) & M32)) * K2) & M32; a ^= a >> 15
+    a.bitwise_and_(_M32).bitwise_xor_(w).mul_(_K2).bitwise_and_(_M32)
+    a.bitwise_xor_(a >> 15)
+    c = idx.mul_(_K3)  # c = (((w + idx * K3) & M32) * K4) & M32; c ^= c >> 13
+    c.add_(w).bitwise_and_(_M32).mul_(_K4).bitwise_and_(_M32)
+    c.bitwise_xor_(c >> 13)
     return a.sum() & _M32, c.sum() & _M32
 
 
