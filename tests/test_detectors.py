@@ -83,17 +83,25 @@ def test_reference_check_flags_garbage_every_rank_agrees_on():
     assert findings.reference_check("s", ok, EMPTY, EMPTY) == []
 
 
+def with_probe_values(t: torch.Tensor) -> str | None:
+    from workbench.rank.probe import probe_tensors
+
+    (row,) = probe_tensors([("t", "tensor", t)], 0)
+    return poison.written_state(t, row["poisoned"], row["fingerprint"])
+
+
 def test_written_since_materialisation_with_and_without_poison():
     for poison_on in (False, True):
         with torch.device("meta"):
             m = nn.Linear(4, 4)
         with poison.poisoned(poison_on):
             m.to_empty(device="cpu")
-        assert poison.written_state(m.weight) == "never written"
+        assert poison.written_state(m.weight) == with_probe_values(m.weight) == "never written"
         with torch.no_grad():
             m.weight[0].copy_(torch.tensor([11.37, -3.25, 7.5, 0.125]))  # not zeros: fresh pages often are
         state = poison.written_state(m.weight)
         assert state == ("partly written" if poison_on else "written"), (poison_on, m.weight, poison._TRACKED)
+        assert with_probe_values(m.weight) == state  # the rank passes the probe's count and hash
         assert poison.written_state(torch.zeros(3)) is None  # never materialised: not tracked
     poison.uninstall()
 

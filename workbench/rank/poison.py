@@ -89,28 +89,34 @@ def track(t: torch.Tensor, poison: bool) -> None:
     _STATE["materialized"] += 1
 
 
-def written_state(t: torch.Tensor) -> str | None:
+_U64 = (1 << 64) - 1
+
+
+def written_state(t: torch.Tensor, poisoned: int | None = None, fingerprint: str | None = None) -> str | None:
     """'never written' / 'partly written' / 'written' for tensors to_empty handed out, else None.
 
     With poison on this is exact per element; without, a tensor whose bytes still hash
-    to what to_empty left is 'never written'.
+    to what to_empty left is 'never written'. ``poisoned`` and ``fingerprint``: the probe's
+    values for ``t`` when it has them (the poison count and the hash are then not computed twice).
     """
     if t.is_meta or t.numel() == 0:
         return None
+    left: int | None = None
     if t.dtype in POISON_BITS:
         # Poison bits are only ever written by poison_: where some remain, the answer needs no tracking entry
         # (a view into a flat buffer, an address reused since, all read the same).
-        left = int(poison_count(t))
+        left = int(poison_count(t)) if poisoned is None else int(poisoned)
         if left:
             return "never written" if left == t.numel() else "partly written"
     entry = _TRACKED.get(t.data_ptr())
     if entry is None or entry[2] != t.numel():
         return None
-    poisoned, fp, _ = entry
-    if poisoned:
-        left = poison_count(t)
-        n = 0 if left is None else int(left)
+    was_poisoned, fp, _ = entry
+    if was_poisoned:
+        n = left or 0  # None: a dtype poison cannot mark
         return "never written" if n == t.numel() else ("partly written" if n else "written")
+    if fingerprint is not None and len(fingerprint) == 16:  # not "meta"/"empty" (a complex tensor's)
+        return "never written" if int(fingerprint, 16) == fp & _U64 else "written"  # fp: a signed int64
     from workbench.rank.fingerprint import _fingerprint
 
     return "never written" if int(_fingerprint(t.reshape(-1))) == fp else "written"

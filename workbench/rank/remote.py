@@ -106,7 +106,7 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
                     sharded.add(n)  # a DTensor: this rank holds a shard, not the whole tensor
     for row in rows:
         t = by_name.get(row["name"])
-        row["written"] = None if t is None else poison.written_state(t)
+        row["written"] = None if t is None else poison.written_state(t, row.get("poisoned"), row.get("fingerprint"))
         row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
 
