@@ -59,3 +59,20 @@ def test_run_writes_json_in_the_frames_vocabulary_and_a_report(tmp_path):
     assert logits[0]["nan"] == 0 and logits[1]["nan"] == logits[1]["numel"]
     page = html.read_text()
     assert "plotly" in page.lower() and "<script" in page and "fsdp1-rotary-meta-init" in page
+
+
+def test_make_demo_the_main_job_succeeds_and_says_the_failure_is_the_incident():
+    """`make demo` is the README's first command: the bug path's failed step is the incident it
+    shows, not a failed demo, so make must not end with 'Error 1'; a missing report still fails it."""
+    import pathlib
+    import shutil
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    report = root / "reports" / "fsdp1-rotary-meta-init.html"
+    out = subprocess.run(["make", "-s", "demo"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    assert "diagnosis (reinterpreted): rank 1's `inv_freq` is rank 0's fp32 bytes" in out.stdout
+    assert report.stat().st_size > 10_000
+    assert "demo: the bug path failed as the incident does" in out.stdout
