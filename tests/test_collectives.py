@@ -190,3 +190,15 @@ def test_ledger_table_is_parquet_safe(tmp_path):
     df.to_parquet(tmp_path / "l.parquet")
     back = pd.read_parquet(tmp_path / "l.parquet")
     assert first_divergence(back) is None and len(back) == 4
+
+
+def test_a_frame_names_its_failed_ranks_without_building_its_events_table():
+    from workbench.analysis.frames import Frame
+
+    values = {r: {"tensors": [], "outputs": [], "elapsed": 0.1, "notes": [], "error": None} for r in (0, 1, 2)}
+    values[1]["error"] = {"error": "ValueError", "message": "bad", "traceback": ""}
+    values[2]["error"] = {"kind": "skipped", "error": "Skipped", "message": "earlier", "traceback": ""}
+    frame = Frame.build("s", 0, "sc", None, values, {0: RankFailure(0, "timeout", "Timeout", "late")})
+    assert frame.ranks_with("error") == {1} and frame.ranks_with("skipped") == {2}
+    assert frame.ranks_with("timeout") == {0} and isinstance(frame._tables["events"], list)  # still raw
+    assert len(frame.events) == 3 and frame.ranks_with("error") == {1}  # the same once the table exists

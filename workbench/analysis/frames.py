@@ -89,6 +89,13 @@ class Frame:
         v = self._tables["events"]
         return set(v["kind"]) if isinstance(v, pd.DataFrame) else {e["kind"] for e in v}
 
+    def ranks_with(self, kind: str) -> set[int]:
+        """The ranks with a ``kind`` event ('error', 'skipped', ...), without building a table."""
+        v = self._tables["events"]
+        if isinstance(v, pd.DataFrame):
+            return {int(r) for r in v.loc[v["kind"] == kind, "rank"]} if len(v) else set()
+        return {int(e["rank"]) for e in v if e["kind"] == kind}
+
     @property
     def trace(self) -> pd.DataFrame:
         """Forward-trace rows (one per module call) when the step traced a forward."""

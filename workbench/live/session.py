@@ -128,8 +128,7 @@ class Session:
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         rows = [dict(r) for r in self._ledger_rows(step=name)]  # as of now: later reads update rows in place
         frame.ledger = lambda: collectives.ledger_table(rows)  # a table only when asked (~10 ms a step)
-        ev = frame.events
-        errored = {int(r) for r in ev.loc[ev["kind"] == "error", "rank"]} if len(ev) else set()
+        errored = frame.ranks_with("error")  # raw events: a clean step builds no table it was not asked for
         if (failures or errored or collectives.any_timed_out(rows)) \
                 and collectives.is_hang(failures, frame.ledger, errored):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
