@@ -37,7 +37,7 @@ def together(ctx) -> None:
     ctx.output("sum", y)
 
 
-def test_real_hang_is_detected_diagnosed_and_recovered(healthy):
+def test_real_hang_is_detected_diagnosed_and_recovered(healthy, monkeypatch):
     s = healthy.session(LONELY)
     s.step()
     s.deadline = 3.0  # well under the 8 s collective timeout: the rank is still inside when we look
@@ -50,7 +50,20 @@ def test_real_hang_is_detected_diagnosed_and_recovered(healthy):
     assert frame.hang.divergence.kind == "extra" and frame.hang.divergence.ranks == [0]
     assert frame.ledger.loc[0, "user_frame"].endswith("lonely")
 
+    asked: list[tuple[int, str]] = []
+    control = healthy.control
+
+    def record(rank: int, cmd: str, **kw):
+        asked.append((rank, cmd))
+        return control(rank, cmd, **kw)
+
+    monkeypatch.setattr(healthy, "control", record)
     info = s.recover()
+    monkeypatch.undo()
+    # Every rank knows the abort is ours before any rank cuts its sockets: an idle rank's cut wakes the
+    # stuck one with "Connection closed by peer", which its ledger must still call the recovery's doing.
+    cmds = [c for _, c in asked]
+    assert sorted(asked[:2]) == [(0, "mark"), (1, "mark")] and cmds[2:] == ["abort", "abort"], asked
     assert info["action"].startswith("re-formed") and info["replayed"] == ["setup"]
     assert not healthy.needs_recovery
     after = s.step()

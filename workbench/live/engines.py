@@ -253,7 +253,9 @@ class Engines:
         if self.alive and not dead and stuck:
             # Release the blocked calls through each rank's control thread (NCCL: abort the communicators;
             # gloo: cut the group's sockets) instead of waiting out the collective timeout.
+            # Every rank is marked first, so a call another rank's abort releases is still put down to us.
             with ThreadPoolExecutor(max_workers=min(32, self.world_size)) as pool:  # a silent host costs 3 s once
+                list(pool.map(lambda r: self.control(r, "mark"), range(self.world_size)))
                 aborted = dict(zip(range(self.world_size),
                                    pool.map(lambda r: self.control(r, "abort"), range(self.world_size))))
             if not self.wait_idle(ABORT_WAIT_S):
@@ -360,7 +362,8 @@ class Engines:
         return not self._busy
 
     def control(self, rank: int, cmd: str, timeout: float = 3.0) -> dict[str, Any]:
-        """Ask a rank's control thread (``ping``, ``stacks``, ``abort``); it answers while the rank is stuck."""
+        """Ask a rank's control thread (``ping``, ``stacks``, ``mark``, ``abort``); it answers while the rank is
+        stuck."""
         from workbench.rank.control import ask
 
         where = self.controls.get(rank)

@@ -78,14 +78,24 @@ def _serve(srv: socket.socket) -> None:
 
 
 def handle(cmd: str) -> dict[str, Any]:
-    """One command: ``ping``, ``stacks`` or ``abort``."""
+    """One command: ``ping``, ``stacks``, ``mark`` or ``abort``."""
     if cmd == "ping":
         return {"ok": True, "pid": os.getpid()}
     if cmd == "stacks":
         return {"stacks": stacks()}
+    if cmd == "mark":
+        return mark()
     if cmd == "abort":
         return abort()
-    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, abort"}
+    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort"}
+
+
+def mark() -> dict[str, Any]:
+    """Say that this rank's group is about to be aborted, before any rank aborts: on gloo an idle
+    rank cutting its sockets wakes a stuck peer ("Connection closed by peer") before that peer's
+    own abort arrives, and the peer's ledger must still put the failure down to the recovery."""
+    _STATE["aborted"] = True
+    return {"marked": True}
 
 
 def stacks() -> dict[str, str]:
