@@ -188,7 +188,7 @@ def abort() -> dict[str, Any]:
     t0 = time.perf_counter()
     if not dist.is_initialized():
         return {"aborted": False, "why": "no process group"}
-    _STATE["aborted"] = True  # the calls it releases fail because of us: the ledger says so
+    mark()  # the calls it releases fail because of us: the ledger says so
     backend = str(dist.get_backend())
     done: list[str] = []
     if backend == "nccl":
