@@ -9,11 +9,13 @@ That call moves the *state dict*, and non-persistent buffers are not in it: the 
 embedding's ``inv_freq`` / ``original_inv_freq`` are computed in ``__init__``, which ran
 on meta. Two ways the incident goes wrong, one parameter:
 
+- ``variant="rank0-garbage"`` (the default, the incident's own: SkyRL's FSDP2 path calls
+  ``_sync_non_persistent_buffers``, whose rank 0 source was itself never initialised; below).
 - ``variant="never-synced"``: rank 0 loads ``from_pretrained`` (correct fp32
   ``inv_freq``); the other ranks rely on the state-dict broadcast alone. Their ``inv_freq``
   keeps whatever ``to_empty`` left: NaN under poison, zeros or stale bytes without. Their
   logits are NaN or silently off, and rank 0 looks fine.
-- ``variant="rank0-garbage"``: every rank builds on meta (rank 0 too, with the full state
+- ``variant="rank0-garbage"`` in detail: every rank builds on meta (rank 0 too, with the full state
   dict read from disk), and a ``_sync_non_persistent_buffers`` step broadcasts rank 0's
   buffers afterwards. Rank 0's own ``inv_freq`` came out of ``to_empty`` too, so every
   rank agrees on the same garbage: a cross-rank check sees nothing; only a check against
@@ -41,7 +43,7 @@ SCENARIO = Scenario(
     name="fsdp2-nonpersistent-buffer-sync",
     title="FSDP2 full-state-dict load: non-persistent inv_freq never synced, or synced from garbage",
     doc=__doc__,
-    params={**QWEN3_SHAPE, "seq_len": 16, "seed": 0, "variant": "never-synced"},
+    params={**QWEN3_SHAPE, "seq_len": 16, "seed": 0, "variant": "rank0-garbage"},
     probe=["model"],
     incident="000_32cc5898865daad7",
 )
