@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         sc = scenarios.get(name)
         print(f"{name:34s} {sc.title}")
         for fix, doc in sc.fixes.items():
-            print(f"    --fix {fix:28s} {doc.split('.')[0]}")
+            first = re.split(r"(?<=[a-z0-9)`])\.\s+(?=[A-Z(])", doc, maxsplit=1)[0].rstrip(".")
+            warn = "NON-FIX (kept to show why): " if fix in sc.non_fixes else ""
+            print(f"    --fix {fix:28s} {warn}{first}")
     return 0
 
 

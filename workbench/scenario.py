@@ -28,6 +28,7 @@ class Scenario:
     incident: str = ""
     steps: list[tuple[str, Step]] = field(default_factory=list)
     rules: dict[str, list[tuple[Callable[[Any], bool], str]]] = field(default_factory=dict)
+    non_fixes: set[str] = field(default_factory=set)  # fixes kept to show why they do not fix
 
     def step(self, fn: Step | None = None, *, name: str | None = None) -> Any:
         """Decorator: append ``fn`` as the next step (named after the function)."""
@@ -39,9 +40,13 @@ class Scenario:
             return f
         return add(fn) if fn is not None else add
 
-    def fix(self, name: str, doc: str = "") -> str:
-        """Declare a fix the steps switch on with ``ctx.fix == name``."""
+    def fix(self, name: str, doc: str = "", *, non_fix: bool = False) -> str:
+        """Declare a fix the steps switch on with ``ctx.fix == name``. ``non_fix``: a tempting change
+        that does not close the gap (kept because an incident tried it or a reader would): listings
+        warn, and the comparison is expected not to read clean."""
         self.fixes[name] = doc
+        if non_fix:
+            self.non_fixes.add(name)
         return name
 
     def require(self, param: str, rule: Callable[[Any], bool], why: str) -> None:

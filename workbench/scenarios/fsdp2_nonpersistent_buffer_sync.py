@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from workbench.rank.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
 from workbench.scenario import Scenario
-from workbench.scenarios.fsdp1_rotary_meta_init import recompute_rope
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +127,8 @@ def load_state_dict(ctx) -> None:
 def sync_buffers(ctx) -> None:
     """Broadcast non-persistent buffers from rank 0 (rank0-garbage and the fixes); never-synced skips it."""
     variant = ctx.params["variant"]
+    from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+
     if ctx.fix == INIT_BEFORE_BROADCAST and ctx.rank == 0:
         recompute_rope(ctx.model)
         ctx.note("rank 0 recomputed inv_freq in fp32 from the config before the broadcast")
@@ -154,27 +155,3 @@ def forward(ctx) -> None:
             expected = reference(input_ids=ids).logits.float()
     diff = (logits - expected).abs().nan_to_num(nan=float("inf")).max().item()
     ctx.output("logits", logits, ref_max_abs_diff=diff)
-
-
-def sync_non_persistent_buffers(model: torch.nn.Module, device: torch.device) -> int:
-    """SkyRL's ``_sync_non_persistent_buffers``: rank 0's copy of each buffer, to every rank.
-
-    Rank 0 sends whatever it holds; nothing checks that it was ever initialised.
-    """
-    import torch
-    import torch.distributed as dist
-
-    count = 0
-    for module in model.modules():
-        for key in sorted(module._non_persistent_buffers_set):
-            buf = module._buffers.get(key)
-            if buf is None:
-                continue
-            if dist.get_rank() == 0:
-                src = buf.detach().to(device).contiguous()
-            else:
-                src = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            dist.broadcast(src, src=0)
-            module._buffers[key] = src
-            count += 1
-    return count
