@@ -638,9 +638,14 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
     for i, s in enumerate(run.steps):
         st = run.status[s]
         split = _split_cells(run, s, d)
+        # one pass per step, not one filter per rank: the grid stays linear in the ranks (256 ranks x 60 tensors)
+        probed = set(st["rank"].astype(int)) if len(st) else set()
+        bad_counts: dict[int, dict[str, int]] = {}
+        if len(st):
+            bad = st[st["status"].isin(BAD)]
+            for (rank, status_), n in bad.groupby(["rank", "status"], sort=False).size().items():
+                bad_counts.setdefault(int(rank), {})[status_] = int(n)
         for rank in run.ranks:
-            mine = st[st["rank"] == rank] if len(st) else st
-            bad = mine[mine["status"].isin(BAD)] if len(mine) else mine
             if (s, rank) in stuck:
                 status, label = ("failed" if "timed out" in stuck[(s, rank)] or "failed" in stuck[(s, rank)]
                                  else "hung"), stuck[(s, rank)]
@@ -648,10 +653,10 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
                 status, label = "failed", str(errors[(s, rank)])
             elif split and rank in split:
                 status, label = "fault", f"dtype split ({split[rank]})"
-            elif len(bad):
-                counts = bad["status"].value_counts()
-                status, label = "fault", ", ".join(f"{n} {k}" for k, n in counts.items())
-            elif len(mine):
+            elif rank in bad_counts:
+                counts = sorted(bad_counts[rank].items(), key=lambda kv: -kv[1])
+                status, label = "fault", ", ".join(f"{n} {k}" for k, n in counts)
+            elif rank in probed:
                 status, label = "ok", "ok"
             else:
                 status, label = "not run", "no rows"
