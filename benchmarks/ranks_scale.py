@@ -7,8 +7,10 @@ Prints two tables.
    slowest rank's own time) and a warm run of ``fsdp1-rotary-meta-init`` with fix
    ``cast-params-only``. At the largest world size also the bug path: ranks 1..N-1
    must hold the same corruption, and the grouped view must show them as one row.
-2. Views on synthetic frames (8/16/64 ranks x 60 tensors x 4 steps): grouping, the
-   status matrix, buffer values, and the whole HTML report; time and size.
+2. Views and analysis on synthetic frames (8/16/64/256 ranks x 60 tensors x 4 steps):
+   grouping, the status matrix, buffer values, the diagnosis and the whole HTML report;
+   time and size. Live rows also give the client's memory and the bytes of rows a step
+   ships from the ranks.
 
 On a 2-core machine every rank shares two cores, so 8 ranks measure contention as much
 as the workbench: read the trend, not the absolute numbers.
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import time
 
 import pandas as pd
+import psutil
 import torch
 
 SCENARIO, FIX = "fsdp1-rotary-meta-init", "cast-params-only"
@@ -72,6 +76,9 @@ def live(ranks: int, repeats: int, timeout: float, bug: bool) -> dict:
             runs.append(secs)
             ok = ok and s.last.ok
         row["warm run (fix)"] = statistics.median(runs)
+        row["rows shipped per step KB"] = statistics.median(
+            len(pickle.dumps(f.tensors)) + len(pickle.dumps(f.outputs)) for f in s.frames) / 1e3
+        row["client RSS MB"] = psutil.Process().memory_info().rss / 1e6
         row["per-step overhead"] = statistics.median(overheads)
         groups = rankgroups.group_identical_ranks(s.last.tensors)
         row["fix: rows in view"] = len(groups)
@@ -144,6 +151,8 @@ def views(n_ranks: int, n_tensors: int = 60, steps: int = 4) -> dict:
         df.insert(0, "step_index", pd.Series(dtype="int64"))
         df.insert(0, "step", pd.Series(dtype="object"))
     rec = RunRecord(manifest, hist, outputs, empty)
+    row["diagnose s"], d = _timed(rec.diagnose)
+    row["diagnosis names"] = d.sentence[:60]
     row["report s"], html = _timed(lambda: render([rec]), repeats=1)
     row["report MB"] = len(html) / 1e6
     return row
@@ -163,14 +172,14 @@ def _print(rows: list[dict], title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=30.0, help="collective timeout (s); 2 cores, 8 ranks: be generous")
     ap.add_argument("--views-only", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     print(f"cpu cores: {os.cpu_count()}  torch {torch.__version__}")
-    view_rows = [views(n) for n in (8, 16, 64)]
+    view_rows = [views(n) for n in (8, 16, 64, 256)]
     _print(view_rows, "views on synthetic frames (seconds, best of 3; sizes)")
     if args.views_only:
         return

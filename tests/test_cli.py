@@ -34,6 +34,11 @@ def test_list_names_every_scenario_and_fix():
     out = cli("list", timeout=60)
     assert out.returncode == 0
     assert "fsdp1-rotary-meta-init" in out.stdout and "--fix cast-params-only" in out.stdout
+    # a declared non-fix is flagged, and a doc's first sentence survives a dotted name inside it
+    line = next(x for x in out.stdout.splitlines() if "--fix recompute-after-wrap" in x)
+    assert "NON-FIX" in line
+    line = next(x for x in out.stdout.splitlines() if "--fix materialize-meta-only" in x)
+    assert "Module._apply with an is_meta guard" in line
 
 
 def test_run_writes_json_in_the_frames_vocabulary_and_a_report(tmp_path):

@@ -176,8 +176,12 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
         "`cast` split the dtypes, rank 0 sent an extra fp32 bucket (broadcast #1, 256 B: `inv_freq`, "
         "`original_inv_freq`) that rank 1 received into its bf16 bucket; the rest of rank 1's tensors were never "
         "written; rank 0 timed out in broadcast #2"]),
-    "fsdp2-nonpersistent-buffer-sync": ("never-written", ["`inv_freq`, `original_inv_freq` on rank 1 were never"]),
-    "to-empty-clobbers-buffers": ("never-written", ["`expert_bias` on ranks 0,1", "same garbage"]),
+    # the incident's own variant (rank0-garbage): rank 0's source was never initialised either
+    "fsdp2-nonpersistent-buffer-sync": ("never-written", ["`inv_freq`, `original_inv_freq` on ranks 0,1 were never",
+                                                          "same garbage"]),
+    "to-empty-clobbers-buffers": ("never-written", ["`expert_bias` on ranks 0,1 was real (not meta) before step "
+                                                    "`materialize`", "kept it NaN through step `train`",
+                                                    "same garbage"]),
     "eval-loop-uneven-batches": ("collective-mismatch", ["call #9", "all_reduce #9", "all_gather_into_tensor #9"]),
     "weight-sync-rank0-metadata": ("mislabeled", [
         "worker 1 `model.layers.0.mlp.experts.0.gate_up_proj` holds trainer rank 1's "

@@ -87,6 +87,30 @@ def test_recompute_after_wrap_repairs_inv_freq_only(cluster):
     assert last.outputs.set_index("rank").loc[1, "nan"] > 0
 
 
+def test_the_incidents_fp32_workaround_is_clean(cluster):
+    s = cluster.session(SCENARIO, fix="fp32-everywhere")
+    s.run()
+    last = s.frames[-1]
+    assert all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]
+    assert set(last.tensors["dtype"]) == {"float32"}  # no dtype split, so one bucket on every rank
+    assert (status(last.tensors)["status"] == "ok").all()
+    assert (last.outputs["ref_max_abs_diff"] == 0.0).all()
+    assert s.diagnose().mechanism == "clean"
+
+
+def test_the_incidents_buffer_sync_after_the_wrap_is_a_non_fix_while_dtypes_split(cluster):
+    """The report's suggested fix re-initialises and syncs inv_freq after the wrap; the bucketed
+    broadcast inside the wrap already mispaired, so the diagnosis still names it, and listings warn."""
+    from workbench import scenarios
+
+    sc = scenarios.get(SCENARIO)
+    assert sc.non_fixes == {"recompute-after-wrap", "sync-buffers-after-wrap"}
+    s = cluster.session(SCENARIO, fix="sync-buffers-after-wrap")
+    s.run()
+    d = s.diagnose()
+    assert d.mechanism != "clean" and "bucketed by dtype after `cast` split the dtypes" in d.sentence
+
+
 def test_no_poison_still_shows_the_dtype_split_and_wrong_rank1(cluster):
     s = cluster.session(SCENARIO, poison=False)
     s.run()

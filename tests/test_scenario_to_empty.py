@@ -24,8 +24,8 @@ def bias(frame, rank: int) -> dict:
     return hit.iloc[0].to_dict()
 
 
-def output(s, rank: int, name: str) -> dict:
-    o = s.frames[-1].outputs
+def output(s, rank: int, name: str, step: str = "route") -> dict:
+    o = s.frames[s.steps.index(step)].outputs
     return o[(o["rank"] == rank) & (o["name"] == name)].iloc[0].to_dict()
 
 
@@ -39,7 +39,7 @@ def bug(cluster):
 
 def test_bias_escapes_meta_then_to_empty_poisons_it(bug):
     build, mat = bug.frames[0], bug.frames[1]
-    assert bug.steps == ["build", "materialize", "route"]
+    assert bug.steps == ["build", "materialize", "route", "train"]
     for rank in (0, 1):
         b = bias(build, rank)
         assert not b["is_meta"] and b["head"] == [0.0] * 8
@@ -62,18 +62,33 @@ def test_routing_collapses_and_detectors_name_the_router(bug):
     assert set(tr["rank"]) == {0, 1} and tr["finding"].str.contains("departing from the reference at `router`").all()
 
 
+def test_training_keeps_the_bias_nan_and_the_diagnosis_says_it_was_real_then_replaced(bug):
+    """The report's consequence: the balancing update adds to the bias, so NaN stays NaN for the whole run."""
+    for rank in (0, 1):
+        trained = output(bug, rank, "expert_bias_after_training", step="train")
+        assert trained["nan"] == 8 and trained["ref_max_abs_diff"] == float("inf")
+    d = bug.diagnose()
+    assert d.mechanism == "never-written" and d.step == "materialize"
+    assert "was real (not meta) before step `materialize`" in d.sentence
+    assert "replaced there by memory never written since" in d.sentence
+    assert "kept it NaN through step `train`" in d.sentence
+
+
 @pytest.mark.parametrize("poison", [True, False])
 def test_meta_only_materialization_keeps_the_zeros_and_balanced_load(cluster, poison):
     s = cluster.session(SCENARIO, fix="materialize-meta-only", poison=poison)
     s.run()
     assert all(f.ok for f in s.frames)
     for rank in (0, 1):
-        b = bias(s.frames[-1], rank)
+        b = bias(s.frames[2], rank)
         assert b["head"] == [0.0] * 8 and b["poisoned"] == 0 and b["raw"] == "00" * 32
+        trained = output(s, rank, "expert_bias_after_training", step="train")
+        assert trained["nan"] == 0 and trained["ref_max_abs_diff"] == 0.0 and any(trained["head"])  # balancing moved it
         load = output(s, rank, "expert_load")
         assert load["ref_max_abs_diff"] == 0.0 and max(load["head"]) < 128
     assert (status(s.frames[-1].tensors)["status"] == "ok").all()
     assert output(s, 0, "global_expert_load")["head"] == [2 * v for v in output(s, 0, "expert_load")["head"]]
+    assert s.diagnose().mechanism == "clean"
     f = s.record().findings()
     assert f[f["detector"] == "forward trace"].empty
 

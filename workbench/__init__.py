@@ -25,6 +25,7 @@ _LAZY = {
     "start": ("workbench.live.cluster", "start"),
     "connect": ("workbench.live.attach", "connect"),
     "Session": ("workbench.live.session", "Session"),
+    "sweep": ("workbench.live.sweep", "sweep"),
     "Comparison": ("workbench.live.session", "Comparison"),
     "Frame": ("workbench.analysis.frames", "Frame"),
     "scenario_names": ("workbench.scenarios", "names"),

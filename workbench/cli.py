@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,9 +41,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     for name in scenarios.names():
         sc = scenarios.get(name)
-        print(f"{name:34s} {sc.title}")
+        print(f"{name:34s} {sc.title}  [ranks: {sc.meshes}]")
         for fix, doc in sc.fixes.items():
-            print(f"    --fix {fix:28s} {doc.split('.')[0]}")
+            first = re.split(r"(?<=[a-z0-9)`])\.\s+(?=[A-Z(])", doc, maxsplit=1)[0].rstrip(".")
+            warn = "NON-FIX (kept to show why): " if fix in sc.non_fixes else ""
+            print(f"    --fix {fix:28s} {warn}{first}")
     return 0
 
 
@@ -172,6 +175,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output(args.json, "--json")
     check_output(args.bundle, "--bundle", ".wbundle")
     check_output(args.report, "--report")
+    if args.ranks is not None:
+        sc.check_ranks(args.ranks, params)
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     with ranks_for(args) as cluster:
@@ -198,6 +203,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     for line in errors:
         print(f"workbench: error: {line}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """The bug path (or --fix) over world sizes x parameter values: where the bug shows, where it is silent."""
+    import workbench as wb
+
+    try:
+        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    except ValueError:
+        raise WorkbenchError(f"--ranks {args.ranks!r}: expected comma-separated integers, e.g. 2,4,8") from None
+    grid: dict[str, list[str]] = {}
+    for item in args.set:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkbenchError(f"--set {item!r}: expected KEY=V1,V2,...")
+        grid[key.strip()] = [v for v in values.split(",") if v != ""]
+    check_output(args.json, "--json")
+    check_output(args.html, "--html")
+    result = wb.sweep(args.scenario, ranks, grid, fix=args.fix, poison=not args.no_poison, backend=args.backend,
+                      timeout=args.timeout, progress=lambda line: print(line, file=sys.stderr))
+    print(result)
+    if args.json:
+        Path(args.json).write_text(result.table.to_json(orient="records", indent=1))
+    if args.html:
+        from workbench.viz.sweep import sweep_view
+
+        sweep_view(result.table, title=result.where()).write_html(args.html)
+        print(f"html: {args.html}")
+    return 0
 
 
 def report_from_bundle(path: str | Path, out: str | Path) -> Path:
@@ -319,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the scenario catalogue and its fixes").set_defaults(fn=cmd_list)
+    w = sub.add_parser("sweep", help="the bug path over meshes and parameter values: where the bug shows")
+    w.add_argument("scenario", help="catalogue id, or path/to/file.py:object")
+    w.add_argument("--ranks", default="2", help="world sizes, comma-separated (default 2)")
+    w.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2", help="a parameter's values")
+    w.add_argument("--fix", default=None)
+    w.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    w.add_argument("--timeout", type=float, default=30.0, help="collective timeout per cell (s)")
+    w.add_argument("--no-poison", action="store_true")
+    w.add_argument("--json", default=None, help="the table as JSON records")
+    w.add_argument("--html", default=None, help="the grid as a figure")
+    w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a scenario end to end on live ranks")
     r.add_argument("scenario", help="catalogue id, or path/to/file.py:object")
     r.add_argument("--ranks", type=int, default=None, help="default 2 (with --cluster: every engine)")

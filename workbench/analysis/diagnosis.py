@@ -181,7 +181,8 @@ def _persistent_faults(run: _Run) -> pd.DataFrame:
         # was wrong "since" the write, not since the copy was made
         for j in range(len(seq) - 1, k, -1):
             a, b = fps.get((seq[j - 1][0], rank, name)), fps.get((seq[j][0], rank, name))
-            if a != b and a not in (None, "meta") and b not in (None, "meta"):
+            derived = seq[j - 1][1] == "poison" and seq[j][1] == "nan"  # arithmetic on never-written memory
+            if a != b and a not in (None, "meta") and b not in (None, "meta") and not derived:
                 k = j
                 break
         rows.append({"rank": rank, "name": name, "status": seq[-1][1], "since": seq[k][0],
@@ -535,6 +536,26 @@ def _last_call(run: _Run, rank: int) -> dict[str, Any] | None:
     return dict(mine.sort_values("t_start").iloc[-1]) if len(mine) else None
 
 
+def _real_before(run: _Run, step: str, names: list[str], ranks: list[int]) -> str:
+    """How the never-written tensors looked one step earlier, when every one of them was already real
+    memory (not meta) on every rank: then materialisation replaced a live tensor, not a placeholder.
+    Empty when any of them was meta, absent or not probed there."""
+    i = run.index(step)
+    if i == 0 or i >= len(run.steps):
+        return ""
+    t = run.at(run.tensors, run.steps[i - 1])
+    if t.empty or "is_meta" not in t:
+        return ""
+    rows = t[t["name"].isin(names) & t["rank"].isin(ranks)]
+    if len(rows) != len(names) * len(ranks) or rows["is_meta"].map(_true).any():
+        return ""
+    first = rows.iloc[0]
+    head = first.get("head") if "head" in rows else None
+    head = [fmt(float(x)) for x in list(head)[:4]] if head is not None and not isinstance(head, str) else []
+    values = f", first values [{', '.join(head)}]" if head else ""
+    return f"{dt(first['dtype'])} on {first.get('device', '?')}{values}"
+
+
 def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]], among: list[str]) -> Diagnosis:
     faults = faults.assign(order=faults["since"].map(run.index)).sort_values(["order", "rank"])
     first = faults.iloc[0]
@@ -545,15 +566,23 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
     ev += [{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]} for b in bad_out]
     out = _outputs_clause(bad_out)
     at_first = faults[faults["since"] == step]
-    never = at_first[at_first["status"] == "poison"]
+    never = at_first[(at_first["status"] == "poison") | (at_first["since_status"] == "poison")]
     if len(never):
         names = list(dict.fromkeys(never["name"]))
         ranks = sorted(set(never["rank"]))
         read = [s for s in run.steps[run.index(step):] if len(run.at(run.outputs, s))]
         agree = set(ranks) == set(all_ranks) and len(all_ranks) > 1
-        sentence = (f"{_names(names, among)} on {_ranks(ranks)} {'was' if len(names) == 1 else 'were'} never "
-                    f"written after materialisation at step `{step}`"
+        real = _real_before(run, step, names, ranks)
+        was = "was" if len(names) == 1 else "were"
+        sentence = (f"{_names(names, among)} on {_ranks(ranks)} {was} real (not meta) before step `{step}` "
+                    f"({real}) and {was} replaced there by memory never written since"
+                    if real else
+                    f"{_names(names, among)} on {_ranks(ranks)} {was} never written after materialisation at "
+                    f"step `{step}`")
+        kept = never[never["status"] == "nan"]
+        sentence = (sentence
                     + (f": `{read[0]}` read the unwritten bytes" if read else ": still unwritten at the last step")
+                    + (f"; in-place updates kept it NaN through step `{kept['last'].iloc[0]}`" if len(kept) else "")
                     + out + ("; every rank holds the same garbage, so a cross-rank check sees nothing"
                              if agree else ""))
         return Diagnosis("never-written", sentence, step, ranks, names[0], None, _ev(ev))
@@ -609,9 +638,14 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
     for i, s in enumerate(run.steps):
         st = run.status[s]
         split = _split_cells(run, s, d)
+        # one pass per step, not one filter per rank: the grid stays linear in the ranks (256 ranks x 60 tensors)
+        probed = set(st["rank"].astype(int)) if len(st) else set()
+        bad_counts: dict[int, dict[str, int]] = {}
+        if len(st):
+            bad = st[st["status"].isin(BAD)]
+            for (rank, status_), n in bad.groupby(["rank", "status"], sort=False).size().items():
+                bad_counts.setdefault(int(rank), {})[status_] = int(n)
         for rank in run.ranks:
-            mine = st[st["rank"] == rank] if len(st) else st
-            bad = mine[mine["status"].isin(BAD)] if len(mine) else mine
             if (s, rank) in stuck:
                 status, label = ("failed" if "timed out" in stuck[(s, rank)] or "failed" in stuck[(s, rank)]
                                  else "hung"), stuck[(s, rank)]
@@ -619,10 +653,10 @@ def grid(run: _Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
                 status, label = "failed", str(errors[(s, rank)])
             elif split and rank in split:
                 status, label = "fault", f"dtype split ({split[rank]})"
-            elif len(bad):
-                counts = bad["status"].value_counts()
-                status, label = "fault", ", ".join(f"{n} {k}" for k, n in counts.items())
-            elif len(mine):
+            elif rank in bad_counts:
+                counts = sorted(bad_counts[rank].items(), key=lambda kv: -kv[1])
+                status, label = "fault", ", ".join(f"{n} {k}" for k, n in counts)
+            elif rank in probed:
                 status, label = "ok", "ok"
             else:
                 status, label = "not run", "no rows"

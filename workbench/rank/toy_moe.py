@@ -33,6 +33,18 @@ class Router(nn.Module):
         return chosen, gates / gates.sum(-1, keepdim=True)
 
 
+@torch.no_grad()
+def update_expert_bias(router: Router, global_load: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free load balancing (DeepSeek-V3, Megatron's ``--moe-router-enable-expert-bias``):
+    raise the bias of under-loaded experts, lower it for over-loaded ones, by ``rate`` a step.
+
+    An update adds to the bias, it never overwrites it: a NaN bias stays NaN for every step of
+    training, which is why the incident's bias never recovered on its own.
+    """
+    load = global_load.to(router.expert_bias.dtype)
+    router.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
 class TinyMoE(nn.Module):
     def __init__(self, vocab: int, hidden: int, experts: int, top_k: int, bias_device: torch.device):
         super().__init__()

@@ -12,6 +12,17 @@ hangs until the watchdog fires; on gloo it hangs until the group timeout. The le
 shows each rank's last call: the all-reduce on one rank, an all-gather of the same
 sequence number on the other.
 
+Where the 2 x H200 fixture departs from the report: there rank 0's 8-byte all-reduce
+*completed* and only rank 1 hung in its all-gather, while the report's watchdog fired on
+rank 0 in ALLREDUCE. NCCL does not check that paired ranks run the same collective: with
+this tiny model the all-gather (289 KiB) runs on the same small-message protocol as the
+all-reduce, and on a 2-rank ring the all-reduce most likely consumed the all-gather's
+first chunk and finished (a reading to confirm, not yet measured). The report's all-
+gathers were full decoder-layer shards (hundreds of MB, NCCL's SIMPLE protocol), which
+cannot satisfy a small all-reduce, so both sides waited; the headline scenario shows the
+same protocol-dependent split (853 KB hangs, 3.4 MB completes silently). To be re-
+recorded at a layer size on the SIMPLE protocol when GPUs are lent.
+
 Fix ``allreduce-has-data-min``: before every batch, all ranks all-reduce a "has data"
 flag with MIN, so the loop stops on every rank as soon as any rank is out of data; the
 forwards, and then the loss reductions, run in lockstep and every rank reports the same

@@ -22,6 +22,16 @@ shape (hidden_size=256, intermediate_size=512, num_attention_heads=4,
 num_key_value_heads=2, vocab_size=1000: 3.39 MB, SIMPLE protocol) it completes
 silently instead: ``inv_freq`` all zeros, 22 of 27 tensors wrong (shifted by 64
 elements), finite logits ~1.5 off the single-GPU reference.
+
+The incident's fixes are both here: its workaround (``fp32-everywhere``, clean) and its
+suggested fix (``sync-buffers-after-wrap``: re-initialise the non-persistent buffers on
+rank 0 and sync them after the FSDP1 wrap), which this scenario shows to be a non-fix while
+the dtypes are split, since the mispairing happens inside the wrap, before the buffer sync.
+Where it departs from the report: the report's trigger (sequence parallelism > 1 and
+sequence length >= 128 gave NaN at every position) is not a parameter. It decided only
+whether the garbage ``to_empty`` recycled overflowed the rope angles; the workbench's
+poison makes that memory NaN on every run, so the NaN shows at any length and without
+sequence parallelism (``--no-poison`` shows the garbage the allocator really leaves).
 """
 
 from __future__ import annotations
@@ -70,19 +80,31 @@ RECOMPUTE_AFTER_WRAP = SCENARIO.fix(
     "recompute-after-wrap",
     "Recompute inv_freq after wrapping. A tempting non-fix: it repairs inv_freq, but the "
     "mispaired broadcast already corrupted the other tensors.",
+    non_fix=True,
 )
-
+SYNC_BUFFERS_AFTER_WRAP = SCENARIO.fix(
+    "sync-buffers-after-wrap",
+    "The incident's suggested fix: rank 0 re-initialises the non-persistent buffers from the config (what "
+    "initialize_weights() does for them) and _sync_non_persistent_buffers broadcasts them after the FSDP1 wrap. "
+    "A non-fix while the dtypes are split: sync_module_states mispairs its bucketed broadcast before the buffer "
+    "sync runs (gloo: rank 0 times out in the wrap; NCCL: inv_freq repaired, the other tensors stay slid).",
+    non_fix=True,
+)
+FP32_EVERYWHERE = SCENARIO.fix(
+    "fp32-everywhere",
+    "The incident's workaround (--dtypes fp32): rank 0 loads fp32 and no rank casts to bf16, so every rank "
+    "buckets one dtype and the broadcast pairs; it costs twice the memory of bf16.",
+)
 
 @SCENARIO.step
 def load(ctx) -> None:
     """Rank 0: from_pretrained(dtype=bf16). Other ranks: the same config built on meta."""
-    import torch
 
     config = qwen3_config(**ctx.params)
     ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
     if ctx.rank == 0:
-        ctx.model = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)
-        ctx.note("from_pretrained(dtype=bf16): inv_freq kept fp32")
+        ctx.model = load_pretrained(ctx.checkpoint, model_dtype(ctx), ctx.device)
+        ctx.note(f"from_pretrained(dtype={model_dtype(ctx)}): inv_freq kept fp32")
     else:
         ctx.model = build_on_meta(config)
         ctx.note("built on meta from the config (fp32)")
@@ -94,6 +116,9 @@ def cast(ctx) -> None:
     import torch
 
     if ctx.rank == 0:
+        return
+    if ctx.fix == FP32_EVERYWHERE:
+        ctx.note("no cast: every tensor stays fp32, as on rank 0")
         return
     if ctx.fix == CAST_PARAMS_ONLY:
         cast_params_and_persistent_buffers(ctx.model, torch.bfloat16)
@@ -122,8 +147,17 @@ def wrap_fsdp1(ctx) -> None:
             use_orig_params=True,
         )
     if ctx.fix == RECOMPUTE_AFTER_WRAP:
+        from workbench.rank.buffers import recompute_rope
+
         recompute_rope(ctx.model)
         ctx.note("recomputed inv_freq in fp32 after the wrap")
+    if ctx.fix == SYNC_BUFFERS_AFTER_WRAP:
+        from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+
+        if ctx.rank == 0:
+            recompute_rope(ctx.model)
+        n = sync_non_persistent_buffers(ctx.model, ctx.device)
+        ctx.note(f"rank 0 re-initialised the non-persistent buffers; broadcast {n} of them after the wrap")
 
 
 @SCENARIO.step
@@ -138,7 +172,7 @@ def forward(ctx) -> None:
     if net is None:
         net = ctx.model
         ctx.note("the wrap failed on this rank: forward through the unwrapped module")
-    reference_model = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)
+    reference_model = load_pretrained(ctx.checkpoint, model_dtype(ctx), ctx.device)
     with torch.no_grad():
         with trace_forward(ctx, ctx.model):  # hooks on the inner modules: names as in the reference
             logits = net(input_ids=ids).logits.float()
@@ -146,6 +180,13 @@ def forward(ctx) -> None:
             reference = reference_model(input_ids=ids).logits.float()
     diff = (logits - reference).abs().nan_to_num(nan=float("inf")).max().item()
     ctx.output("logits", logits, ref_max_abs_diff=diff)
+
+
+def model_dtype(ctx) -> torch.dtype:
+    """bf16 as in the incident; fp32 under its workaround."""
+    import torch
+
+    return torch.float32 if ctx.fix == FP32_EVERYWHERE else torch.bfloat16
 
 
 def cast_params_and_persistent_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -156,12 +197,3 @@ def cast_params_and_persistent_buffers(model: torch.nn.Module, dtype: torch.dtyp
         for name, b in module.named_buffers(recurse=False):
             if b is not None and name not in module._non_persistent_buffers_set and b.is_floating_point():
                 module._buffers[name] = b.to(dtype)
-
-
-def recompute_rope(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            inv_freq, _ = module.compute_default_rope_parameters(module.config)
-            device = module.inv_freq.device
-            module.inv_freq = inv_freq.to(device)
-            module.original_inv_freq = inv_freq.clone().to(device)

@@ -9,11 +9,13 @@ That call moves the *state dict*, and non-persistent buffers are not in it: the 
 embedding's ``inv_freq`` / ``original_inv_freq`` are computed in ``__init__``, which ran
 on meta. Two ways the incident goes wrong, one parameter:
 
+- ``variant="rank0-garbage"`` (the default, the incident's own: SkyRL's FSDP2 path calls
+  ``_sync_non_persistent_buffers``, whose rank 0 source was itself never initialised; below).
 - ``variant="never-synced"``: rank 0 loads ``from_pretrained`` (correct fp32
   ``inv_freq``); the other ranks rely on the state-dict broadcast alone. Their ``inv_freq``
   keeps whatever ``to_empty`` left: NaN under poison, zeros or stale bytes without. Their
   logits are NaN or silently off, and rank 0 looks fine.
-- ``variant="rank0-garbage"``: every rank builds on meta (rank 0 too, with the full state
+- ``variant="rank0-garbage"`` in detail: every rank builds on meta (rank 0 too, with the full state
   dict read from disk), and a ``_sync_non_persistent_buffers`` step broadcasts rank 0's
   buffers afterwards. Rank 0's own ``inv_freq`` came out of ``to_empty`` too, so every
   rank agrees on the same garbage: a cross-rank check sees nothing; only a check against
@@ -27,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from workbench.rank.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
 from workbench.scenario import Scenario
-from workbench.scenarios.fsdp1_rotary_meta_init import recompute_rope
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ SCENARIO = Scenario(
     name="fsdp2-nonpersistent-buffer-sync",
     title="FSDP2 full-state-dict load: non-persistent inv_freq never synced, or synced from garbage",
     doc=__doc__,
-    params={**QWEN3_SHAPE, "seq_len": 16, "seed": 0, "variant": "never-synced"},
+    params={**QWEN3_SHAPE, "seq_len": 16, "seed": 0, "variant": "rank0-garbage"},
     probe=["model"],
     incident="000_32cc5898865daad7",
 )
@@ -126,6 +127,8 @@ def load_state_dict(ctx) -> None:
 def sync_buffers(ctx) -> None:
     """Broadcast non-persistent buffers from rank 0 (rank0-garbage and the fixes); never-synced skips it."""
     variant = ctx.params["variant"]
+    from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+
     if ctx.fix == INIT_BEFORE_BROADCAST and ctx.rank == 0:
         recompute_rope(ctx.model)
         ctx.note("rank 0 recomputed inv_freq in fp32 from the config before the broadcast")
@@ -152,27 +155,3 @@ def forward(ctx) -> None:
             expected = reference(input_ids=ids).logits.float()
     diff = (logits - expected).abs().nan_to_num(nan=float("inf")).max().item()
     ctx.output("logits", logits, ref_max_abs_diff=diff)
-
-
-def sync_non_persistent_buffers(model: torch.nn.Module, device: torch.device) -> int:
-    """SkyRL's ``_sync_non_persistent_buffers``: rank 0's copy of each buffer, to every rank.
-
-    Rank 0 sends whatever it holds; nothing checks that it was ever initialised.
-    """
-    import torch
-    import torch.distributed as dist
-
-    count = 0
-    for module in model.modules():
-        for key in sorted(module._non_persistent_buffers_set):
-            buf = module._buffers.get(key)
-            if buf is None:
-                continue
-            if dist.get_rank() == 0:
-                src = buf.detach().to(device).contiguous()
-            else:
-                src = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            dist.broadcast(src, src=0)
-            module._buffers[key] = src
-            count += 1
-    return count

@@ -12,7 +12,9 @@ The bias is added to the router scores before top-k (aux-loss-free load balancin
 NaN or garbage bias decides where every token goes: the expert load collapses onto the
 experts whose garbage is largest (with all-NaN, the ones ``topk`` happens to return).
 The gating weights come from the unbiased scores, so the output stays finite and
-nothing crashes: only the load shows it.
+nothing crashes: only the load shows it. Training does not heal it (step ``train``): the
+balancing update adds to the bias each step, and NaN plus anything is NaN, so the bias the
+report found stays NaN for the whole run while the load stays collapsed.
 
 Fix ``materialize-meta-only`` (the upstream one): materialise only tensors that are on
 meta, through ``Module._apply`` with an ``is_meta`` guard, leaving real buffers alone.
@@ -36,7 +38,8 @@ SCENARIO = Scenario(
     name="to-empty-clobbers-buffers",
     title="to_empty(recurse=False) clobbers an MoE router's expert_bias that was never on meta",
     doc=__doc__,
-    params={"hidden": 64, "experts": 8, "top_k": 2, "tokens": 256, "vocab_size": 512, "seed": 0},
+    params={"hidden": 64, "experts": 8, "top_k": 2, "tokens": 256, "vocab_size": 512, "seed": 0,
+            "train_steps": 3, "bias_update_rate": 0.001},
     probe=["model"],
     incident="001_446ac3c011ddf647",
 )
@@ -102,6 +105,37 @@ def route(ctx) -> None:
     ctx.output("global_expert_load", total)
     ctx.output("hidden", hidden)
     ctx.note(f"tokens per expert: {load.tolist()} (reference {expected.tolist()})")
+
+
+@SCENARIO.step
+def train(ctx) -> None:
+    """Training steps of aux-loss-free balancing: each adds to expert_bias from the global load, here
+    and in a reference whose bias started at the zeros it was created with."""
+    import torch
+    import torch.distributed as dist
+
+    from workbench.rank.toy_moe import update_expert_bias
+
+    p = ctx.params
+    g = torch.Generator().manual_seed(p["seed"] + 1)
+    reference = copy.deepcopy(ctx.model)
+    reference.router.expert_bias.zero_()
+    for _ in range(p["train_steps"]):
+        ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
+        loads = []
+        for model in (ctx.model, reference):
+            with torch.no_grad():
+                _, chosen = model(ids)
+            load = torch.bincount(chosen.reshape(-1), minlength=p["experts"]).float()
+            dist.all_reduce(load)
+            update_expert_bias(model.router, load, p["bias_update_rate"])
+            loads.append(load)
+    bias = ctx.model.router.expert_bias
+    ctx.output("expert_bias_after_training", bias.clone(),
+               ref_max_abs_diff=float((bias - reference.router.expert_bias).abs().nan_to_num(nan=float("inf")).max()))
+    ctx.output("global_expert_load", loads[0], ref_max_abs_diff=float((loads[0] - loads[1]).abs().max()))
+    ctx.note(f"after {p['train_steps']} balancing update(s): expert_bias has {int(torch.isnan(bias).sum())} NaN "
+             f"of {bias.numel()}; global load {loads[0].long().tolist()} (reference {loads[1].long().tolist()})")
 
 
 def materialize_meta_only(module: nn.Module, device: torch.device, poison: bool = False) -> None:
