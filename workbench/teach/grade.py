@@ -163,7 +163,7 @@ def _slot_errors(s: Any) -> str | None:
 def verdict(ex: Exercise, s: Any) -> Verdict:
     """Grade a finished session of ``ex`` with the learner's step in it."""
     d = s.diagnose()
-    raised = _slot_errors(s)
+    raised = _slot_errors(s) if d.mechanism == "error" else None  # a hang in the slot: the diagnosis says it
     if raised:
         return Verdict(ex.id, NOT_FIXED, raised, d, [raised], s)
     found = problems(s)
