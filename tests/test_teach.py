@@ -98,7 +98,9 @@ def test_solutions_stay_out_of_the_notebooks_and_each_ends_with_its_exercise():
         path = next(NOTEBOOKS.glob(f"{ex_id}_*.ipynb"))
         cells = json.loads(path.read_text())["cells"]
         text = "".join("".join(c["source"]) for c in cells)
-        tail = "".join("".join(c["source"]) for c in cells[-8:])
+        start = max(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(f"## Exercise {ex_id}"))
+        tail = "".join("".join(c["source"]) for c in cells[start:])  # the exercise is the notebook's end
+        assert "".join(cells[-1]["source"]) == "cluster.stop()"
         assert f'wb.teach.exercise("{ex_id}")' in tail and "wb.teach.check(" in tail, path.name
         assert f'wb.teach.hint("{ex_id}")' in tail and "NotImplementedError" in tail, path.name
         # the reference's own lines (its code, not its imports) appear nowhere in the notebook

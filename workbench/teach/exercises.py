@@ -20,6 +20,7 @@ from workbench.teach import solutions, steps
 
 FIXED, NOT_FIXED, SYMPTOM_ONLY = "fixed", "not fixed", "fixed the symptom only"
 SLOT_STEP = "your_fix"  # the name the learner's step runs under
+WARM_DEADLINE_S = 180.0
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Exercise:
         """A session of the variant's bug path on ``cluster``: step it, read it, ``s.diagnose()`` it."""
         from workbench.live.session import Session
 
+        warm(cluster)
         return Session(cluster, self.scenario(), poison=poison)
 
     def with_step(self, fn: Callable[[Any], None], after: str | None = None, replace: str | None = None) -> Scenario:
@@ -184,6 +186,15 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
         solutions.ref_08, solutions.nonfix_08, ("after", "sync_2"), SYMPTOM_ONLY,
         params={"bias_dtype_sync1": "float32", "bias_dtype_sync2": "float16"}, symptom="names-right"),
 ]}
+
+
+def warm(cluster: Any) -> None:
+    """Import FSDP and the model families on the ranks now, under a generous deadline: on fresh engines of a
+    loaded machine those imports alone can outlast a step's deadline (the collective timeout x 1.5 + 10 s),
+    and the exercise would then be graded on an import, not on the learner's step. Milliseconds when warm."""
+    from workbench.rank.byname import RankFn
+
+    cluster.run(RankFn("workbench.rank.remote", "warm"), timeout=max(WARM_DEADLINE_S, cluster.deadline))
 
 
 def get(exercise: str | int) -> Exercise:

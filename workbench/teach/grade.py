@@ -21,7 +21,7 @@ import pandas as pd
 from workbench.analysis import diagnosis as diag
 from workbench.analysis import findings
 from workbench.errors import WorkbenchError
-from workbench.teach.exercises import FIXED, NOT_FIXED, SLOT_STEP, SYMPTOM_ONLY, Exercise, get
+from workbench.teach.exercises import FIXED, NOT_FIXED, SLOT_STEP, SYMPTOM_ONLY, Exercise, get, warm
 
 TOLERANCE = 1e-3  # outputs "match" their reference within this (bf16 round-trips included)
 
@@ -198,6 +198,7 @@ def check(where: Any, fn: Callable[[Any], None], exercise: str | int | None = No
     ex = get(exercise)
     from workbench.live.session import Session
 
+    warm(cluster)
     s = Session(cluster, ex.with_step(fn, after=after, replace=replace), poison=poison)
     s.run()
     return verdict(ex, s)
