@@ -200,5 +200,8 @@ def check(where: Any, fn: Callable[[Any], None], exercise: str | int | None = No
 
     warm(cluster)
     s = Session(cluster, ex.with_step(fn, after=after, replace=replace), poison=poison)
-    s.run()
-    return verdict(ex, s)
+    try:
+        s.run()
+        return verdict(ex, s)
+    finally:
+        s.close()  # the ranks drop this run's models; its frames, ledger rows and diagnosis stay readable
