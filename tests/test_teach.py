@@ -75,6 +75,8 @@ def test_bad_input_is_one_line_before_any_rank_runs(cluster):
         teach.check(s, lambda: None)
     with pytest.raises(UnknownName, match="no_such_step"):
         teach.check(s, steps.nothing, after="no_such_step")
+    with pytest.raises(WorkbenchError, match="not a str"):
+        teach.check("cluster", steps.nothing, exercise="01")
     with pytest.raises(UnknownName, match="exercise"):
         teach.check(cluster, steps.nothing, exercise="42")
     with pytest.raises(WorkbenchError, match="session of an exercise"):

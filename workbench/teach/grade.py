@@ -186,9 +186,14 @@ def check(where: Any, fn: Callable[[Any], None], exercise: str | int | None = No
     """
     if not callable(fn):
         raise WorkbenchError(f"check() wants your step function (def my_fix(ctx): ...), got {type(fn).__name__}")
-    if len(inspect.signature(fn).parameters) != 1:
-        raise WorkbenchError(f"{getattr(fn, '__name__', 'your step')} must take one argument, ctx")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        raise WorkbenchError(f"{getattr(fn, '__name__', 'your step')} must take one argument, ctx") from None
     cluster = getattr(where, "cluster", where)
+    if not hasattr(cluster, "world_size") or not callable(getattr(cluster, "run", None)):
+        raise WorkbenchError(f"check() grades on live ranks: give it the exercise's session or a cluster, "
+                             f"not a {type(where).__name__}")
     if exercise is None:
         name = getattr(getattr(where, "scenario", None), "name", "")
         if not name.startswith("exercise-"):
