@@ -73,6 +73,8 @@ def test_bad_input_is_one_line_before_any_rank_runs(cluster):
         teach.check(s, "not a function")
     with pytest.raises(WorkbenchError, match="must take one argument, ctx"):
         teach.check(s, lambda: None)
+    with pytest.raises(WorkbenchError, match="not both"):
+        teach.check(s, steps.nothing, after="cast", replace="cast")
     with pytest.raises(UnknownName, match="no_such_step"):
         teach.check(s, steps.nothing, after="no_such_step")
     with pytest.raises(WorkbenchError, match="not a str"):

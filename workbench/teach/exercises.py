@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import scenarios
-from workbench.errors import UnknownName
+from workbench.errors import UnknownName, WorkbenchError
 from workbench.scenario import Scenario
 from workbench.teach import solutions, steps
 
@@ -41,7 +41,6 @@ class Exercise:
     only: list[str] | None = None  # keep only these steps of the base (in its order)
     params: dict[str, Any] = field(default_factory=dict)
     symptom: str = ""  # the name of the check that says the notebook's symptom is gone (grade.SYMPTOMS)
-    bug_note: str = ""  # what grading the bug path means
 
     def scenario(self) -> Scenario:
         """The variant's bug path, no learner step: what ``exercise.session(cluster)`` steps through."""
@@ -60,6 +59,8 @@ class Exercise:
 
     def with_step(self, fn: Callable[[Any], None], after: str | None = None, replace: str | None = None) -> Scenario:
         """The variant with ``fn`` as a step named ``your_fix``, after or instead of a step (default: the slot)."""
+        if after and replace:
+            raise WorkbenchError("your step goes after a step or replaces one: give after= or replace=, not both")
         sc = self.scenario()
         mode, where = ("after", after) if after else ("replace", replace) if replace else self.slot
         if where not in sc.step_names:
