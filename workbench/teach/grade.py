@@ -203,8 +203,9 @@ def check(where: Any, fn: Callable[[Any], None], exercise: str | int | None = No
     ex = get(exercise)
     from workbench.live.session import Session
 
+    scenario = ex.with_step(fn, after=after, replace=replace)  # a bad step name fails here, before the ranks
     warm(cluster)
-    s = Session(cluster, ex.with_step(fn, after=after, replace=replace), poison=poison)
+    s = Session(cluster, scenario, poison=poison)
     try:
         s.run()
         return verdict(ex, s)
