@@ -151,8 +151,9 @@ def problems(s: Any) -> list[str]:
 
 # -- grading ------------------------------------------------------------------------------------
 def _slot_errors(s: Any) -> str | None:
+    """The learner's step raised (not: waited in a collective until it timed out, which the diagnosis tells)."""
     for f in s.frames:
-        if f.step == SLOT_STEP and f.rank_errors:
+        if f.step == SLOT_STEP and f.rank_errors and f.hang is None:
             ranks = sorted(f.rank_errors)
             first = f.rank_errors[ranks[0]]
             who = "rank" if len(ranks) == 1 else "ranks"
@@ -163,7 +164,7 @@ def _slot_errors(s: Any) -> str | None:
 def verdict(ex: Exercise, s: Any) -> Verdict:
     """Grade a finished session of ``ex`` with the learner's step in it."""
     d = s.diagnose()
-    raised = _slot_errors(s) if d.mechanism == "error" else None  # a hang in the slot: the diagnosis says it
+    raised = _slot_errors(s)
     if raised:
         return Verdict(ex.id, NOT_FIXED, raised, d, [raised], s)
     found = problems(s)
