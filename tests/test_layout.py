@@ -2,8 +2,9 @@
 
 Layers, bottom up: the public face and declarations (``workbench``, ``errors``,
 ``scenario``), ``rank`` (inside a rank), ``scenarios``, ``analysis``, ``viz``,
-``postmortem``, ``live``, ``cli``. A module may import its own layer or lower ones;
-``rank`` only itself and the declarations; no import cycle anywhere.
+``postmortem``, ``live``, ``teach``, ``cli``. A module may import its own layer or lower ones;
+``rank`` only itself and the declarations; nothing imports ``teach`` (``workbench/__init__``
+reaches it lazily, by name); no import cycle anywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "workbench"
-LAYERS = ["", "rank", "scenarios", "analysis", "viz", "postmortem", "live", "cli"]
+LAYERS = ["", "rank", "scenarios", "analysis", "viz", "postmortem", "live", "teach", "cli"]
 BASE = {"workbench", "workbench.errors", "workbench.scenario"}
 
 
@@ -118,7 +119,13 @@ def test_no_import_cycle():
     assert _cycle() is None, " -> ".join(_cycle() or [])
 
 
-@pytest.mark.parametrize("folder", ["rank", "live", "analysis", "postmortem", "viz", "scenarios"])
+def test_nothing_imports_teach():
+    bad = [(m, t) for m, ts in GRAPH.items() if not m.startswith("workbench.teach")
+           for t in ts if t.startswith("workbench.teach")]
+    assert not bad, f"teach/ is the top of the client: {bad}"
+
+
+@pytest.mark.parametrize("folder", ["rank", "live", "analysis", "postmortem", "viz", "scenarios", "teach"])
 def test_each_folder_says_what_lives_there(folder):
     doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
     assert doc and len(doc.split()) >= 15, f"workbench/{folder}/__init__.py needs a docstring"

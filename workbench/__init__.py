@@ -37,6 +37,7 @@ _LAZY = {
     "report": ("workbench.postmortem.report", None),
     "bundle": ("workbench.postmortem.bundle", None),
     "collectives": ("workbench.analysis.collectives", None),
+    "teach": ("workbench.teach", None),
 }
 
 __all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]

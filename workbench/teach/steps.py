@@ -1,0 +1,101 @@
+"""The exercises' variant steps: what each exercise changes in its incident, run on the ranks.
+
+Rank side, like a catalogue scenario file: torch and the rank helpers are imported inside the
+functions (the client pickles them by reference and never runs them). Each variant reuses the
+catalogue's own steps and changes one thing the incident notebook did not show.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+
+# -- 01: the meta ranks cast to fp16, not bf16 ------------------------------------------------
+def cast_fp16(ctx) -> None:
+    """Meta ranks: ``model.half()``, a trainer whose mixed-precision dtype is fp16. Rank 0 keeps bf16 + fp32."""
+    import torch
+
+    if ctx.rank == 0:
+        return
+    ctx.model.to(torch.float16)
+    ctx.note("model.to(fp16): every parameter and buffer of this rank is now fp16")
+
+
+# -- 02: rank0-garbage on a model with linear rope scaling --------------------------------------
+ROPE_FACTOR = 4.0
+
+
+def load_scaled_rope(ctx) -> None:
+    """Every rank builds on meta from a config with ``rope_type="linear"``; the checkpoint carries it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workbench.rank.models import qwen3_config, save_checkpoint
+
+    config = qwen3_config(**ctx.params)
+    config.rope_parameters = {"rope_type": "linear", "factor": ROPE_FACTOR,
+                              "rope_theta": float(ctx.params["rope_theta"])}
+    ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
+    with torch.device("meta"):
+        ctx.model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ctx.note(f"built on meta, rope_type=linear factor {ROPE_FACTOR:g}: inv_freq has no data yet")
+
+
+# -- 03: two buffers escape the meta context ---------------------------------------------------
+def build_scaled_moe(ctx) -> None:
+    """Build on meta; ``expert_bias`` (zeros) and ``gate_scale`` (ones) are created on the rank's device."""
+    import torch
+
+    from workbench.teach.moe import ScaledMoE
+
+    p = ctx.params
+    with torch.device("meta"):
+        ctx.model = ScaledMoE(p["vocab_size"], p["hidden"], p["experts"], p["top_k"], ctx.device)
+    ctx.note("expert_bias (zeros) and gate_scale (ones) are real; everything else on meta")
+
+
+def route_scaled(ctx) -> None:
+    """Route one batch, traced, next to a reference whose two real buffers hold their creation values."""
+    import torch
+
+    from workbench.rank.trace import trace_forward
+
+    p = ctx.params
+    g = torch.Generator().manual_seed(p["seed"])
+    ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
+    reference = copy.deepcopy(ctx.model)
+    reference.router.expert_bias.zero_()
+    reference.router.gate_scale.fill_(1.0)
+    with torch.no_grad():
+        with trace_forward(ctx, ctx.model):
+            hidden, chosen = ctx.model(ids)
+        with trace_forward(ctx, reference, run="reference"):
+            ref_hidden, ref_chosen = reference(ids)
+    load = torch.bincount(chosen.reshape(-1), minlength=p["experts"])
+    expected = torch.bincount(ref_chosen.reshape(-1), minlength=p["experts"])
+    ctx.output("expert_load", load, ref_max_abs_diff=float((load - expected).abs().max()))
+    gap = (hidden - ref_hidden).abs().nan_to_num(nan=float("inf")).max().item()
+    ctx.output("hidden", hidden, ref_max_abs_diff=gap)
+    ctx.note(f"tokens per expert: {load.tolist()} (reference {expected.tolist()}); hidden off by {gap:.3g}")
+
+
+# -- 07: a third dtype in the bucket ------------------------------------------------------------
+def build_three_dtypes(ctx) -> None:
+    """Three layers (one dense, two MoE): the first router bias stays fp32, the second was converted to fp16."""
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+    from workbench.scenarios.weight_sync_order_desync import WORKER, build_roles
+
+    build_roles(ctx)
+    (first, _), (second, bias) = cv.router_biases(ctx.trainer)[:2]
+    bias.data = bias.data.to(torch.float16)
+    if ctx.rank == WORKER:  # the worker's copy holds the same dtypes as the trainer's
+        worker_bias = dict(ctx.inference.named_buffers())[second]
+        worker_bias.data = worker_bias.data.to(torch.float16)
+    ctx.note(f"router biases: {first} fp32, {second} fp16; everything else bf16")
+
+
+def nothing(ctx) -> None:
+    """The bug path's slot when the learner's step is added after a step: it does nothing."""
