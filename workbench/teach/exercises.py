@@ -107,7 +107,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
          "`compute_default_rope_parameters` ignores `rope_type`. Use the module's own init: "
          "`transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[module.rope_type](module.config)` returns "
          "`(inv_freq, scaling)`; set `inv_freq` and `original_inv_freq` on rank 0, then broadcast "
-         "(`workbench.scenarios.fsdp2_nonpersistent_buffer_sync.sync_non_persistent_buffers`)."],
+         "(`workbench.rank.buffers.sync_non_persistent_buffers`)."],
         solutions.ref_02, solutions.nonfix_02, None, SYMPTOM_ONLY,
         swap={"load": steps.load_scaled_rope}, params={"variant": "rank0-garbage"}, symptom="finite-logits"),
     Exercise(

@@ -26,7 +26,7 @@ def ref_01(ctx) -> None:
 
 def nonfix_01(ctx) -> None:
     """Recompute inv_freq after the wrap (slot: after ``wrap_fsdp1``): the buffer is right, the rest is not."""
-    from workbench.scenarios.fsdp1_rotary_meta_init import recompute_rope
+    from workbench.rank.buffers import recompute_rope
 
     recompute_rope(ctx.model)
 
@@ -36,7 +36,7 @@ def ref_02(ctx) -> None:
     """Rank 0 recomputes the buffers with the module's own rope init (linear scaling included), then broadcasts."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from workbench.scenarios.fsdp2_nonpersistent_buffer_sync import sync_non_persistent_buffers
+    from workbench.rank.buffers import sync_non_persistent_buffers
 
     if ctx.rank == 0:
         for module in ctx.model.modules():
@@ -51,8 +51,7 @@ def ref_02(ctx) -> None:
 
 def nonfix_02(ctx) -> None:
     """The notebook's ``init-buffers-before-broadcast``: default rope frequencies, blind to the scaling."""
-    from workbench.scenarios.fsdp1_rotary_meta_init import recompute_rope
-    from workbench.scenarios.fsdp2_nonpersistent_buffer_sync import sync_non_persistent_buffers
+    from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
 
     if ctx.rank == 0:
         recompute_rope(ctx.model)
