@@ -200,6 +200,14 @@ class AttachedCluster(Cluster):
     def is_local(self, rank: int) -> bool:
         return self.hosts.get(rank) == socket.gethostname()
 
+    def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Any:
+        """A session whose ledger reads include ranks on other hosts (live/mirror.py says why)."""
+        from workbench.live.mirror import mirror_before_poll
+
+        s = super().session(scenario, fix=fix, poison=poison, **params)
+        mirror_before_poll(self, s)
+        return s
+
     def dead_ranks(self) -> list[int]:
         """Local engines by their process; engines on other hosts by the controller's registry."""
         here = socket.gethostname()
