@@ -287,3 +287,61 @@ class Client:
 
 class ClientError(RuntimeError):
     """An exception raised in the client process (its text and traceback)."""
+
+
+SBATCH = """#!/bin/bash
+# sbatch stand-in: `sbatch --nodes=N --ntasks-per-node=M SCRIPT` runs SCRIPT on the first node with the
+# variables Slurm sets in a batch job; srun (beside this file, first on PATH) starts the tasks on the nodes.
+nodes=1; per=1
+while [[ $1 == --* ]]; do
+  case $1 in --nodes=*) nodes=${1#*=};; --ntasks-per-node=*) per=${1#*=};; esac; shift
+done
+script=$1; shift
+list=$(echo {names} | cut -d' ' -f1-$nodes | tr ' ' ',')
+head=${list%%,*}
+export SLURM_JOB_ID=4242 SLURM_JOBID=4242 SLURM_JOB_NAME=wb-ipcluster SLURM_JOB_NODELIST=$list SLURM_NODELIST=$list
+export SLURM_NNODES=$nodes SLURM_JOB_NUM_NODES=$nodes SLURM_NTASKS=$((nodes * per)) SLURM_NPROCS=$((nodes * per))
+export SLURM_NTASKS_PER_NODE=$per SLURM_TASKS_PER_NODE="$per(x$nodes)" SLURM_SUBMIT_DIR=$PWD
+export SLURM_SUBMIT_HOST=$(hostname)
+export SLURMD_NODENAME=$head SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_CPUS_ON_NODE=2
+export PATH={bin}:$PATH
+echo "Submitted batch job $SLURM_JOB_ID"
+exec ip netns exec {prefix}-${head: -1} unshare --uts --mount -- sh -c '{enter}' $head {root}/$head/tmp \\
+  bash "$script" "$@"
+"""
+
+SRUN = """#!/bin/bash
+# srun stand-in: `srun -n N --ntasks-per-node=M [--opts] CMD...` starts M tasks on each node of the job, each
+# in its node's namespaces, with the variables srun sets (highest local id first: order must not matter).
+n=1; per=1
+while [[ $1 == -* ]]; do
+  case $1 in -n) n=$2; shift;; --ntasks=*) n=${1#*=};; --ntasks-per-node=*) per=${1#*=};; esac; shift
+done
+IFS=, read -ra nodes <<< "$SLURM_JOB_NODELIST"
+for i in "${!nodes[@]}"; do
+  node=${nodes[$i]}
+  for j in $(seq $((per - 1)) -1 0); do
+    id=$((i * per + j)); [ $id -lt $n ] || continue
+    SLURM_PROCID=$id SLURM_LOCALID=$j SLURM_NODEID=$i SLURMD_NODENAME=$node SLURM_STEPID=0 SLURM_STEP_ID=0 \\
+      SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_STEP_NUM_TASKS=$n SLURM_TASK_PID=$$ \\
+      ip netns exec {prefix}-${node: -1} unshare --uts --mount -- sh -c '{enter}' $node {root}/$node/tmp "$@" &
+  done
+done
+wait
+"""
+
+
+def slurm_stand_ins(hosts: Hosts) -> str:
+    """Write stand-in ``sbatch`` and ``srun`` for these hosts into a shared bin dir; its path."""
+    d = os.path.join(hosts.shared, "slurm-bin")
+    os.makedirs(d, exist_ok=True)
+    fill = {"{names}": " ".join(hosts.names), "{bin}": d, "{prefix}": hosts.tag, "{enter}": _ENTER,
+            "{root}": hosts.root}
+    for name, text in (("sbatch", SBATCH), ("srun", SRUN)):
+        path = os.path.join(d, name)
+        for key, value in fill.items():
+            text = text.replace(key, value)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+    return d
