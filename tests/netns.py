@@ -78,8 +78,9 @@ def _kill_netns(ns: str) -> None:
 class Hosts:
     """N hosts ``hosta``, ``hostb``, ... on one bridge (10.77.0.0/24, .1 = hosta)."""
 
-    def __init__(self, n: int, subnet: str = "10.77.0"):
-        self.n, self.subnet = n, subnet
+    def __init__(self, n: int, subnet: str = "10.77.0", debian: tuple[str, ...] = ()):
+        """``debian``: hosts whose own /etc/hosts maps their name to 127.0.1.1, as Debian's installer does."""
+        self.n, self.subnet, self.debian = n, subnet, debian
         self.tag = f"{PREFIX}{os.getpid()}-{int(time.time() * 1000) % 100000}"
         self.names = [f"host{chr(ord('a') + i)}" for i in range(n)]
         self.root = os.path.join(ROOT, self.tag)
@@ -112,7 +113,7 @@ class Hosts:
         self._made.append(self.bridge)
         _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.bridge, "link", "set", "br0", "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{self.addr(h)} {h}\n" for h in self.names)
+        others = "".join(f"{self.addr(h)} {h}\n" for h in self.names)
         for h in self.names:
             ns = self.ns(h)
             _ip("netns", "add", ns)
@@ -120,7 +121,7 @@ class Hosts:
             os.makedirs(self.tmp(h), mode=0o1777)
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)  # `ip netns exec` binds it over /etc/hosts
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(hosts_file)
+                f.write("127.0.0.1 localhost\n" + (f"127.0.1.1 {h}\n" if h in self.debian else "") + others)
             port = self.port(h)
             _ip("-n", self.bridge, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("-n", self.bridge, "link", "set", port, "master", "br0")

@@ -1,7 +1,8 @@
 """Several hosts, simulated as Linux namespaces on this machine (tests/netns.py).
 
 Two hosts, ``hosta`` and ``hostb``, each with its own network, hostname and /tmp, joined by a
-bridge; a third, ``hostc``, holds nothing of the group (an outsider for the token check).
+bridge (hostb's /etc/hosts maps its own name to 127.0.1.1, as Debian's does); a third,
+``hostc``, holds nothing of the group (an outsider for the token check).
 The cluster is started the way a Slurm user starts it: ``scripts/slurm_ipcluster.sbatch``
 submitted with a stand-in ``sbatch`` and ``srun`` that place each task in its node's
 namespaces with the variables Slurm sets: ``ipcontroller`` on hosta, 2 ``ipengine``s per
@@ -36,7 +37,7 @@ ONE_LINE = "assert '\\n' not in result, result"
 @pytest.fixture(scope="module")
 def hosts():
     netns.reap_stale()
-    h = netns.Hosts(3).start()
+    h = netns.Hosts(3, debian=("hostb",)).start()  # hostb's name resolves to 127.0.1.1 there
     try:
         yield h
     finally:
@@ -79,7 +80,8 @@ def where():
     import os, socket
     import torch.distributed as dist
     return socket.gethostname(), dist.get_rank(), dist.get_world_size(), os.environ.get("SLURM_LOCALID"), \\
-        os.environ.get("SLURM_NODEID"), os.environ.get("SLURM_PROCID"), os.environ.get("SLURM_JOB_NODELIST")
+        os.environ.get("SLURM_NODEID"), os.environ.get("SLURM_PROCID"), os.environ.get("SLURM_JOB_NODELIST"), \\
+        socket.gethostbyname(socket.gethostname()), os.environ.get("GLOO_SOCKET_IFNAME")
 result = dict(client=socket.gethostname(), hosts=cluster.hosts, local=cluster.local_index, addr=cluster.master_addr,
               control={r: c["host"] for r, c in cluster.controls.items()}, pids=cluster.pids, where=cluster.run(where))
 """)
@@ -93,6 +95,8 @@ result = dict(client=socket.gethostname(), hosts=cluster.hosts, local=cluster.lo
         ("hosta", 0, 4, "0", "0", "0"), ("hosta", 1, 4, "1", "0", "1"),
         ("hostb", 2, 4, "0", "1", "2"), ("hostb", 3, 4, "1", "1", "3")]
     assert {w[6] for w in got["where"].values()} == {"hosta,hostb"}
+    # hostb's name resolves to loopback there (Debian's /etc/hosts): gloo is told the interface that reaches rank 0.
+    assert [w[7:] for w in got["where"].values()] == [("10.77.0.1", "eth0")] * 2 + [("127.0.1.1", "eth0")] * 2
 
 
 def test_nothing_listens_beyond_the_addresses_the_group_needs(client, hosts):
@@ -105,7 +109,9 @@ def test_nothing_listens_beyond_the_addresses_the_group_needs(client, hosts):
     store = [r for r in hosts.listening("hosta") if r[1] == port]
     assert [r[0] for r in store] == [hosts.addr("hosta")]  # the TCP store: rank 0's link address only
     on_b = {r[0] for r in hosts.listening("hostb")}
-    assert hosts.addr("hostb") in on_b  # the control threads and gloo's pairs: on the link, as they must be
+    # The control threads and gloo's pairs: on the link, as they must be. Left alone, gloo listened on
+    # 127.0.1.1 there (what hostb's name resolves to), where no rank on another host can dial it.
+    assert hosts.addr("hostb") in on_b and "127.0.1.1" not in on_b
 
 
 OUTSIDER = """
