@@ -172,6 +172,10 @@ class Hosts:
         self._procs.append(p)
         return p
 
+    def adopt(self, proc: subprocess.Popen) -> None:
+        """A process started elsewhere (its own session) that ``close()`` must end too."""
+        self._procs.append(proc)
+
     def run(self, host: str, argv: list[str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.wrap(host, argv), capture_output=True, text=True, timeout=timeout, **kw)
 

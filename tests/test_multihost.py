@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def job(hosts):
            "PATH": os.pathsep.join([bindir, netns.BIN, os.environ.get("PATH", "")])}
     proc = subprocess.Popen([os.path.join(bindir, "sbatch"), "--nodes=2", "--ntasks-per-node=2", RECIPE], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    hosts._procs.append(proc)
+    hosts.adopt(proc)  # killed with the hosts, whatever happens
     assert proc.stdout.readline().startswith("Submitted batch job"), "the stand-in sbatch did not start"
     return {"proc": proc, "url": os.path.join(profile, "security", "ipcontroller-client.json")}
 
@@ -266,3 +267,23 @@ result = dict(took=took, msgs=msgs, after=after)
 def test_shutdown_ends_the_slurm_job(client, job):
     client.call("cluster.shutdown()\nresult = cluster.alive")
     assert job["proc"].wait(timeout=60) is not None  # engines gone, srun returned, the batch script ended
+
+
+def test_a_control_thread_serves_only_ledger_files_of_its_host(tmp_path):
+    """The ``tail`` command that mirrors a remote rank's ledger must not read anything else."""
+    import base64
+    import tempfile
+
+    from workbench.rank import control
+
+    d = tempfile.mkdtemp(prefix="wb-ledger-test-")
+    try:
+        with open(os.path.join(d, "rank2.jsonl"), "w") as f:
+            f.write('{"a": 1}\n{"b": 2}\n')
+        os.symlink("/etc/passwd", os.path.join(d, "rank3.jsonl"))
+        assert base64.b64decode(control.tail(os.path.join(d, "rank2.jsonl"), 9)["data"]) == b'{"b": 2}\n'
+        for bad in ("/etc/passwd", os.path.join(d, "rank3.jsonl"), os.path.join(d, "..", "rank2.jsonl"),
+                    str(tmp_path / "wb-ledger-x" / "rank0.jsonl")):
+            assert "error" in control.tail(bad, 0), bad
+    finally:
+        shutil.rmtree(d)

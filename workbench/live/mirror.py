@@ -27,7 +27,6 @@ class LedgerMirror:
     def __init__(self, cluster: Any, session: Any):
         self.cluster, self.session = cluster, session
         self._silent: dict[int, float] = {}  # rank -> when it last failed to answer
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wb-mirror")
 
     def remote(self) -> list[int]:
         now = time.monotonic()
@@ -40,7 +39,9 @@ class LedgerMirror:
         ranks = self.remote()
         if not ranks or not os.path.isdir(directory):
             return 0
-        return sum(self._pool.map(lambda r: self._pull_one(r, directory), ranks))
+        if len(ranks) == 1:
+            return self._pull_one(ranks[0], directory)
+        return sum(_pool().map(lambda r: self._pull_one(r, directory), ranks))
 
     def _pull_one(self, rank: int, directory: str) -> int:
         from workbench.rank.control import TAIL_MAX, ask
@@ -60,6 +61,16 @@ class LedgerMirror:
             copied += len(data)
             if len(data) < TAIL_MAX:
                 return copied
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One pool for every session's pulls (a notebook makes many sessions; their threads stay few)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=16, thread_name_prefix="wb-mirror"))
+    return _POOL[0]
 
 
 def mirror_before_poll(cluster: Any, session: Any) -> LedgerMirror:
