@@ -152,6 +152,8 @@ class Hosts:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         self._made.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # only when empty: nobody else's entries there
 
     def __enter__(self) -> Hosts:
         return self.start()
