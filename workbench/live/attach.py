@@ -42,6 +42,7 @@ class AttachedCluster(Cluster):
         self._given_client, self._url_file = client, url_file
         self.hosts: dict[int, str] = {}
         self._ipc = None  # the ipp.Cluster read from the cluster file, when attached by profile
+        self._reach: dict[str, tuple[float, bool]] = {}  # host -> (when probed, unreachable)
 
     @property
     def where(self) -> str:
@@ -123,6 +124,7 @@ class AttachedCluster(Cluster):
         except Exception as exc:
             raise ClusterError(f"the engines of {self.where} did not answer: {exc}") from None
         ranked = order(infos)[: self.ranks_wish or len(ids)]
+        self._import_rank_layer([e for e, _ in ranked])
         self.world_size = len(ranked)
         self._ids = [e for e, _ in ranked]
         self.local_index = {r: li for r, (_, li) in enumerate(ranked)}
@@ -130,6 +132,17 @@ class AttachedCluster(Cluster):
         self.pids = {r: i["pid"] for r, i in self.info.items()}
         self.hosts = {r: i["host"] for r, i in self.info.items()}
         self.backend = pick_backend(self.backend_wish, list(self.info.values()), list(self.local_index.values()))
+
+    def _import_rank_layer(self, ids: list[int]) -> None:
+        """Import torch and the rank layer on engines fresh from their launcher before the group forms: on a
+        loaded host 4 engines importing torch at once outlast the group's deadline (seen in the namespace tests)."""
+        from workbench.live.engines import _import_rank_layer
+        from workbench.live.registry import UP_TIMEOUT_S
+
+        try:
+            self._client[ids].apply_async(_import_rank_layer).get(timeout=UP_TIMEOUT_S)
+        except Exception as exc:
+            raise ClusterError(f"the engines of {self.where} could not import the workbench: {exc}") from None
 
     def _rendezvous(self) -> tuple[str, int]:
         from workbench.rank.host import free_port, rendezvous_addr
@@ -190,15 +203,67 @@ class AttachedCluster(Cluster):
         return self.start()
 
     def revive_line(self, dead: list[int]) -> str:
-        who = ", ".join(f"rank {r} (pid {self.pids.get(r)} on {self.hosts.get(r)})" for r in dead)
+        """One line: which ranks are gone (a host that is unreachable named as such) and the way back."""
+        gone = []
+        for host in sorted({self.hosts.get(r, "?") for r in dead}):
+            on = [r for r in dead if self.hosts.get(r) == host]
+            if self._unreachable(host):
+                gone.append(f"host {host} is unreachable (rank{'s' if len(on) > 1 else ''} "
+                            f"{', '.join(map(str, on))}: no heartbeat to the controller, no answer from "
+                            f"{self.controls.get(on[0], {}).get('host', 'its control thread')})")
+            else:
+                gone.append(", ".join(f"rank {r} (pid {self.pids.get(r)} on {host})" for r in on) + " died")
+        return "; ".join(gone) + f"; {self._way_back()}"
+
+    def _way_back(self) -> str:
         how = (f"`workbench down --profile {self.profile or 'default'}` then `workbench up --ranks {self.world_size}"
                f" --profile {self.profile or 'default'}`, or your ipcluster/Slurm job") if self._ipc is not None \
             else "the launcher that started it (ipcluster, Slurm, mpiexec)"
-        return (f"{who} died; the workbench did not launch these engines, so it cannot restart them: "
+        return (f"the workbench did not launch these engines, so it cannot restart them: "
                 f"bring them back with {how}, then wb.connect(...) again")
+
+    def death_line(self, rank: int) -> str:
+        """A rank gone from the controller: its engine died, or its whole host dropped off the network."""
+        return self.revive_line([rank])
+
+    def _unreachable(self, host: str) -> bool:
+        """No rank of ``host`` answers at its control port, not even with a refusal (a dead engine's port
+        refuses at once; a host off the network stays silent). Cached for a few seconds: one probe per host."""
+        from workbench.rank.control import ask
+
+        if host == socket.gethostname():
+            return False
+        seen = self._reach.get(host)
+        if seen is not None and time.monotonic() - seen[0] < 3.0:
+            return seen[1]
+        ranks = [r for r, h in self.hosts.items() if h == host and self.controls.get(r)]
+        silent = bool(ranks)
+        for r in ranks:
+            err = ask(self.controls[r], "ping", 1.0).get("error", "")
+            if not err or "Refused" in err:  # it answers, or its host says nothing listens there
+                silent = False
+                break
+        self._reach[host] = (time.monotonic(), silent)
+        return silent
+
+    def _check_usable(self) -> None:
+        if self._client is not None:
+            dead = sorted(set(self.dead_ranks()) | self._dead)
+            if dead:
+                self._dead.update(dead)
+                raise ClusterError(self.revive_line(dead))
+        super()._check_usable()
 
     def is_local(self, rank: int) -> bool:
         return self.hosts.get(rank) == socket.gethostname()
+
+    def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Any:
+        """A session whose ledger reads include ranks on other hosts (live/mirror.py says why)."""
+        from workbench.live.mirror import mirror_before_poll
+
+        s = super().session(scenario, fix=fix, poison=poison, **params)
+        mirror_before_poll(self, s)
+        return s
 
     def dead_ranks(self) -> list[int]:
         """Local engines by their process; engines on other hosts by the controller's registry."""

@@ -407,6 +407,10 @@ class Engines:
         """Whether the rank's engine runs on this host (its pid means something here)."""
         return True
 
+    def death_line(self, rank: int) -> str:
+        """Why a rank counts as dead and the way back (an attached cluster on several hosts says more)."""
+        return f"engine process {self.pids[rank]} exited; call cluster.restart()"
+
     def dead_ranks(self) -> list[int]:
         dead = []
         for r, pid in self.pids.items():
@@ -434,8 +438,7 @@ class Engines:
                     if r in pending and r not in out.failures:
                         self._dead.add(r)
                         death_seen = death_seen or now
-                        out.failures[r] = RankFailure(r, "died", "EngineDied",
-                                                      f"engine process {self.pids[r]} exited; call cluster.restart()")
+                        out.failures[r] = RankFailure(r, "died", "EngineDied", self.death_line(r))
             open_ = [r for r in open_ if r not in out.failures]
             if not open_:
                 break

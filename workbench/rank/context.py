@@ -96,6 +96,8 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         # the communicators and leaves the process alive, so the same engine can re-form the group.
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     where = control.start(addr, port)  # answers (stacks, abort) while this rank is stuck
+    if backend == "gloo":
+        gloo_interface(addr, where["host"])
     before = control.socket_fds()
     kw: dict[str, Any] = {}
     if backend == "nccl":
@@ -112,6 +114,26 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
             "stacks_file": stacks.install(), "control": where}
+
+
+def gloo_interface(rendezvous: str, own_addr: str) -> None:
+    """Across hosts, make gloo use the interface this rank reaches rank 0 through.
+
+    Left alone, gloo listens on the address this host's name resolves to: on a node whose
+    /etc/hosts maps its name to 127.0.1.1 (Debian's default) that is loopback, which no peer on
+    another host can dial (seen in tests/test_multihost.py); it only worked while the peers did
+    not have to dial it. A user's ``GLOO_SOCKET_IFNAME`` is kept."""
+    from workbench.rank.host import interface_of
+
+    ours = _RANK.get("gloo_ifname")
+    if os.environ.get("GLOO_SOCKET_IFNAME") not in (None, ours):
+        return  # the user's choice
+    name = None if rendezvous in ("127.0.0.1", "localhost", "::1") else interface_of(own_addr)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = _RANK["gloo_ifname"] = name
+    elif ours:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        _RANK.pop("gloo_ifname", None)
 
 
 def rendezvous_store(addr: str, rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:

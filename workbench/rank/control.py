@@ -68,7 +68,7 @@ def _serve(srv: socket.socket) -> None:
                 if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
                     reply: dict[str, Any] = {"error": "wrong token"}
                 else:
-                    reply = handle(str(req.get("cmd", "")))
+                    reply = handle(str(req.get("cmd", "")), req)
             except Exception as exc:  # the control path must never die of one bad request
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             try:
@@ -77,8 +77,8 @@ def _serve(srv: socket.socket) -> None:
                 pass
 
 
-def handle(cmd: str) -> dict[str, Any]:
-    """One command: ``ping``, ``stacks``, ``mark`` or ``abort``."""
+def handle(cmd: str, req: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One command: ``ping``, ``stacks``, ``mark``, ``abort`` or ``tail`` (a ledger file's new bytes)."""
     if cmd == "ping":
         return {"ok": True, "pid": os.getpid()}
     if cmd == "stacks":
@@ -87,7 +87,33 @@ def handle(cmd: str) -> dict[str, Any]:
         return mark()
     if cmd == "abort":
         return abort()
-    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort"}
+    if cmd == "tail":
+        return tail(str((req or {}).get("path", "")), int((req or {}).get("offset", 0)))
+    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort, tail"}
+
+
+TAIL_MAX = 4 << 20  # bytes of one reply; the client asks again for the rest
+
+
+def tail(path: str, offset: int) -> dict[str, Any]:
+    """A ledger file's bytes from ``offset``, for a client on another host (it cannot read this host's
+    /tmp). Only ``rank<N>.jsonl`` in a ``wb-ledger-*`` directory of this host's temp dir is served."""
+    import base64
+    import re
+    import tempfile
+
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real)
+    if not (re.fullmatch(r"rank\d+\.jsonl", os.path.basename(real)) and os.path.basename(parent).startswith(
+            "wb-ledger-") and os.path.dirname(parent) == os.path.realpath(tempfile.gettempdir())):
+        return {"error": f"not a ledger file: {path}"}
+    try:
+        with open(real, "rb") as f:
+            f.seek(max(0, offset))
+            data = f.read(TAIL_MAX)
+    except FileNotFoundError:
+        data = b""
+    return {"data": base64.b64encode(data).decode()}
 
 
 def mark() -> dict[str, Any]:
@@ -208,11 +234,11 @@ def aborted() -> bool:
     return bool(_STATE.get("aborted"))
 
 
-def ask(where: dict[str, Any], cmd: str, timeout: float = 3.0) -> dict[str, Any]:
-    """Client side: one command to a rank's control thread; its reply, or the error as a dict."""
+def ask(where: dict[str, Any], cmd: str, timeout: float = 3.0, **args: Any) -> dict[str, Any]:
+    """Client side: one command (and its ``args``) to a rank's control thread; its reply, or the error as a dict."""
     try:
         with socket.create_connection((where["host"], where["port"]), timeout=timeout) as s:
-            s.sendall(json.dumps({"cmd": cmd, "token": where["token"]}).encode() + b"\n")
+            s.sendall(json.dumps({**args, "cmd": cmd, "token": where["token"]}).encode() + b"\n")
             data = s.makefile("rb").readline()
         return json.loads(data) if data else {"error": "no reply"}
     except (OSError, ValueError, KeyError) as exc:

@@ -58,6 +58,16 @@ def _addresses() -> list[str]:
     return out
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of the interface holding ``addr`` on this host (None when none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            return name
+    return None
+
+
 def rendezvous_addr(peer_addrs: list[str]) -> str:
     """The address of this host that the peers' hosts reach: the source address the kernel
     routes towards a peer (a UDP connect sends nothing); else the first non-loopback one."""
