@@ -326,13 +326,24 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
         return None
     plan, static = entry
     plan.launch()
+    # The fixed columns while the kernel runs; the statistics into the same dicts once it is done.
+    rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
+            for n, k, d, dv, sh, ne in static]
     c = plan.columns()
-    return [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh,
-             "numel": ne, "nan": a, "inf": b, "poisoned": p, "min": lo, "max": hi, "mean": me, "head": hd,
-             "fingerprint": fp, "raw": rw, "windows": wi}
-            for (n, k, d, dv, sh, ne), a, b, p, lo, hi, me, hd, fp, rw, wi in zip(
-                static, c["nan"], c["inf"], c["poisoned"], c["min"], c["max"], c["mean"], c["head"],
-                c["fingerprint"], c["raw"], c["windows"])]
+    for row, a, b, p, lo, hi, me, hd, fp, rw, wi in zip(
+            rows, c["nan"], c["inf"], c["poisoned"], c["min"], c["max"], c["mean"], c["head"], c["fingerprint"],
+            c["raw"], c["windows"]):
+        row["nan"] = a
+        row["inf"] = b
+        row["poisoned"] = p
+        row["min"] = lo
+        row["max"] = hi
+        row["mean"] = me
+        row["head"] = hd
+        row["fingerprint"] = fp
+        row["raw"] = rw
+        row["windows"] = wi
+    return rows
 
 
 def _build_plan(module: nn.Module, prefix: str) -> tuple[_pf.Plan, list[tuple]] | None:
