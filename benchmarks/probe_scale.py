@@ -149,29 +149,22 @@ def ptx_figures(last) -> dict:
 
 
 def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> dict:
-    """Where the packed probe's time goes: the walk and cache key, the launch (host), the wait for the
-    kernel and the copy, the arrays to columns, the row dicts (medians, ms)."""
+    """Where the packed probe's time goes (medians, ms): the liveness check and the launch; the walk, cache
+    key and the rows' fixed columns (while the kernel runs); waiting for the kernel and the copy back;
+    arrays to columns and into the rows."""
     probe.probe_module(model, rank=0)
-    plan, static = probe._PLANS[model][1]
-    out: dict[str, list[float]] = {k: [] for k in ("walk_key", "launch", "wait", "columns", "dicts")}
+    out: dict[str, list[float]] = {}
     for _ in range(repeats):
         sync(device)
+        probe._PHASES = []
         t0 = time.perf_counter()
-        sig, tensors = probe._walk(model)
-        key = ("", sig, list(map(id, tensors)), list(map(torch.Tensor.data_ptr, tensors)),
-               [t.shape for t in tensors], [t.dtype for t in tensors], [t.is_contiguous() for t in tensors])
-        _ = probe._PLANS[model][0] == key
-        t1 = time.perf_counter()
-        plan.launch()
-        t2 = time.perf_counter()
-        probe_fused.wait(plan.done, device) if plan.done is not None else None
-        t3 = time.perf_counter()
-        c = plan.columns()
-        t4 = time.perf_counter()
-        [dict(zip(probe.COLUMNS, (0, *st[:4], False, *st[4:], *v))) for st, *v in zip(static, *c.values())]
-        t5 = time.perf_counter()
-        for k, v in zip(out, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            out[k].append(v * 1e3)
+        probe.probe_module(model, rank=0)
+        t_end = time.perf_counter()
+        prev = t0
+        for name, t in [*probe._PHASES, ("return", t_end)]:
+            out.setdefault(name, []).append((t - prev) * 1e3)
+            prev = t
+        probe._PHASES = None
     return {k: statistics.median(v) for k, v in out.items()}
 
 

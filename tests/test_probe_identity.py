@@ -94,6 +94,10 @@ def _interpreted() -> None:
     m[2].weight.data = torch.ones(6, 48, dtype=torch.bfloat16)  # new storage: a new plan
     same_rows(m)
     assert probe._PLANS[m][1][0] is not plan
+    plan = probe._PLANS[m][1][0]
+    m.register_buffer("extra", torch.rand(8))  # every old tensor alive where it was: launched early, then
+    same_rows(m)  # the key differs (a new buffer), so the plan is rebuilt and launched again
+    assert probe._PLANS[m][1][0] is not plan and probe._PLANS[m][1][1][-1][0] == "extra"
     same_rows(mixed_model())  # the general path: fused members in one launch beside the plain ones
     print("interpreted rows identical")
 

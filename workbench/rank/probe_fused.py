@@ -35,6 +35,7 @@ FUSED_DEVICES = ("cuda",)  # the tests add "cpu" and run the kernel through Trit
 _ACC = 8  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
 _WORDS = 96  # words kept per tensor: 64 raw, 8 at each of the 4 window offsets
 _M32 = 0xFFFFFFFF
+_FLIP = np.array([_M32, 0], dtype=np.int64)
 _TRITON: dict[str, Any] = {}
 _KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
 
@@ -141,25 +142,29 @@ class Plan:
             _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
             self._kernel(False)
 
-    def columns(self) -> dict[str, list]:
-        """Wait for the copy, then every statistic column as a list, in row order."""
+    def columns(self, stamp=None) -> dict[str, list]:
+        """Wait for the copy, then every statistic column as a list, in row order (``stamp``: a benchmark's
+        timer, told when the copy is back)."""
         if self.done is not None:
             wait(self.done, self.device)
+        if stamp:
+            stamp(("copied back", time.perf_counter()))
         T = self.T
         h = self.host.numpy()
         a = h[: T * _ACC].reshape(T, _ACC)
         nan, inf = a[:, 0], a[:, 1]
         nfin = (self.numel - nan - inf).astype(np.float64)
         some = nfin > 0
-        lo = np.where(some, _unkey(_M32 - a[:, 5]), np.nan)
-        hi = np.where(some, _unkey(a[:, 6]), np.nan)
+        k = a[:, 5:7] ^ _FLIP  # min's key was stored as 2**32-1 - key (so atomic_max could fold it)
+        bits = np.where(k & 0x80000000, k & 0x7FFFFFFF, k ^ _M32).astype(np.uint32).view(np.float32).astype(np.float64)
+        lohi = np.where(some[:, None], bits, np.nan)
         mean = np.where(some, a[:, 7].view(np.float64) / np.maximum(nfin, 1.0), np.nan)
         fph = (a[:, 3:5] & _M32).astype(">u4").tobytes().hex()
         w = h[T * _ACC:].view(np.uint32).reshape(T, _WORDS)
         hexs = w.view(np.uint8).reshape(-1)[self.picks].tobytes().hex()
         return {
             "nan": nan.tolist(), "inf": inf.tolist(), "poisoned": a[:, 2].tolist(),
-            "min": lo.tolist(), "max": hi.tolist(), "mean": mean.tolist(), "head": self._heads(w),
+            "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
             "fingerprint": list(map(fph.__getitem__, self.fp_sl)),
             "raw": list(map(hexs.__getitem__, self.raw_sl)), "windows": list(map(hexs.__getitem__, self.win_sl)),
         }
@@ -178,13 +183,6 @@ class Plan:
         for i, n in self.short_heads:
             out[i] = out[i][:n]
         return out
-
-
-def _unkey(key: np.ndarray) -> np.ndarray:
-    """The float32 (as float64) whose ``_probe_triton._key`` is ``key``."""
-    key = key.astype(np.uint32)
-    bits = np.where(key & 0x80000000, key & 0x7FFFFFFF, key ^ np.uint32(_M32)).astype(np.uint32)
-    return bits.view(np.float32).astype(np.float64)
 
 
 def wait(event: torch.cuda.Event, device: torch.device) -> None:
