@@ -132,12 +132,13 @@ def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constex
 
 
 @triton.jit
-def probe_all_kernel(desc, blk_t, acc, accf, words, BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.constexpr,
-                     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
+def probe_all_kernel(desc, blk_t, acc, accf, words, hexs, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                     HINT: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
     """Every tensor in one launch. ``desc`` [T, 4] int64: pointer, 32-bit words, first program, kind
     (0 bf16, 1 fp16, 2 fp32); ``blk_t`` [programs] int32: each program's tensor; ``acc``/``accf`` [T, 8]
     (one zeroed buffer, int64 and float64 views): NaN, Inf, poison, lane 1, lane 2, 2**32-1 - min key,
-    max key, sum; ``words`` [T, 96] int32: the first 64 words, then 8 words at each window offset W0-W3."""
+    max key, sum; ``words`` [T, 96] int32: the first 64 words, then 8 words at each window offset W0-W3;
+    ``hexs`` [T, 768] uint8: the same bytes as lowercase hex (the rows' ``raw`` and ``windows``)."""
     pid = tl.program_id(0)
     t = tl.load(blk_t + pid)
     row = desc + t * 4
@@ -164,3 +165,8 @@ def probe_all_kernel(desc, blk_t, acc, accf, words, BLOCK: tl.constexpr, ITERS: 
         keep = offs < 96
         w = tl.load(base + src, mask=keep & (src < n), other=0)
         tl.store(words + t * 96 + offs, w.to(tl.int32, bitcast=True), mask=keep)
+        j = tl.arange(0, 8)
+        shift = ((j // 2) * 8 + (1 - j % 2) * 4).to(tl.uint32)  # byte j // 2, high nibble first
+        nib = (w[:, None] >> shift[None, :]) & 0xF
+        ch = nib + 48 + (nib > 9).to(tl.uint32) * 39  # '0'-'9', 'a'-'f'
+        tl.store(hexs + t * 768 + offs[:, None] * 8 + j[None, :], ch.to(tl.uint8), mask=keep[:, None])

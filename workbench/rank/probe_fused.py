@@ -36,6 +36,7 @@ _ACC = 8  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
 _WORDS = 96  # words kept per tensor: 64 raw, 8 at each of the 4 window offsets
 _M32 = 0xFFFFFFFF
 _FLIP = np.array([_M32, 0], dtype=np.int64)
+_HALF_SHIFTS = np.array([0, 16], dtype=np.uint32)
 _TRITON: dict[str, Any] = {}
 _KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
 
@@ -83,32 +84,26 @@ class Plan:
         self.device, self.T, self.programs = dev, T, int(sum(nblk))
         self.desc = torch.tensor(rows, dtype=torch.int64).to(dev)
         self.blk = torch.repeat_interleave(torch.arange(T, dtype=torch.int32), torch.tensor(nblk)).to(dev)
-        self.buf = torch.zeros(T * (_ACC + _WORDS // 2), dtype=torch.int64, device=dev)
+        self.buf = torch.zeros(T * (_ACC + _WORDS // 2 + _WORDS), dtype=torch.int64, device=dev)
         self.acc = self.buf[: T * _ACC]
         self.accf = self.acc.view(torch.float64)
-        self.words = self.buf[T * _ACC:].view(torch.int32)
+        self.words = self.buf[T * _ACC: T * (_ACC + _WORDS // 2)].view(torch.int32)
+        self.hexs = self.buf[T * (_ACC + _WORDS // 2):].view(torch.uint8)
         cuda = dev.type == "cuda"
         self.host = torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=cuda) if cuda else self.buf
         self.done = torch.cuda.Event() if cuda else None
         self._host_constants(tensors, nbytes, kinds)
 
     def _host_constants(self, tensors: list[torch.Tensor], nbytes: list[int], kinds: list[int]) -> None:
-        """What turns the arrays into row values: counts, slices of one hex string, head fix-ups."""
+        """What turns the arrays into row values: counts, slices of the kernel's hex text, head fix-ups."""
         numels = [t.numel() for t in tensors]
         self.numel = np.asarray(numels, dtype=np.int64)
-        self.kind_rows = {k: np.flatnonzero(np.asarray(kinds) == k) for k in sorted(set(kinds))}
+        self.kind = np.asarray(kinds)[:, None]
         self.short_heads = [(i, n) for i, n in enumerate(numels) if n < HEAD]
-        picks, raw_sl, win_sl, pos = [], [], [], 0
-        row_bytes = _WORDS * 4
-        for i, b in enumerate(nbytes):
-            r, w = raw_len(b), n_windows(b) * WINDOW
-            picks += range(i * row_bytes, i * row_bytes + r)
-            picks += range(i * row_bytes + RAW_SMALL, i * row_bytes + RAW_SMALL + w)
-            raw_sl.append(slice(2 * pos, 2 * (pos + r)))
-            win_sl.append(slice(2 * (pos + r), 2 * (pos + r + w)))
-            pos += r + w
-        self.picks = np.asarray(picks, dtype=np.int64)
-        self.raw_sl, self.win_sl = raw_sl, win_sl
+        per = _WORDS * 8  # hex characters a tensor's row of the text holds
+        self.raw_sl = [slice(i * per, i * per + 2 * raw_len(b)) for i, b in enumerate(nbytes)]
+        self.win_sl = [slice(i * per + 2 * RAW_SMALL, i * per + 2 * RAW_SMALL + 2 * WINDOW * n_windows(b))
+                       for i, b in enumerate(nbytes)]
         self.fp_sl = [slice(16 * i, 16 * i + 16) for i in range(len(nbytes))]
 
     def launch(self) -> None:
@@ -134,8 +129,8 @@ class Plan:
         w = [o // 4 for o in WINDOW_OFFSETS]
         try:
             _TRITON["last"] = _TRITON["kernel"][(self.programs,)](
-                self.desc, self.blk, self.acc, self.accf, self.words, BLOCK=WORDS_PER_ITER, ITERS=ITERS, HINT=hint,
-                W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS)
+                self.desc, self.blk, self.acc, self.accf, self.words, self.hexs, BLOCK=WORDS_PER_ITER, ITERS=ITERS,
+                HINT=hint, W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS)
         except Exception:
             if not hint:
                 raise
@@ -160,8 +155,8 @@ class Plan:
         lohi = np.where(some[:, None], bits, np.nan)
         mean = np.where(some, a[:, 7].view(np.float64) / np.maximum(nfin, 1.0), np.nan)
         fph = (a[:, 3:5] & _M32).astype(">u4").tobytes().hex()
-        w = h[T * _ACC:].view(np.uint32).reshape(T, _WORDS)
-        hexs = w.view(np.uint8).reshape(-1)[self.picks].tobytes().hex()
+        w = h[T * _ACC: T * (_ACC + _WORDS // 2)].view(np.uint32).reshape(T, _WORDS)
+        hexs = h[T * (_ACC + _WORDS // 2):].tobytes().decode("ascii")
         return {
             "nan": nan.tolist(), "inf": inf.tolist(), "poisoned": a[:, 2].tolist(),
             "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
@@ -170,15 +165,13 @@ class Plan:
         }
 
     def _heads(self, w: np.ndarray) -> list[list[float]]:
-        heads = np.empty((self.T, HEAD), dtype=np.float64)
-        for kind, idx in self.kind_rows.items():
-            ww = w[idx]
-            if kind == 0:  # bf16: the high half of a float32
-                heads[idx] = (ww[:, : HEAD // 2].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            elif kind == 1:
-                heads[idx] = ww[:, : HEAD // 2].copy().view(np.float16)
-            else:
-                heads[idx] = ww[:, :HEAD].copy().view(np.float32)
+        """The first 8 values of every tensor, each read as its dtype (bf16 the high half of a float32)."""
+        w8 = w[:, :HEAD]
+        halves = ((w8[:, : HEAD // 2, None] >> _HALF_SHIFTS) & 0xFFFF).reshape(-1, HEAD)
+        with np.errstate(invalid="ignore"):  # a signalling NaN (poison) widened is no error here
+            heads = np.where(self.kind == 0, (halves << 16).astype(np.uint32).view(np.float32).astype(np.float64),
+                             np.where(self.kind == 1, halves.astype(np.uint16).view(np.float16).astype(np.float64),
+                                      w8.view(np.float32).astype(np.float64)))
         out = heads.tolist()
         for i, n in self.short_heads:
             out[i] = out[i][:n]
