@@ -98,7 +98,8 @@ class Plan:
         """What turns the arrays into row values: counts, slices of the kernel's hex text, head fix-ups."""
         numels = [t.numel() for t in tensors]
         self.numel = np.asarray(numels, dtype=np.int64)
-        self.kind = np.asarray(kinds)[:, None]
+        self.bf16 = (np.asarray(kinds) == 0)[:, None]
+        self.fp16 = np.flatnonzero(np.asarray(kinds) == 1)
         self.short_heads = [(i, n) for i, n in enumerate(numels) if n < HEAD]
         per = _WORDS * 8  # hex characters a tensor's row of the text holds
         self.raw_sl = [slice(i * per, i * per + 2 * raw_len(b)) for i, b in enumerate(nbytes)]
@@ -165,13 +166,14 @@ class Plan:
         }
 
     def _heads(self, w: np.ndarray) -> list[list[float]]:
-        """The first 8 values of every tensor, each read as its dtype (bf16 the high half of a float32)."""
+        """The first 8 values of every tensor, each read as its dtype: bf16 and fp32 as float32 bits (a bf16
+        is the high half of one), in one conversion; fp16 rows, if any, on their own."""
         w8 = w[:, :HEAD]
         halves = ((w8[:, : HEAD // 2, None] >> _HALF_SHIFTS) & 0xFFFF).reshape(-1, HEAD)
         with np.errstate(invalid="ignore"):  # a signalling NaN (poison) widened is no error here
-            heads = np.where(self.kind == 0, (halves << 16).astype(np.uint32).view(np.float32).astype(np.float64),
-                             np.where(self.kind == 1, halves.astype(np.uint16).view(np.float16).astype(np.float64),
-                                      w8.view(np.float32).astype(np.float64)))
+            heads = np.where(self.bf16, halves << 16, w8).view(np.float32).astype(np.float64)
+            if self.fp16.size:
+                heads[self.fp16] = halves[self.fp16].astype(np.uint16).view(np.float16).astype(np.float64)
         out = heads.tolist()
         for i, n in self.short_heads:
             out[i] = out[i][:n]
