@@ -335,6 +335,7 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
         cached = (key, _build_plan(module, prefix))
         _PLANS[module] = cached
         early = False
+    del sig, tensors, key  # freed now, while the kernel runs, not on the way out after it
     entry = cached[1]
     if entry is None:
         return None
