@@ -5,8 +5,11 @@
 - warm rerun of the whole scenario on live ranks vs the spawn script
 - per-step overhead: a step's client wall time minus the slowest rank's own step time
   (split: the rank's probe, and the client + transport remainder)
-- a trivial call on every rank vs ipyparallel's own ``apply_sync`` (its floor)
-Timings come from this machine (2 gloo ranks on CPU); the GPU rows come from the recorded
+- a trivial call on every rank vs ipyparallel's own ``apply_sync`` (its floor), measured in the same run
+- the GPU probe (313-tensor Qwen3-1.7B shape): measured here when a GPU is present
+  (`benchmarks/probe_scale.py`), else the recorded fixtures/gpu/probe_scale.json
+- the incident-scale views table (`benchmarks/ranks_scale.py`: 8/16/64 synthetic ranks)
+Timings come from this machine (2 gloo ranks on CPU); the other GPU rows come from the recorded
 GPU suite (fixtures/gpu). Speed targets live here, never in tests.
 """
 
@@ -23,10 +26,13 @@ HERE = Path(__file__).resolve().parent
 SCENARIO, FIX = "fsdp1-rotary-meta-init", "cast-params-only"
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
+def timed(cmd: list[str], check: bool = True) -> tuple[float, str]:
+    """Wall time and output of ``cmd``; unchecked, a failed run (a step past its deadline on a loaded box)
+    still counts its time and says so in the output it returns."""
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return time.perf_counter() - t0, out.stdout
+    out = subprocess.run(cmd, check=check, capture_output=True, text=True)
+    failed = f"FAILED (exit {out.returncode}) " if out.returncode else ""
+    return time.perf_counter() - t0, failed + out.stdout
 
 
 def _noop() -> int:
@@ -107,35 +113,83 @@ def _phase(text: str, pattern: str) -> float:
 
 
 def main() -> None:
-    cold_wb, out = timed([sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--timeout", "8"])
+    cold_wb, out = timed([sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--timeout", "8"],
+                         check=False)
     cold_spawn = float(timed([sys.executable, str(HERE / "spawn_baseline.py"), SCENARIO, FIX])[0])
     w = warm()
     att = attached()
     ms = 1e3
     rows = [
         ("cold `workbench run` (fix) / spawn script", f"{cold_wb / cold_spawn:.2f}x", "<= 1.3x",
-         cold_wb / cold_spawn <= 1.3, f"{cold_wb:.1f} s vs {cold_spawn:.1f} s"),
+         cold_wb / cold_spawn <= 1.3 and not out.startswith("FAILED"),
+         f"{cold_wb:.1f} s vs {cold_spawn:.1f} s{'; the cold run FAILED' if out.startswith('FAILED') else ''}"),
         ("  cold run: engines start", f"{_phase(out, r'engines ([0-9.]+)s'):.2f} s", "", None, "controller + engines"),
         ("  cold run: engines import torch", f"{_phase(out, r'imports ([0-9.]+)s'):.2f} s", "", None,
          "first call on the engines"),
         ("  cold run: process group", f"{_phase(out, r'process group ([0-9.]+)s'):.2f} s", "", None,
          "init_process_group and thread settings"),
-        ("attached run via --cluster (`workbench up`)", f"{att['median']:.2f} s", "<= 2 s", att["median"] <= 2.0,
+        ("attached run via --cluster (`workbench up`)", f"{att['median']:.2f} s", "<= 1 s", att["median"] <= 1.0,
          f"median of 5 ({att['min']:.2f}-{att['max']:.2f} s), {cold_wb / att['median']:.1f}x below cold; first run "
          f"after up {att['first']:.2f} s; client imports alone {att['floor']:.2f} s"
          f"{' (torch among them)' if att['torch'] else ' (no torch)'}"),
         ("warm rerun on live ranks vs spawn script", f"{cold_spawn / w['warm_s']:.1f}x", ">= 25x",
          cold_spawn / w["warm_s"] >= 25, f"{w['warm_s']:.2f} s a rerun"),
-        ("per-step overhead (client - slowest rank)", f"{w['overhead_s'] * ms:.1f} ms", "<= 20 ms",
-         w["overhead_s"] <= 0.020, f"of which the ranks' probe {w['probe_s'] * ms:.1f} ms"),
-        ("trivial call on all ranks (2)", f"{w['trivial_s'] * ms:.1f} ms", "<= 5 ms", w["trivial_s"] <= 0.005,
-         f"ipyparallel apply_sync floor {w['floor_s'] * ms:.1f} ms"),
+        ("per-step overhead (client - slowest rank)", f"{w['overhead_s'] * ms:.1f} ms", "<= 10 ms",
+         w["overhead_s"] <= 0.010, f"of which the ranks' probe {w['probe_s'] * ms:.1f} ms"),
+        ("trivial call on all ranks (2) / apply_sync", f"{w['trivial_s'] / w['floor_s']:.2f}x", "<= 1.2x",
+         w["trivial_s"] <= 1.2 * w["floor_s"],
+         f"{w['trivial_s'] * ms:.1f} ms vs ipyparallel apply_sync floor {w['floor_s'] * ms:.1f} ms, same run"),
     ]
     print(f"\n{'figure (this machine: CPU, 2 gloo ranks)':44s} {'now':>10s} {'goal':>9s} {'met':>4s}  note")
     for name, now, goal, met, note in rows:
         flag = "" if met is None else ("yes" if met else "no")
         print(f"{name:44s} {now:>10s} {goal:>9s} {flag:>4s}  {note}")
+    gpu_probe_row()
     gpu_rows()
+    scale_table()
+
+
+def gpu_probe_row() -> None:
+    """The GPU probe against its goal: measured now on cuda:0 when there is one, else the recorded run."""
+    import json
+    import tempfile
+
+    try:
+        import torch
+
+        live = torch.cuda.is_available()
+    except ImportError:
+        live = False
+    src = HERE.parent / "fixtures" / "gpu" / "probe_scale.json"
+    if live:
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "probe.json"
+            subprocess.run([sys.executable, str(HERE / "probe_scale.py"), "--out", str(out)], check=True,
+                           capture_output=True)
+            probe = json.loads(out.read_text())
+    else:
+        try:
+            probe = json.loads(src.read_text())
+        except (OSError, ValueError):
+            return
+    fused = probe["paths"].get("fused")
+    if not fused:
+        return
+    before = probe["paths"].get("before", {})
+    where = "measured now" if live else f"recorded ({src.relative_to(HERE.parent)})"
+    note = (f"{probe['device']}, {where}; kernel alone {fused['kernel_ms']:.2f} ms, read-once floor "
+            f"{probe['floor_ms']:.2f} ms" + (f", before {before['probe_ms']:.1f} ms" if before else "")
+            + (f"; rows byte-identical to before: {probe['rows_identical']}" if "rows_identical" in probe else ""))
+    name = f"GPU probe, {probe['tensors']} tensors / {probe['bytes'] / 1e9:.2f} GB"
+    met = fused["probe_ms"] <= 2.0
+    print(f"{name:44s} {fused['probe_ms']:>7.2f} ms {'<= 2 ms':>9s} {'yes' if met else 'no':>4s}  {note}")
+
+
+def scale_table() -> None:
+    """The incident-scale views (synthetic 8/16/64 ranks): `benchmarks/ranks_scale.py --views-only`."""
+    out = subprocess.run([sys.executable, str(HERE / "ranks_scale.py"), "--views-only"], capture_output=True,
+                         text=True)
+    print(out.stdout.rstrip() if out.returncode == 0 else f"\nranks_scale.py failed: {out.stderr.strip()[-300:]}")
 
 
 def gpu_rows() -> None:

@@ -1,13 +1,18 @@
-"""The fused probe kernels (Triton): one read of every byte per dtype group.
+"""The fused probe kernel (Triton): one launch reads every byte of every tensor once.
 
 Imported only by ``workbench.rank.probe`` when it probes CUDA tensors. The fingerprint
 here must stay bit-identical to ``fingerprint._fingerprint_lanes`` (the plain torch path).
 
-One program summarises BLOCK * ITERS 32-bit words of one tensor. A whole block with only
-finite values (the common case) takes the fast loop: plain min/max/sum and the hash, no
-masks. A tail block, or a block whose lane sums came out non-finite (a NaN or Inf was
-read, or the sum overflowed), is re-read by the careful loop, which masks, counts NaN,
-Inf and poison, and keeps min/max/sum to finite values.
+One launch covers every tensor of every fused dtype: a packed descriptor table (pointer,
+32-bit words, first program, dtype kind) and a program -> tensor map say which
+BLOCK * ITERS words each program summarises. A whole block with only finite values (the
+common case) takes the fast loop: plain min/max/sum and the hash, no masks. A tail block,
+or a block whose lane sums came out non-finite (a NaN or Inf was read, or the sum
+overflowed), is re-read by the careful loop, which masks, counts NaN, Inf and poison, and
+keeps min/max/sum to finite values. Each program folds its block into its tensor's
+accumulator row with atomics (integer sums, order-preserving keys for min/max, a float64
+sum), so the per-tensor statistics need no second pass; the tensor's first program also
+copies its first 256 bytes and the bytes at the window offsets.
 """
 
 import triton
@@ -50,15 +55,16 @@ def _careful(x, ok, lo, hi, s, nn_, ni):
 
 
 @triton.jit
-def probe_kernel(ptrs, nwords, first, blk_t, part_f, part_i, POISON: tl.constexpr, KIND: tl.constexpr,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr, HINT: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(blk_t + pid)
-    n = tl.load(nwords + t)
-    start = (pid - tl.load(first + t)).to(tl.int64) * (BLOCK * ITERS)
-    base = tl.load(ptrs + t).to(tl.pointer_type(tl.uint32))
-    if HINT:
-        base = tl.multiple_of(base, 16)
+def _key(f):
+    """A float32 as a uint32 that orders like the float (NaN aside): atomic_max can fold it."""
+    b = f.to(tl.uint32, bitcast=True)
+    return tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+
+@triton.jit
+def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constexpr, BLOCK: tl.constexpr,
+           ITERS: tl.constexpr, HINT: tl.constexpr):
+    """One program's block of one tensor: the statistics, folded into the tensor's accumulator row."""
     lane = tl.arange(0, BLOCK)
     idx0 = start.to(tl.uint32) + 1 + lane.to(tl.uint32)
     blk = base + start  # this program's first word: in-block offsets stay 32-bit
@@ -100,7 +106,7 @@ def probe_kernel(ptrs, nwords, first, blk_t, part_f, part_i, POISON: tl.constexp
         s = tl.zeros([BLOCK], tl.float32)
         h1 = tl.zeros([BLOCK], tl.uint32)
         h2 = tl.zeros([BLOCK], tl.uint32)
-        for it in tl.static_range(ITERS):
+        for it in range(ITERS):  # rare (tails, non-finite blocks): a loop, not unrolled, keeps registers free
             offs = start + it * BLOCK + lane
             ok = offs < n
             w = tl.load(base + offs, mask=ok, other=0)
@@ -115,21 +121,52 @@ def probe_kernel(ptrs, nwords, first, blk_t, part_f, part_i, POISON: tl.constexp
                 lo, hi, s, nn_, ni = _careful(x1, ok, lo, hi, s, nn_, ni)
                 npz += (ok & ((w & 0xFFFF) == POISON)).to(tl.int32) + (ok & ((w >> 16) == POISON)).to(tl.int32)
         total = tl.sum(s, axis=0)
-    tl.store(part_f + pid * 3 + 0, tl.min(lo, axis=0))
-    tl.store(part_f + pid * 3 + 1, tl.max(hi, axis=0))
-    tl.store(part_f + pid * 3 + 2, total)
-    tl.store(part_i + pid * 5 + 0, tl.sum(nn_, axis=0).to(tl.int64))
-    tl.store(part_i + pid * 5 + 1, tl.sum(ni, axis=0).to(tl.int64))
-    tl.store(part_i + pid * 5 + 2, tl.sum(npz, axis=0).to(tl.int64))
-    tl.store(part_i + pid * 5 + 3, tl.sum(h1, axis=0).to(tl.int64))
-    tl.store(part_i + pid * 5 + 4, tl.sum(h2, axis=0).to(tl.int64))
+    tl.atomic_add(acc_t + 0, tl.sum(nn_, axis=0).to(tl.int64), sem="relaxed")
+    tl.atomic_add(acc_t + 1, tl.sum(ni, axis=0).to(tl.int64), sem="relaxed")
+    tl.atomic_add(acc_t + 2, tl.sum(npz, axis=0).to(tl.int64), sem="relaxed")
+    tl.atomic_add(acc_t + 3, tl.sum(h1, axis=0).to(tl.int64), sem="relaxed")
+    tl.atomic_add(acc_t + 4, tl.sum(h2, axis=0).to(tl.int64), sem="relaxed")
+    tl.atomic_max(acc_t + 5, (0xFFFFFFFF - _key(tl.min(lo, axis=0))).to(tl.int64), sem="relaxed")
+    tl.atomic_max(acc_t + 6, _key(tl.max(hi, axis=0)).to(tl.int64), sem="relaxed")
+    tl.atomic_add(accf_t + 7, total.to(tl.float64), sem="relaxed")
 
 
 @triton.jit
-def raw_kernel(ptrs, nwords, out, WORDS: tl.constexpr):
-    t = tl.program_id(0)
-    n = tl.load(nwords + t)
-    base = tl.load(ptrs + t).to(tl.pointer_type(tl.uint32))
-    offs = tl.arange(0, WORDS)
-    w = tl.load(base + offs, mask=offs < n, other=0)
-    tl.store(out + t * WORDS + offs, w.to(tl.int64))
+def probe_all_kernel(desc, blk_t, acc, accf, words, hexs, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                     HINT: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
+    """Every tensor in one launch. ``desc`` [T, 4] int64: pointer, 32-bit words, first program, kind
+    (0 bf16, 1 fp16, 2 fp32); ``blk_t`` [programs] int32: each program's tensor; ``acc``/``accf`` [T, 8]
+    (one zeroed buffer, int64 and float64 views): NaN, Inf, poison, lane 1, lane 2, 2**32-1 - min key,
+    max key, sum; ``words`` [T, 96] int32: the first 64 words, then 8 words at each window offset W0-W3;
+    ``hexs`` [T, 768] uint8: the same bytes as lowercase hex (the rows' ``raw`` and ``windows``)."""
+    pid = tl.program_id(0)
+    t = tl.load(blk_t + pid)
+    row = desc + t * 4
+    n = tl.load(row + 1)
+    local = pid - tl.load(row + 2)
+    kind = tl.load(row + 3)
+    base = tl.load(row).to(tl.pointer_type(tl.uint32))
+    if HINT:
+        base = tl.multiple_of(base, 16)
+    start = local.to(tl.int64) * (BLOCK * ITERS)
+    acc_t = acc + t * 8
+    accf_t = accf + t * 8
+    if kind == 0:
+        _block(base, start, n, acc_t, accf_t, 0, 0x7FA5, BLOCK, ITERS, HINT)
+    elif kind == 1:
+        _block(base, start, n, acc_t, accf_t, 1, 0x7D5A, BLOCK, ITERS, HINT)
+    else:
+        _block(base, start, n, acc_t, accf_t, 2, 0x7FA5A5A5, BLOCK, ITERS, HINT)
+    if local == 0:
+        offs = tl.arange(0, 128)
+        k = (offs - 64) // 8
+        win = tl.where(k == 0, W0, tl.where(k == 1, W1, tl.where(k == 2, W2, W3))) + (offs - 64) % 8
+        src = tl.where(offs < 64, offs, win)
+        keep = offs < 96
+        w = tl.load(base + src, mask=keep & (src < n), other=0)
+        tl.store(words + t * 96 + offs, w.to(tl.int32, bitcast=True), mask=keep)
+        j = tl.arange(0, 8)
+        shift = ((j // 2) * 8 + (1 - j % 2) * 4).to(tl.uint32)  # byte j // 2, high nibble first
+        nib = (w[:, None] >> shift[None, :]) & 0xF
+        ch = nib + 48 + (nib > 9).to(tl.uint32) * 39  # '0'-'9', 'a'-'f'
+        tl.store(hexs + t * 768 + offs[:, None] * 8 + j[None, :], ch.to(tl.uint8), mask=keep[:, None])

@@ -1,0 +1,95 @@
+"""Host-side pieces of the packed GPU probe, timed one by one (min of many): where its Python goes.
+
+    python benchmarks/probe_micro.py        # needs CUDA: the 1.7B shape of probe_scale.py
+"""
+
+from __future__ import annotations
+
+import gc
+import operator
+import sys
+import timeit
+from collections import deque
+from itertools import repeat
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from probe_scale import build, plant  # noqa: E402
+
+from workbench.rank import probe, probe_fused  # noqa: E402
+
+
+def best(fn, n: int = 50) -> float:
+    return min(timeit.repeat(fn, number=n, repeat=7)) / n * 1e6
+
+
+def best_synced(fn, n: int = 200) -> float:
+    """Host time of ``fn`` alone, the device drained before each call (launches must not queue up)."""
+    import time
+
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return min(times) * 1e6
+
+
+def main() -> None:
+    dev = torch.device("cuda:0")
+    model = build("1.7b", dev)
+    plant(model)
+    probe.probe_module(model, 0)
+    plan, static, refs, ptrs = probe._PLANS[model][1]
+    _, ts = probe._walk(model)
+    plan.launch()
+    cols = plan.columns()
+    T = plan.T
+    h = plan.host.numpy()
+    a = h[: T * 8].reshape(T, 8)
+    w = h[T * 8: T * 56].view(np.uint32).reshape(T, 96)
+    rows = [dict(zip(probe.COLUMNS[:8], (0, *s[:4], False, *s[4:]))) for s in static]
+    out = {
+        "e2e probe_module": lambda: probe.probe_module(model, 0),
+        "alive check": lambda: probe._alive(refs, ptrs),
+        "launch (zero, kernel, copy, record)": lambda: plan.launch(),
+        "  acc.zero_": lambda: plan.acc.zero_(),
+        "  kernel launch": lambda: plan._kernel(probe_fused._TRITON["hint"]),
+        "  copy_ + record": lambda: (plan.host.copy_(plan.buf, non_blocking=True), plan.done.record()),
+        "walk": lambda: probe._walk(model),
+        "key maps": lambda: (list(map(id, ts)), list(map(torch.Tensor.data_ptr, ts)), list(map(probe._shape, ts)),
+                             list(map(probe._dtype, ts)), list(map(torch.Tensor.is_contiguous, ts))),
+        "  shape map": lambda: list(map(probe._shape, ts)),
+        "  contig map": lambda: list(map(torch.Tensor.is_contiguous, ts)),
+        "rows begun (8 keys)": lambda: [{"rank": 0, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False,
+                                         "shape": sh, "numel": ne} for n, k, d, dv, sh, ne in static],
+        "columns (after sync)": lambda: plan.columns(),
+        "  host.numpy": lambda: plan.host.numpy(),
+        "  heads": lambda: plan._heads(w),
+        "  hex decode": lambda: h[T * 56:].tobytes().decode("ascii"),
+        "  tolist x6": lambda: [a[:, i].tolist() for i in range(6)],
+        "fill (10 C loops)": lambda: [deque(map(operator.setitem, rows, repeat(k), cols[k]), maxlen=0)
+                                      for k in probe._STAT_COLUMNS],
+    }
+    torch.cuda.synchronize()
+    for name, fn in out.items():
+        us = best_synced(fn) if "launch" in name or "zero" in name or "copy" in name else best(fn)
+        print(f"{name:40s} {us:9.1f} us", flush=True)
+        torch.cuda.synchronize()
+    gc.disable()
+    print(f"{'e2e probe_module, gc off':40s} {best(out['e2e probe_module']):9.1f} us")
+    gc.enable()
+    gc.freeze()
+    print(f"{'e2e probe_module, gc frozen':40s} {best(out['e2e probe_module']):9.1f} us")
+
+
+if __name__ == "__main__":
+    main()

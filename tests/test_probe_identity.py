@@ -1,0 +1,114 @@
+"""Today's probe rows are byte-identical to the rows of the probe before the packed path.
+
+`benchmarks/probe_reference.py` is that probe, frozen (main 06518e8). On CPU both take the plain
+path; through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is read when
+the kernels are defined) both take their fused kernels on CPU tensors, the reference its
+per-dtype launches, today's probe one launch over a cached plan. The GPU comparison runs in
+`benchmarks/probe_scale.py`. Equality is of the pickled rows: every value, every bit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import probe_reference as ref  # noqa: E402
+
+from workbench.rank import probe  # noqa: E402
+from workbench.rank.poison import poison_  # noqa: E402
+
+
+def mixed_model() -> nn.Module:
+    """Every dtype and shape the probe tells apart: fusable sizes on both sides of a block, odd sizes,
+    doubles, integers, an empty tensor, a non-contiguous view, a shared parameter, NaN, Inf and poison."""
+    g = torch.Generator().manual_seed(0)
+    m = nn.Module()
+    m.a = nn.Linear(40, 30).to(torch.bfloat16)
+    m.b = nn.Linear(8, 3).half()
+    m.c = nn.Module()
+    m.c.w = nn.Parameter(torch.randn(3000, generator=g).to(torch.bfloat16))  # 3 blocks at the test's size
+    m.c.f = nn.Parameter(torch.randn(2000, generator=g))  # 4 blocks
+    m.c.odd = nn.Parameter(torch.randn(3, generator=g).to(torch.bfloat16))  # 6 bytes: not whole words
+    m.c.tiny = nn.Parameter(torch.tensor([1.5, -2.0], dtype=torch.float16))  # one word, head shorter than 8
+    m.register_buffer("steps", torch.arange(5))
+    m.register_buffer("d", torch.randn(33, generator=g, dtype=torch.float64))
+    m.register_buffer("empty", torch.zeros(0))
+    m.register_buffer("scratch", torch.randn(6, 5, generator=g).t(), persistent=False)  # not contiguous
+    m.shared = m.a  # a module reached twice: its tensors once
+    with torch.no_grad():
+        m.c.w.view(-1)[2000] = float("nan")  # in the second block
+        m.c.f.view(-1)[7] = float("inf")
+        poison_(m.b.weight.data)
+        m.b.weight.data.view(-1)[:3] = 0.5
+    return m
+
+
+def fusable_model() -> nn.Module:
+    """Only fusable tensors: the packed path with its cached plan."""
+    g = torch.Generator().manual_seed(1)
+    m = nn.Sequential(nn.Linear(64, 48), nn.LayerNorm(48), nn.Linear(48, 6)).to(torch.bfloat16)
+    m.register_buffer("inv_freq", torch.rand(32, generator=g))  # fp32 beside bf16: one launch, two kinds
+    with torch.no_grad():
+        m[0].weight.view(-1)[9] = float("-inf")
+        m[2].bias.view(-1)[1] = float("nan")
+    return m
+
+
+def same_rows(module: nn.Module) -> None:
+    new, old = probe.probe_module(module, rank=1), ref.probe_module(module, rank=1)
+    assert [r["name"] for r in new] == [r["name"] for r in old]
+    for a, b in zip(new, old):
+        assert pickle.dumps(a) == pickle.dumps(b), (a["name"], {k: (a[k], b[k]) for k in a if a[k] != b[k]})
+    assert pickle.dumps(new) == pickle.dumps(old)
+
+
+def test_plain_path_rows_are_the_references_bytes():
+    same_rows(mixed_model())
+    same_rows(fusable_model())
+
+
+def _interpreted() -> None:
+    """Run with TRITON_INTERPRET=1: both probes' fused kernels on CPU tensors."""
+    from workbench.rank import probe_fused
+
+    probe_fused.FUSED_DEVICES = ref.FUSED_DEVICES = ("cuda", "cpu")
+    probe_fused.WORDS_PER_ITER = ref.WORDS_PER_ITER = 256  # small blocks: many programs, a quick interpreter
+    probe_fused.ITERS = ref.ITERS = 2
+    m = fusable_model()
+    same_rows(m)  # builds the plan
+    plan = probe._PLANS[m][1][0]
+    with torch.no_grad():
+        m[0].weight.view(-1)[3] = 7.0  # new values, same plan
+    same_rows(m)
+    assert probe._PLANS[m][1][0] is plan
+    m[2].weight.data = torch.ones(6, 48, dtype=torch.bfloat16)  # new storage: a new plan
+    same_rows(m)
+    assert probe._PLANS[m][1][0] is not plan
+    plan = probe._PLANS[m][1][0]
+    m.register_buffer("extra", torch.rand(8))  # every old tensor alive where it was: launched early, then
+    same_rows(m)  # the key differs (a new buffer), so the plan is rebuilt and launched again
+    assert probe._PLANS[m][1][0] is not plan and probe._PLANS[m][1][1][-1][0] == "extra"
+    same_rows(mixed_model())  # the general path: fused members in one launch beside the plain ones
+    print("interpreted rows identical")
+
+
+def test_fused_rows_through_the_interpreter_are_the_references_bytes():
+    pytest.importorskip("triton")
+    code = f"import runpy; runpy.run_path({str(Path(__file__))!r}, run_name='__interpreted__')"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0 and "interpreted rows identical" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+if __name__ == "__interpreted__":
+    _interpreted()

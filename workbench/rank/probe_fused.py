@@ -1,0 +1,208 @@
+"""The fused probe on CUDA: one kernel launch for every tensor, one copy back, rows from arrays.
+
+A ``Plan`` is everything about a fixed list of tensors that does not depend on their values:
+the packed descriptor table on the device (pointer, 32-bit words, first program, dtype kind),
+the program -> tensor map, the accumulator buffer and its pinned host twin, and the host-side
+constants that turn the copied-back arrays into row values without a per-tensor Python loop.
+``probe.probe_module`` keeps one plan per module and reuses it while the module's tensors keep
+their addresses, shapes and dtypes, so a repeated probe costs: a zero-fill, one launch, one
+device-to-host copy, and numpy over a few [T, k] arrays.
+
+The values are those of the plain torch path (the fingerprint bit for bit) and byte for byte
+those of the per-dtype fused path this replaced (``benchmarks/probe_reference.py`` keeps it;
+``tests/test_probe_identity.py`` compares).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from workbench.rank.columns import WINDOW, WINDOW_OFFSETS
+
+HEAD = 8
+RAW_SMALL = 256  # bytes kept whole for tensors up to this size
+RAW_LARGE = 64  # bytes kept from the start of larger tensors
+WORDS_PER_ITER = 2048  # words one program reads per loop iteration
+ITERS = 16  # iterations per program: 128 KiB of tensor per program (best of a sweep on an H200)
+NUM_WARPS = 8
+KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+FUSED_DEVICES = ("cuda",)  # the tests add "cpu" and run the kernel through Triton's interpreter
+_ACC = 8  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
+_WORDS = 96  # words kept per tensor: 64 raw, 8 at each of the 4 window offsets
+_M32 = 0xFFFFFFFF
+_FLIP = np.array([_M32, 0], dtype=np.int64)
+_HALF_SHIFTS = np.array([0, 16], dtype=np.uint32)
+_TRITON: dict[str, Any] = {}
+_KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
+
+
+def fused_enabled() -> bool:
+    """Whether CUDA tensors can take the fused Triton pass (env WORKBENCH_PROBE_FUSED=0 turns it off)."""
+    if os.environ.get("WORKBENCH_PROBE_FUSED", "1") == "0":
+        return False
+    if "ok" not in _TRITON:
+        try:
+            from workbench.rank import _probe_triton  # imports triton: only where CUDA tensors are probed
+
+            _TRITON.update(kernel=_probe_triton.probe_all_kernel, hint=True, ok=True)
+        except Exception as exc:  # no Triton, or it cannot build here: the plain path stays correct
+            _TRITON.update(ok=False, why=f"{type(exc).__name__}: {exc}")
+    return bool(_TRITON["ok"])
+
+
+def fusable(t: torch.Tensor) -> bool:
+    return (t.device.type in FUSED_DEVICES and t.dtype in KINDS and t.is_contiguous()
+            and t.data_ptr() % 16 == 0 and (t.numel() * t.element_size()) % 4 == 0 and t.numel() > 0)
+
+
+def raw_len(nbytes: int) -> int:
+    return nbytes if nbytes <= RAW_SMALL else RAW_LARGE
+
+
+def n_windows(nbytes: int) -> int:
+    return sum(1 for off in WINDOW_OFFSETS if nbytes >= off + WINDOW) if nbytes > RAW_SMALL else 0
+
+
+class Plan:
+    """One launch's worth of fusable tensors on one device (see the module docstring)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        assert WINDOW == 32 and len(WINDOW_OFFSETS) == 4 and all(o % 4 == 0 for o in WINDOW_OFFSETS)
+        dev = tensors[0].device
+        per = WORDS_PER_ITER * ITERS
+        T = len(tensors)
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        nblk = [(b // 4 + per - 1) // per for b in nbytes]
+        firsts = np.concatenate([[0], np.cumsum(nblk)[:-1]]).tolist()
+        kinds = [KINDS[t.dtype] for t in tensors]
+        rows = [[t.data_ptr(), b // 4, f, k] for t, b, f, k in zip(tensors, nbytes, firsts, kinds)]
+        self.device, self.T, self.programs = dev, T, int(sum(nblk))
+        self.desc = torch.tensor(rows, dtype=torch.int64).to(dev)
+        self.blk = torch.repeat_interleave(torch.arange(T, dtype=torch.int32), torch.tensor(nblk)).to(dev)
+        self.buf = torch.zeros(T * (_ACC + _WORDS // 2 + _WORDS), dtype=torch.int64, device=dev)
+        self.acc = self.buf[: T * _ACC]
+        self.accf = self.acc.view(torch.float64)
+        self.words = self.buf[T * _ACC: T * (_ACC + _WORDS // 2)].view(torch.int32)
+        self.hexs = self.buf[T * (_ACC + _WORDS // 2):].view(torch.uint8)
+        cuda = dev.type == "cuda"
+        self.host = torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=cuda) if cuda else self.buf
+        self.done = torch.cuda.Event() if cuda else None
+        self._host_constants(tensors, nbytes, kinds)
+
+    def _host_constants(self, tensors: list[torch.Tensor], nbytes: list[int], kinds: list[int]) -> None:
+        """What turns the arrays into row values: counts, slices of the kernel's hex text, head fix-ups."""
+        numels = [t.numel() for t in tensors]
+        self.numel = np.asarray(numels, dtype=np.int64)
+        self.bf16 = (np.asarray(kinds) == 0)[:, None]
+        self.fp16 = np.flatnonzero(np.asarray(kinds) == 1)
+        self.short_heads = [(i, n) for i, n in enumerate(numels) if n < HEAD]
+        per = _WORDS * 8  # hex characters a tensor's row of the text holds
+        self.raw_sl = [slice(i * per, i * per + 2 * raw_len(b)) for i, b in enumerate(nbytes)]
+        self.win_sl = [slice(i * per + 2 * RAW_SMALL, i * per + 2 * RAW_SMALL + 2 * WINDOW * n_windows(b))
+                       for i, b in enumerate(nbytes)]
+        self.fp_sl = [slice(16 * i, 16 * i + 16) for i in range(len(nbytes))]
+
+    def launch(self) -> None:
+        """Zero the accumulators, run the kernel over every tensor, queue the copy back."""
+        cur = torch.cuda.current_device() if self.done is not None else None
+        if cur is not None and cur != self.device.index:
+            with torch.cuda.device(self.device):
+                return self.launch()
+        self.acc.zero_()
+        timing = _KERNEL_EVENTS is not None and self.done is not None
+        if timing:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        self._kernel(_TRITON["hint"])
+        if timing:
+            ev1.record()
+            _KERNEL_EVENTS.append((ev0, ev1))
+        if self.done is not None:
+            self.host.copy_(self.buf, non_blocking=True)
+            self.done.record()
+
+    def _kernel(self, hint: bool) -> None:
+        w = [o // 4 for o in WINDOW_OFFSETS]
+        try:
+            _TRITON["last"] = _TRITON["kernel"][(self.programs,)](
+                self.desc, self.blk, self.acc, self.accf, self.words, self.hexs, BLOCK=WORDS_PER_ITER, ITERS=ITERS,
+                HINT=hint, W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS)
+        except Exception:
+            if not hint:
+                raise
+            _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
+            self._kernel(False)
+
+    def columns(self, stamp=None) -> dict[str, list]:
+        """Wait for the copy, then every statistic column as a list, in row order (``stamp``: a benchmark's
+        timer, told when the copy is back)."""
+        if self.done is not None:
+            wait(self.done, self.device)
+        if stamp:
+            stamp(("copied back", time.perf_counter()))
+        T = self.T
+        h = self.host.numpy()
+        a = h[: T * _ACC].reshape(T, _ACC)
+        nan, inf = a[:, 0], a[:, 1]
+        nfin = (self.numel - nan - inf).astype(np.float64)
+        some = nfin > 0
+        k = a[:, 5:7] ^ _FLIP  # min's key was stored as 2**32-1 - key (so atomic_max could fold it)
+        bits = np.where(k & 0x80000000, k & 0x7FFFFFFF, k ^ _M32).astype(np.uint32).view(np.float32).astype(np.float64)
+        lohi = np.where(some[:, None], bits, np.nan)
+        mean = np.where(some, a[:, 7].view(np.float64) / np.maximum(nfin, 1.0), np.nan)
+        fph = (a[:, 3:5] & _M32).astype(">u4").tobytes().hex()
+        w = h[T * _ACC: T * (_ACC + _WORDS // 2)].view(np.uint32).reshape(T, _WORDS)
+        hexs = h[T * (_ACC + _WORDS // 2):].tobytes().decode("ascii")
+        return {
+            "nan": nan.tolist(), "inf": inf.tolist(), "poisoned": a[:, 2].tolist(),
+            "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
+            "fingerprint": list(map(fph.__getitem__, self.fp_sl)),
+            "raw": list(map(hexs.__getitem__, self.raw_sl)), "windows": list(map(hexs.__getitem__, self.win_sl)),
+        }
+
+    def _heads(self, w: np.ndarray) -> list[list[float]]:
+        """The first 8 values of every tensor, each read as its dtype: bf16 and fp32 as float32 bits (a bf16
+        is the high half of one), in one conversion; fp16 rows, if any, on their own."""
+        w8 = w[:, :HEAD]
+        halves = ((w8[:, : HEAD // 2, None] >> _HALF_SHIFTS) & 0xFFFF).reshape(-1, HEAD)
+        with np.errstate(invalid="ignore"):  # a signalling NaN (poison) widened is no error here
+            heads = np.where(self.bf16, halves << 16, w8).view(np.float32).astype(np.float64)
+            if self.fp16.size:
+                heads[self.fp16] = halves[self.fp16].astype(np.uint16).view(np.float16).astype(np.float64)
+        out = heads.tolist()
+        for i, n in self.short_heads:
+            out[i] = out[i][:n]
+        return out
+
+
+def wait(event: torch.cuda.Event, device: torch.device) -> None:
+    """Poll ``event``, never a blocking sync: a rank whose stream sits behind a stuck collective then
+    reports it after the group's timeout instead of hanging inside the driver."""
+    limit = _sync_limit()
+    t0 = time.perf_counter()
+    pause = 0.0
+    while not event.query():
+        waited = time.perf_counter() - t0
+        if limit is not None and waited > limit:
+            raise RuntimeError(
+                f"probe: the work queued on {device} did not finish within {limit:g}s; a collective on this "
+                "rank's stream is probably stuck (its peer never posted the matching call)")
+        if waited > 0.002:
+            pause = min(0.01, pause + 0.0002)
+            time.sleep(pause)
+
+
+def _sync_limit() -> float | None:
+    """The process group's timeout on an engine rank; None (wait for ever) elsewhere."""
+    env = os.environ.get("WORKBENCH_PROBE_SYNC_TIMEOUT")
+    if env:
+        return float(env)
+    from workbench.rank import context
+
+    t = context._RANK.get("timeout_s")
+    return float(t) if t else None
