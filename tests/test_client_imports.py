@@ -40,7 +40,8 @@ def test_scenario_declarations_and_the_attach_path_import_no_torch():
     doc = _client_modules()
     assert set(doc["decl"]) == set(scenarios.names())
     assert doc["decl"]["fsdp1-rotary-meta-init"] == [["load", "cast", "wrap_fsdp1", "forward"],
-                                                     ["cast-params-only", "recompute-after-wrap"]]
+                                                     ["cast-params-only", "fp32-everywhere", "recompute-after-wrap",
+                                                      "sync-buffers-after-wrap"]]
     assert "torch.distributed.fsdp" not in doc["loaded"], "a scenario declaration pulls in FSDP on the client"
     assert doc["loaded"] == [], f"the client imports torch: {doc['loaded'][:5]}"
 

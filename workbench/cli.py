@@ -175,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output(args.json, "--json")
     check_output(args.bundle, "--bundle", ".wbundle")
     check_output(args.report, "--report")
-    if args.ranks is not None:
+    if args.ranks is not None and args.ranks >= 1:  # below 1: the engines' own one-line refusal
         sc.check_ranks(args.ranks, params)
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
