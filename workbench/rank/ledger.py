@@ -68,8 +68,16 @@ _PLUMBING = (
     os.path.join(_TORCH_DIR, "_compile.py"),
     os.path.join(_TORCH_DIR, "utils", "_contextlib.py"),
     os.path.join(_TORCH_DIR, "distributed", "_functional_collectives.py"),
+    os.path.join(_TORCH_DIR, "overrides.py"),  # a TorchFunctionMode's dispatch (poison's, torch.device's)
+    os.path.join(_TORCH_DIR, "utils", "_device.py"),
     os.path.abspath(__file__),
+    os.path.join(_HERE, "poison.py"),  # the workbench's own modes: never the caller
+    os.path.join(_HERE, "trace.py"),
 )
+_SHIPPED = "<dynamic-code>"  # cloudpickle's co_filename for code sent by value: the user's own
+# Code the user shipped (cloudpickle, IPython cells) and the catalogue's scenario files, even where the
+# workbench is installed into site-packages.
+_USER_PREFIXES = (_SHIPPED, "<ipython-input", os.path.join(os.path.dirname(_HERE), "scenarios") + os.sep)
 
 
 def ledger_path(directory: str, rank: int) -> str:
@@ -272,12 +280,17 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 def _frames() -> tuple[str, str, list[str]]:
-    """(first frame past the c10d plumbing, first frame in user code, a short stack)."""
+    """(first frame past the c10d plumbing, first frame in user code, a short stack).
+
+    Neither is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the
+    trace's hooks, this ledger): with poison on, every collective passes through
+    ``poison.py``'s ``__torch_function__`` on its way down.
+    """
     f = sys._getframe(2)
     caller = user = ""
     stack: list[str] = []
     while f is not None:
-        fn = f.f_code.co_filename
+        fn = _filename(f)
         if not fn.startswith(_PLUMBING):
             where = f"{fn}:{f.f_lineno} {f.f_code.co_name}"
             if not caller:
@@ -291,7 +304,23 @@ def _frames() -> tuple[str, str, list[str]]:
     return caller, user, stack
 
 
+def _filename(f: Any) -> str:
+    """The frame's file, the client's name for it where cloudpickle shipped the code by value.
+
+    cloudpickle replaces ``co_filename`` with ``<dynamic-code>`` but keeps the line table and
+    carries the defining module's ``__file__`` in the function's globals (a notebook cell has
+    none: it stays ``<dynamic-code>``, still the user's code).
+    """
+    fn = f.f_code.co_filename
+    if fn == _SHIPPED:
+        origin = f.f_globals.get("__file__")
+        return origin if isinstance(origin, str) and origin else fn
+    return fn
+
+
 def _library(fn: str) -> bool:
+    if fn.startswith(_USER_PREFIXES):
+        return False
     return ("site-packages" in fn or "dist-packages" in fn or fn.startswith(_HERE)
             or (bool(_STDLIB) and fn.startswith(_STDLIB)) or fn.startswith("<"))
 
