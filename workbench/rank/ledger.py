@@ -38,9 +38,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.rank import control
+from workbench.rank.traffic import traffic
 
 NAMESPACES = ("c10d", "_c10d_functional")
 OP_NAMES = {
@@ -53,11 +55,12 @@ OP_NAMES = {
     "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv_any_source",
 }
-SKIP_OPS = {"wait_tensor"}  # functional collectives' wait: not a collective of its own
+SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # functional collectives' wait and wrapper: no collective
 PAYLOAD_ARGS = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
 PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_WORKBENCH = os.path.dirname(_HERE)
 _STDLIB = sysconfig.get_paths().get("stdlib", "")
 _PLUMBING = (
     os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
@@ -73,6 +76,7 @@ _PLUMBING = (
     os.path.abspath(__file__),
     os.path.join(_HERE, "poison.py"),  # the workbench's own modes: never the caller
     os.path.join(_HERE, "trace.py"),
+    *(os.path.abspath(m.__file__) for m in (typing_extensions,)),  # torch's @deprecated wrapper of c10d calls
 )
 _SHIPPED = "<dynamic-code>"  # cloudpickle's co_filename for code sent by value: the user's own
 # Code the user shipped (cloudpickle, IPython cells) and the catalogue's scenario files, even where the
@@ -119,13 +123,17 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ledger = ledger
         self.coalesced: list[dict[str, Any]] = []  # context set by the _broadcast_coalesced wrapper
+        self.functional: dict[tuple, dict[str, Any]] = {}  # output tensor -> its functional call, until waited
+        self._patched: tuple[Any, Any] | None = None  # (functional collectives module, its own wait_tensor)
         self._device: torch.device | None = None
         self._last_device: torch.device | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace not in NAMESPACES or func._schema.name.split("::")[-1] in SKIP_OPS:
+        if func.namespace not in NAMESPACES:
             return func(*args, **kwargs)
+        if func._schema.name.split("::")[-1] in SKIP_OPS:
+            return self._wait(func, args, kwargs)
         rec = self._start(func, args, kwargs)
         self._device = self._last_device
         try:
@@ -133,6 +141,12 @@ class _Recorder(TorchDispatchMode):
         except BaseException as exc:
             self._end(rec, exc)
             raise
+        if func.namespace == "_c10d_functional":
+            # A functional collective returns at once; its ``wait_tensor`` (DTensor's, FSDP2's) is where it ends.
+            self._patch_wait()
+            for t in _tensors(out):
+                self.functional[_key(t)] = rec
+            return out
         work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) else None
         if work is None:
             self._end(rec, None)
@@ -147,7 +161,14 @@ class _Recorder(TorchDispatchMode):
             # work's own CUDA events instead.
             _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None))
         elif unboxed is not None:
-            unboxed.get_future().add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
+            try:
+                fut = unboxed.get_future()
+            except RuntimeError:  # gloo's reduce_scatter work has none ("Work::getFuture not implemented")
+                fut = None
+            if fut is None:
+                self._end(rec, None, state="issued", note="the backend's work has no future to wait on")
+            else:
+                fut.add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
         elif self._device is not None and self._device.type == "cuda":
             # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
             event = torch.cuda.Event()
@@ -157,28 +178,72 @@ class _Recorder(TorchDispatchMode):
             self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
 
+    def _wait(self, func, args, kwargs):
+        rec = self.functional.pop(_key(args[0]), None) if args and isinstance(args[0], torch.Tensor) else None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            if rec is not None:
+                self._end(rec, exc)
+            raise
+        if rec is not None and not any(r is rec for r in self.functional.values()):  # a coalesced call's last output
+            self._end(rec, None)
+        return out
+
+    def _patch_wait(self) -> None:
+        """Also see the waits that run where this mode is off: an ``AsyncCollectiveTensor`` waits inside its
+        own ``__torch_dispatch__``, below the modes, through the module's ``wait_tensor``."""
+        fc = sys.modules.get("torch.distributed._functional_collectives")
+        if self._patched is not None or fc is None:
+            return
+        original = fc.wait_tensor
+
+        def wait_tensor(tensor):
+            return self._wait(original, (tensor,), {})
+
+        fc.wait_tensor = wait_tensor
+        self._patched = (fc, original)
+
+    def finish(self) -> None:
+        """Functional calls this step issued and never waited on: dispatched, their end unseen."""
+        if self._patched is not None:
+            self._patched[0].wait_tensor = self._patched[1]
+            self._patched = None
+        for rec in {id(r): r for r in self.functional.values()}.values():
+            self._end(rec, None, state="issued", note="a functional collective nobody waited on in this step")
+        self.functional.clear()
+
     def _start(self, func, args, kwargs) -> dict[str, Any]:
         schema = func._schema
         raw = schema.name.split("::")[-1]
         bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)}
+        pg = _group(bound)
         group, ranks = "?", None
-        for v in bound.values():
-            if isinstance(v, torch.ScriptObject):
-                try:
-                    pg = dist.ProcessGroup.unbox(v)
-                except Exception:
-                    continue
-                group = pg.group_name or "default_pg"
-                try:
-                    ranks = dist.get_process_group_ranks(pg)
-                except Exception:
-                    ranks = list(range(pg.size()))
-                break
+        if pg is not None:
+            group = pg.group_name or "default_pg"
+            try:
+                ranks = dist.get_process_group_ranks(pg)
+            except Exception:
+                ranks = list(range(pg.size()))
+        me = ranks.index(self.ledger.rank) if ranks and self.ledger.rank in ranks else 0
+        theirs, send, recv = traffic(raw, bound, me, len(ranks) if ranks else 1)
         payload: list[torch.Tensor] = []
         for name in PAYLOAD_ARGS:
             if name in bound and bound[name] is not None:
                 payload = _tensors(bound[name])
                 break
+        # a receiver that passes nothing to send (a scatter's non-source): what it receives into
+        payload = payload or theirs
+        if raw in P2P and ranks:
+            # Point-to-point calls pair per directed channel (the k-th send from a to b with b's k-th
+            # receive from a), not in the group's collective order: a batch_isend_irecv may post in any order.
+            peer = next(iter(send or recv))
+            if peer != "?":
+                a, b = (self.ledger.rank, ranks[int(peer)]) if send else (ranks[int(peer)], self.ledger.rank)
+                group, ranks = f"{group}:{a}->{b}", [a, b]
+                # peers as indices into [a, b]: the sender is 0, the receiver 1
+                send = {"1": next(iter(send.values()))} if send else {}
+                recv = {"0": next(iter(recv.values()))} if recv else {}
         self._last_device = payload[0].device if payload else None
         rec: dict[str, Any] = {
             "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
@@ -188,12 +253,12 @@ class _Recorder(TorchDispatchMode):
             "shapes": [list(t.shape) for t in payload], "numel": sum(t.numel() for t in payload),
             "bytes": sum(t.numel() * t.element_size() for t in payload),
             "device": str(payload[0].device) if payload else "",
-            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(),
+            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(), "send": send, "recv": recv,
         }
         for arg, col in PEER_ARGS.items():
             if bound.get(arg) is not None:
                 rec[col] = bound[arg]
-        rec["caller"], rec["user_frame"], rec["stack"] = _frames()
+        rec["caller"], rec["user_frame"], rec["stack"], rec["library_frame"] = _frames()
         if self.coalesced and raw == "broadcast_":
             ctx = self.coalesced[-1]
             rec["via"] = "_broadcast_coalesced"
@@ -258,6 +323,35 @@ def _poll_events() -> None:
         time.sleep(0.02)
 
 
+P2P = ("send", "recv_", "isend", "irecv")
+
+
+def _group(bound: dict[str, Any]) -> Any:
+    """The call's process group: a c10d op's boxed ProcessGroup, a functional op's group name resolved."""
+    for k, v in bound.items():
+        if isinstance(v, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(v)
+            except Exception:
+                continue
+        if k == "group_name" and v is not None:
+            if isinstance(v, dist.ProcessGroup):
+                return v
+            try:
+                return dist.distributed_c10d._resolve_process_group(str(v))
+            except Exception:
+                return None
+    return None
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """A functional call's output as ``wait_tensor`` later receives it."""
+    try:
+        return (t.data_ptr(), t.numel(), str(t.dtype))
+    except Exception:
+        return (id(t),)
+
+
 def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         return [v]
@@ -279,15 +373,15 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in msg or "timeout" in msg
 
 
-def _frames() -> tuple[str, str, list[str]]:
-    """(first frame past the c10d plumbing, first frame in user code, a short stack).
+def _frames() -> tuple[str, str, list[str], str]:
+    """(first frame past the c10d plumbing, first frame in user code, a short stack, the innermost frame of a
+    third-party library on the way: ``accelerate/utils/fsdp_utils.py:522``, empty when none sits between).
 
-    Neither is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the
-    trace's hooks, this ledger): with poison on, every collective passes through
-    ``poison.py``'s ``__torch_function__`` on its way down.
+    None is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the trace's hooks,
+    this ledger): with poison on, every collective passes through ``poison.py``'s ``__torch_function__``.
     """
     f = sys._getframe(2)
-    caller = user = ""
+    caller = user = lib = ""
     stack: list[str] = []
     while f is not None:
         fn = _filename(f)
@@ -297,11 +391,19 @@ def _frames() -> tuple[str, str, list[str]]:
                 caller = where
             if len(stack) < 8:
                 stack.append(where)
-            if not user and not _library(fn):
+            if not _library(fn):
                 user = where
                 break
+            if not lib and _third_party(fn):
+                lib = where
         f = f.f_back
-    return caller, user, stack
+    return caller, user, stack, lib
+
+
+def _third_party(fn: str) -> bool:
+    """An installed library other than torch and the workbench (accelerate, transformers, ...)."""
+    return (("site-packages" in fn or "dist-packages" in fn) and not fn.startswith(_TORCH_DIR)
+            and not fn.startswith(_WORKBENCH))
 
 
 def _filename(f: Any) -> str:
@@ -354,6 +456,7 @@ def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
         with recorder:
             yield ledger
     finally:
+        recorder.finish()
         _ACTIVE.remove(recorder)
         dist._broadcast_coalesced = original
 
