@@ -160,7 +160,10 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
     if is_number(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
         text += f" src={src}"
     where = c.get("user_frame") or c.get("caller")
-    if isinstance(where, str) and where:
+    lib = c.get("library_frame")
+    if isinstance(lib, str) and lib and lib != where:  # a library issued it: its line, then the user's
+        text += f" at {short_path(lib)}" + (f" (from {short_path(where)})" if isinstance(where, str) and where else "")
+    elif isinstance(where, str) and where:
         text += f" at {short_path(where)}"
     return text
 

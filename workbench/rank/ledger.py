@@ -33,6 +33,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -418,6 +419,19 @@ def _filename(f: Any) -> str:
         origin = f.f_globals.get("__file__")
         return origin if isinstance(origin, str) and origin else fn
     return fn
+
+
+def traceback_text(exc: BaseException) -> str:
+    """``traceback.format_exc()`` with shipped code under its own file name (and so with its source lines)."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if len(frames) == len(te.stack):
+        for summary, frame in zip(te.stack, frames):
+            summary.filename = _filename(frame)
+    return "".join(te.format())
 
 
 def _library(fn: str) -> bool:
