@@ -17,6 +17,8 @@ import pandas as pd
 from workbench.analysis.collectives import short_path
 from workbench.analysis.stacks import _NOT_USER  # a library's, Python's or the rank plumbing's frame
 
+_TORCH = re.compile(r"(site|dist)-packages>?[/\\]torch[/\\]")  # also a bundle's scrubbed <site-packages>
+_PLUMBING = re.compile(r"[/\\]workbench[/\\](rank|live)[/\\]|/lib/python\d[^/]*/[^/]+\.py$|^<(string|frozen)")
 _TB_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$', re.M)
 
 
@@ -26,12 +28,13 @@ def frames(tb: str) -> list[tuple[str, str, str]]:
 
 
 def raised_at(tb: str) -> str:
-    """Where the exception was raised, and the user's line above it when that is another frame:
+    """Where the exception was raised, as the ledger places a call: the innermost frame outside torch
+    (a library's or the user's), then the user's line when that is another frame:
     ``accelerate/utils/fsdp_utils.py:494 f (from scenario.py:40 load)``; empty when unknown."""
     fs = frames(tb)
     if not fs:
         return ""
-    inner = fs[-1]
+    inner = next((f for f in reversed(fs) if not _TORCH.search(f[0]) and not _PLUMBING.search(f[0])), fs[-1])
     where = f"{short_path(f'{inner[0]}:{inner[1]}')} {inner[2]}"
     user = next((f for f in reversed(fs) if not _NOT_USER.search(f[0])), None)
     if user is not None and user != inner:
