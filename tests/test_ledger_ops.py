@@ -106,3 +106,28 @@ def test_one_planted_mismatch_names_the_op_the_call_and_both_sides(healthy, name
     assert f"rank 0: {op} #{seq} float32" in d.sentence or f"rank 0: {theirs} #{seq} float32" in d.sentence, d.sentence
     assert f"rank 1: {theirs} #{seq} int32" in d.sentence or f"rank 1: {op} #{seq} int32" in d.sentence, d.sentence
     assert "test_ledger_ops.py:" in d.sentence  # the line that issued it, not the workbench's modes
+
+
+RAISES = wb.Scenario("rank-1-asserts", probe=None)
+
+
+@RAISES.step
+def reduce(ctx) -> None:
+    import torch.distributed as dist
+
+    for _ in range(3):
+        dist.all_reduce(torch.ones(2))
+    assert ctx.rank == 0, f"rank {ctx.rank} disagrees"  # rank 1 leaves before its call #4
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_rank_that_raises_where_the_collectives_part_leads_the_sentence(healthy):
+    s = healthy.session(RAISES)
+    s.step()
+    d = s.diagnose()
+    line = next(i for i, ln in enumerate(open(__file__), 1) if "assert ctx.rank == 0" in ln)
+    assert d.mechanism == "rank-missing", d.sentence
+    assert d.sentence.startswith(f"rank 1 raised AssertionError at tests/test_ledger_ops.py:{line} reduce in step "
+                                 "`reduce`: rank 1 disagrees; it left rank 0 waiting: rank 1 never issued group 0 "
+                                 "call #4 that rank 0 issued"), d.sentence
+    assert d.ranks[0] == 1

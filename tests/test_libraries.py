@@ -150,3 +150,40 @@ def test_dtensor_distribute_and_redistribute_read_clean_and_a_dtype_plant_reads_
     d = planted.diagnose()
     assert d.mechanism == "collective-mismatch" and "(different dtypes)" in d.sentence, d.sentence
     assert "rank 0: scatter #" in d.sentence and "rank 1: scatter #" in d.sentence and "bfloat16" in d.sentence
+
+
+def _ddp_scenario() -> wb.Scenario:
+    sc = wb.Scenario("ddp-uneven-inputs", params={"join": True}, probe=None)
+
+    @sc.step
+    def train(ctx) -> None:
+        import contextlib
+
+        from torch import nn
+        from torch.distributed.algorithms.join import Join
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(4, 4))
+        batches = 3 if ctx.rank == 0 else 5  # uneven inputs: rank 1 has two batches more
+        with Join([model]) if ctx.params["join"] else contextlib.nullcontext():
+            for _ in range(batches):
+                model(torch.ones(2, 4)).sum().backward()
+        ctx.output("weight", model.module.weight.detach())
+
+    return sc
+
+
+DDP_UNEVEN = _ddp_scenario()
+
+
+def test_ddp_uneven_inputs_read_clean_with_join_and_as_a_missing_all_reduce_without(healthy):
+    s = healthy.session(DDP_UNEVEN)
+    s.run()
+    assert s.diagnose().clean, s.diagnose().sentence
+    bug = healthy.session(DDP_UNEVEN, join=False)
+    bug.run()
+    d = bug.diagnose()
+    assert d.mechanism == "rank-missing" and d.ranks == [0], d.sentence
+    assert d.sentence.startswith("rank 0 never issued group 0 call #"), d.sentence
+    assert "that rank 1 issued in step `train` (all_reduce #" in d.sentence, d.sentence

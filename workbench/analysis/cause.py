@@ -42,12 +42,18 @@ def raised_at(tb: str) -> str:
     return where
 
 
-def is_symptom(tb: str) -> bool:
-    """Raised by a collective itself (inside torch.distributed, or the c10d op's own dispatch in
-    ``torch/_ops.py``): a timeout, a mispaired receive, what a cause leaves behind."""
+_COLLECTIVE_ERROR = re.compile(
+    r"\bgloo\b|\bnccl|timed out waiting|connection closed by peer|aborted by the workbench", re.I)
+
+
+def is_symptom(tb: str, message: str = "") -> bool:
+    """Raised by a collective itself (inside torch.distributed, the c10d op's own dispatch in
+    ``torch/_ops.py``, or the backend's error reaching autograd as DDP's all-reduce does): a
+    timeout, a mispaired receive, what a cause leaves behind."""
     fs = frames(tb)
     inner = fs[-1][0].replace("\\", "/") if fs else ""
-    return "/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
+    return ("/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
+            or bool(_COLLECTIVE_ERROR.search((message or "").split("\n", 1)[0])))  # a backend's own words
 
 
 def causes(events: pd.DataFrame, step: str) -> list[dict[str, Any]]:
@@ -56,7 +62,7 @@ def causes(events: pd.DataFrame, step: str) -> list[dict[str, Any]]:
         return []
     ev = events[(events["kind"] == "error") & (events["step"] == step)].sort_values("rank")
     tb = ev["traceback"] if "traceback" in ev.columns else pd.Series([""] * len(ev), index=ev.index)
-    return [dict(e) for (_, e), t in zip(ev.iterrows(), tb) if not is_symptom(str(t or ""))]
+    return [dict(e) for (_, e), t in zip(ev.iterrows(), tb) if not is_symptom(str(t or ""), str(e["message"]))]
 
 
 def lead(errors: list[dict[str, Any]], step: str, waiting: list[int]) -> str:
@@ -64,7 +70,7 @@ def lead(errors: list[dict[str, Any]], step: str, waiting: list[int]) -> str:
     e = errors[0]
     where = raised_at(str(e.get("traceback") or ""))
     text = (f"rank {int(e['rank'])} raised {e['error']}" + (f" at {where}" if where else "")
-            + f" in step `{step}`: {str(e['message'])[:200]}")
+            + f" in step `{step}`: {str(e['message']).split(chr(10))[0][:200]}")
     text += "".join(f"; rank {int(o['rank'])} raised {o['error']}" for o in errors[1:])
     if waiting:
         text += f"; it left {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} waiting"
