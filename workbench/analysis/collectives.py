@@ -3,13 +3,15 @@
 The ledgers are JSON-lines files the ranks append to (``workbench.rank.ledger``); this
 module reads them from disk, so it works while a rank is blocked and on saved data.
 One row per call: ``rank, session, attempt, step, group, seq, op, dtypes, shapes, numel,
-bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, t_start,
-t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``, ``timed out``
-or ``issued`` (dispatched; the backend gave no completion signal).
+bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, library_frame,
+send, recv, t_start, t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``,
+``timed out`` or ``issued`` (dispatched; the backend gave no completion signal). ``send`` and
+``recv`` say what travels to and from each peer (``workbench.rank.traffic``).
 
 Alignment: the n-th call of every rank on a process group (``seq``) should be the same
-collective with the same dtype and size. The first position where they differ is the
-first divergence; everything after it is a consequence.
+collective moving the same dtype and element count between each pair of ranks (send and
+recv pair per directed channel). The first position where they differ is the first
+divergence; everything after it is a consequence.
 """
 
 from __future__ import annotations

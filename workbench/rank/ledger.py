@@ -19,8 +19,11 @@ call is the mismatched pair (all_reduce #13 vs all_gather_into_tensor #13, rank 
 queued 3 more behind it).
 
 Sequence numbers count per process group and per session attempt from 1, so the ranks'
-n-th calls on a group line up. Not seen: collectives issued from other threads (e.g.
-DDP's autograd-thread all-reduces). Cost: every aten op of a step passes one Python
+n-th calls on a group line up; send/recv count per directed channel (group ``0:0->1``).
+Each row says what this rank sends to and receives from each peer (``rank/traffic.py``),
+the user's line and the library's that issued it. Functional collectives (DTensor's) end
+at their ``wait_tensor``. Seen on CPU: DDP's reducer all-reduces (autograd runs CPU work on
+the calling thread). Not seen: collectives issued from other threads. Cost: every aten op of a step passes one Python
 check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
 """
 
@@ -62,6 +65,7 @@ PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKBENCH = os.path.dirname(_HERE)
+_TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed")
 _STDLIB = sysconfig.get_paths().get("stdlib", "")
 _PLUMBING = (
     os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
@@ -378,12 +382,16 @@ def _frames() -> tuple[str, str, list[str], str]:
     """(first frame past the c10d plumbing, first frame in user code, a short stack, the innermost frame of a
     third-party library on the way: ``accelerate/utils/fsdp_utils.py:522``, empty when none sits between).
 
+    A library counts when it called torch.distributed (a c10d call, DTensor, FSDP) itself; one that only
+    ran a module (transformers' layer ``__call__`` with FSDP2's hooks inside) or autograd did not issue it.
+
     None is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the trace's hooks,
     this ledger): with poison on, every collective passes through ``poison.py``'s ``__torch_function__``.
     """
     f = sys._getframe(2)
     caller = user = lib = ""
     stack: list[str] = []
+    ran_module = False  # torch outside torch.distributed sits between: a module call or autograd, not a library's call
     while f is not None:
         fn = _filename(f)
         if not fn.startswith(_PLUMBING):
@@ -395,7 +403,9 @@ def _frames() -> tuple[str, str, list[str], str]:
             if not _library(fn):
                 user = where
                 break
-            if not lib and _third_party(fn):
+            if fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_DISTRIBUTED):
+                ran_module = True
+            elif not lib and not ran_module and _third_party(fn):
                 lib = where
         f = f.f_back
     return caller, user, stack, lib
