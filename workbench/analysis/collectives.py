@@ -187,9 +187,9 @@ def short_path(where: str) -> str:
     """``path:line`` from the package (or notebook) folder on, not the machine's whole path."""
     path, _, rest = where.partition(":")
     parts = path.split(os.sep)
-    for anchor in ("site-packages", "workbench", "notebooks"):
-        if anchor in parts:
-            parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
+    for anchor in ("site-packages", "<site-packages>", "dist-packages", "workbench", "notebooks"):
+        if anchor in parts:  # a bundle's scrubbed paths start <site-packages>/accelerate/...
+            parts = parts[parts.index(anchor) + anchor.endswith("-packages>") + anchor.endswith("-packages"):]
             break
     else:
         parts = parts[-2:]
