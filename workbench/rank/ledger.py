@@ -22,9 +22,9 @@ Sequence numbers count per process group and per session attempt from 1, so the 
 n-th calls on a group line up; send/recv count per directed channel (group ``0:0->1``).
 Each row says what this rank sends to and receives from each peer (``rank/traffic.py``),
 the user's line and the library's that issued it. Functional collectives (DTensor's) end
-at their ``wait_tensor``. Seen on CPU: DDP's reducer all-reduces (autograd runs CPU work on
-the calling thread). Not seen: collectives issued from other threads. Cost: every aten op of a step passes one Python
-check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
+at their ``wait_tensor``. Seen on CPU: DDP's reducer all-reduces (autograd runs CPU work
+on the calling thread). Not seen: collectives issued from other threads. Cost: every aten
+op of a step passes one Python check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ OP_NAMES = {
     "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv_any_source",
 }
-SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # functional collectives' wait and wrapper: no collective
+SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # functional collectives' wait and autograd wrapper
 PAYLOAD_ARGS = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
 PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -137,8 +137,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace not in NAMESPACES:
             return func(*args, **kwargs)
-        if func._schema.name.split("::")[-1] in SKIP_OPS:
-            return self._wait(func, args, kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name in SKIP_OPS:  # not collectives of their own; a wait ends the functional call it waits on
+            return self._wait(func, args, kwargs) if name == "wait_tensor" else func(*args, **kwargs)
         rec = self._start(func, args, kwargs)
         self._device = self._last_device
         try:
