@@ -4,7 +4,8 @@ and a call a library issued is placed at the library's line and at the user's.
 accelerate 1.13.0's ``fsdp2_load_full_state_dict`` (the version before accelerate PR #3982) zips
 rank 0's full state dict with the model's keys: one extra key on rank 0 mispairs every broadcast
 after it. DTensor's ``distribute_tensor`` scatters from rank 0 while the other ranks pass no scatter
-list: a correct load once read as a scatter dtype mismatch.
+list: a correct load once read as a scatter dtype mismatch. Also: FSDP2 forward and backward,
+DTensor ``redistribute``, DDP with uneven inputs and ``Join``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _shard(model) -> None:
 
 
 def _accelerate_scenario() -> wb.Scenario:
-    sc = wb.Scenario("accelerate-fsdp2-load", params={"sidecar": True}, probe=None)
+    sc = wb.Scenario("accelerate-fsdp2-load", params={"sidecar": True, "backward": True}, probe=None)
 
     @sc.step
     def build(ctx) -> None:
@@ -67,7 +68,8 @@ def _accelerate_scenario() -> wb.Scenario:
     def train(ctx) -> None:
         ids = torch.arange(16).reshape(2, 8) % 128
         loss = ctx.model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if ctx.params["backward"] or ctx.rank == 0:  # the planted bug: rank 1 skips its backward
+            loss.backward()
         ctx.output("loss", loss.detach().reshape(1))
 
     return sc
@@ -118,6 +120,15 @@ def test_accelerate_fsdp2_load_of_the_models_keys_reads_clean_through_forward_an
     assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= set(train["op"])  # FSDP2's own collectives
     losses = s.outputs[s.outputs["name"] == "loss"]["head"].map(lambda h: h[0]).tolist()
     assert len(losses) == 2 and losses[0] == losses[1]
+
+
+def test_fsdp2_backward_on_one_rank_only_reads_as_the_all_gather_the_other_never_issued(healthy):
+    s = healthy.session(ACCELERATE, sidecar=False, backward=False)
+    s.deadline = SLOW
+    s.run()
+    d = s.diagnose()
+    assert d.mechanism == "rank-missing" and d.ranks == [1] and d.step == "train", d.sentence
+    assert "that rank 0 issued in step `train` (all_gather_into_tensor #" in d.sentence, d.sentence
 
 
 def _dtensor_scenario() -> wb.Scenario:
