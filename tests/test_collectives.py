@@ -202,3 +202,46 @@ def test_a_frame_names_its_failed_ranks_without_building_its_events_table():
     assert frame.ranks_with("error") == {1} and frame.ranks_with("skipped") == {2}
     assert frame.ranks_with("timeout") == {0} and isinstance(frame._tables["events"], list)  # still raw
     assert len(frame.events) == 3 and frame.ranks_with("error") == {1}  # the same once the table exists
+
+
+def test_pairing_compares_what_travels_between_each_pair_not_the_arguments():
+    # DTensor's distribute_tensor: rank 0 scatters two [64, 64] chunks, rank 1 passes no scatter list
+    src = call(0, 1, op="scatter", numel=8192, src=0, send={"1": "float32:4096"}, recv={})
+    dst = call(1, 1, op="scatter", numel=0, src=0, send={}, recv={"0": "float32:4096"})
+    dst.update(dtypes=[], shapes=[])
+    assert first_divergence(ledger_table([src, dst])) is None
+    # rows that do not say what travels (Flight Recorder, older bundles) compare the arguments, as before
+    old = [{k: v for k, v in r.items() if k not in ("send", "recv")} for r in (src, dst)]
+    assert first_divergence(ledger_table(old)).kind == "dtype"
+    short = dict(dst, recv={"0": "float32:2048"})  # rank 1 posts half of what rank 0 sends it
+    div = first_divergence(ledger_table([src, short]))
+    assert div.kind == "size" and div.seq == 1
+    # all_to_all_single with uneven splits: each pair agrees, though no two ranks pass alike sizes
+    a = call(0, 1, op="all_to_all_single", numel=4, send={"1": "float32:3"}, recv={"1": "float32:2"})
+    b = call(1, 1, op="all_to_all_single", numel=4, send={"0": "float32:2"}, recv={"0": "float32:3"})
+    assert first_divergence(ledger_table([a, b])) is None
+    assert first_divergence(ledger_table([a, dict(b, recv={"0": "int32:3"})])).kind == "dtype"
+
+
+def test_a_row_issued_by_a_library_names_its_line_and_the_users():
+    c = call(0, 1, op="broadcast", src=0, user_frame="/w/my.py:40 load",
+             library_frame="/v/lib/python3.11/site-packages/accelerate/utils/fsdp_utils.py:522 load_full")
+    assert describe(c).endswith("at accelerate/utils/fsdp_utils.py:522 load_full (from w/my.py:40 load)")
+    scrubbed = dict(c, library_frame="<site-packages>/accelerate/utils/fsdp_utils.py:522 load_full")
+    assert "at accelerate/utils/fsdp_utils.py:522 load_full (from" in describe(scrubbed)
+    assert describe(dict(c, library_frame=None)).endswith("at w/my.py:40 load")
+
+
+def test_an_exception_is_a_cause_unless_a_collective_raised_it():
+    from workbench.analysis import cause
+
+    tb = ('Traceback (most recent call last):\n  File "/w/workbench/rank/remote.py", line 63, in run_step\n'
+          '  File "/w/my.py", line 40, in load\n'
+          '  File "/v/lib/python3.11/site-packages/accelerate/utils/fsdp_utils.py", line 494, in infer\n'
+          '  File "/v/lib/python3.11/site-packages/torch/nn/modules/module.py", line 728, in get_submodule\n'
+          "AttributeError: no attribute `sidecar`\n")
+    assert cause.raised_at(tb) == "accelerate/utils/fsdp_utils.py:494 infer (from w/my.py:40 load)"
+    assert not cause.is_symptom(tb, "no attribute `sidecar`")
+    timeout = tb.replace("torch/nn/modules/module.py", "torch/distributed/distributed_c10d.py")
+    assert cause.is_symptom(timeout, "")
+    assert cause.is_symptom(tb, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv")

@@ -3,13 +3,15 @@
 The ledgers are JSON-lines files the ranks append to (``workbench.rank.ledger``); this
 module reads them from disk, so it works while a rank is blocked and on saved data.
 One row per call: ``rank, session, attempt, step, group, seq, op, dtypes, shapes, numel,
-bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, t_start,
-t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``, ``timed out``
-or ``issued`` (dispatched; the backend gave no completion signal).
+bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, library_frame,
+send, recv, t_start, t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``,
+``timed out`` or ``issued`` (dispatched; the backend gave no completion signal). ``send`` and
+``recv`` say what travels to and from each peer (``workbench.rank.traffic``).
 
 Alignment: the n-th call of every rank on a process group (``seq``) should be the same
-collective with the same dtype and size. The first position where they differ is the
-first divergence; everything after it is a consequence.
+collective moving the same dtype and element count between each pair of ranks (send and
+recv pair per directed channel). The first position where they differ is the first
+divergence; everything after it is a consequence.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from workbench.errors import RankFailure
 LEDGER_COLUMNS = [
     "rank", "session", "attempt", "step", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel",
     "bytes", "src", "dst", "via", "bucket", "bucket_tensors", "state", "error", "caller", "user_frame",
-    "t_start", "t_end", "c10d_op",
+    "t_start", "t_end", "c10d_op", "library_frame", "send", "recv",
 ]
 OPEN = "started"
 
@@ -104,6 +106,8 @@ def ledger_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
         cols["dtypes"] = [_join(v) for v in cols["dtypes"]]
         cols["shapes"] = [v if isinstance(v, str) else json.dumps(v) for v in cols["shapes"]]
         cols["group_ranks"] = [_json_or_none(v) for v in cols["group_ranks"]]
+        for c in ("send", "recv"):  # peer -> "dtype:numel,...": what this rank sends to / receives from each peer
+            cols[c] = [_json_or_none(v) for v in cols[c]]
         cols["session"] = ["" if v is None else v for v in cols["session"]]
         cols["attempt"] = [0 if v is None else v for v in cols["attempt"]]
         cols["group"] = ["0" if v is None else str(v) for v in cols["group"]]
@@ -158,7 +162,10 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
     if is_number(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
         text += f" src={src}"
     where = c.get("user_frame") or c.get("caller")
-    if isinstance(where, str) and where:
+    lib = c.get("library_frame")
+    if isinstance(lib, str) and lib and lib != where:  # a library issued it: its line, then the user's
+        text += f" at {short_path(lib)}" + (f" (from {short_path(where)})" if isinstance(where, str) and where else "")
+    elif isinstance(where, str) and where:
         text += f" at {short_path(where)}"
     return text
 
@@ -180,9 +187,9 @@ def short_path(where: str) -> str:
     """``path:line`` from the package (or notebook) folder on, not the machine's whole path."""
     path, _, rest = where.partition(":")
     parts = path.split(os.sep)
-    for anchor in ("site-packages", "workbench", "notebooks"):
-        if anchor in parts:
-            parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
+    for anchor in ("site-packages", "<site-packages>", "dist-packages", "workbench", "notebooks"):
+        if anchor in parts:  # a bundle's scrubbed paths start <site-packages>/accelerate/...
+            parts = parts[parts.index(anchor) + anchor.endswith("-packages>") + anchor.endswith("-packages"):]
             break
     else:
         parts = parts[-2:]
@@ -227,9 +234,24 @@ ROOTED = ("broadcast", "reduce", "scatter", "gather")
 
 
 def mismatch_kind(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    """Why two ranks' calls at the same position cannot pair (op, dtype, size, root), or None."""
+    """Why two ranks' calls at the same position cannot pair (op, dtype, size, root), or None.
+
+    Where both rows say what travels between each pair (``send``/``recv``, see
+    ``workbench.rank.traffic``), only that is compared: a broadcast's or scatter's source and a
+    receiver pass different arguments by design. Rows without (Flight Recorder, older bundles)
+    compare what each rank passed.
+    """
     if a.get("op") != b.get("op") and {a.get("op"), b.get("op")} != {"send", "recv"}:  # a send pairs a recv
         return "op"
+    flows = _flows(a, b)
+    if flows is not None:
+        if a.get("op") in ROOTED and _nz(a.get("src")) != _nz(b.get("src")):
+            return "root"
+        bad = [(x, y) for x, y in flows if x != y and "?" not in (x, y)]
+        if not bad:
+            return None
+        x, y = bad[0]
+        return "dtype" if _dtypes_of(x) != _dtypes_of(y) else "size"
     if (a.get("dtypes") or "") != (b.get("dtypes") or ""):
         return "dtype"
     if _nz(a.get("bytes")) != _nz(b.get("bytes")) or _nz(a.get("numel")) != _nz(b.get("numel")):
@@ -237,6 +259,43 @@ def mismatch_kind(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     if a.get("op") in ROOTED and _nz(a.get("src")) != _nz(b.get("src")):
         return "root"
     return None
+
+
+def _traffic(c: dict[str, Any], key: str) -> dict[str, str] | None:
+    v = c.get(key)
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            return None
+    return v if isinstance(v, dict) else None
+
+
+def _index(c: dict[str, Any]) -> int | None:
+    """The row's rank as an index into its group (the peers ``send``/``recv`` name)."""
+    ranks = c.get("group_ranks")
+    try:
+        ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+        return list(ranks).index(int(c["rank"])) if ranks is not None else int(c["rank"])
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def _flows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """(what a sends b, what b receives from a) and back; None where a row does not say."""
+    sa, ra, sb, rb = _traffic(a, "send"), _traffic(a, "recv"), _traffic(b, "send"), _traffic(b, "recv")
+    ia, ib = _index(a), _index(b)
+    if None in (sa, ra, sb, rb, ia, ib) or ia == ib:
+        return None
+
+    def to(d: dict[str, str], peer: int) -> str:
+        return d.get(str(peer), d.get("*", "") if "*" in d else d.get("?", ""))
+
+    return [(to(sa, ib), to(rb, ia)), (to(sb, ia), to(ra, ib))]
+
+
+def _dtypes_of(flow: str) -> set[str]:
+    return {part.split(":")[0] for part in flow.split(",") if part}
 
 
 def _nz(v: Any) -> Any:

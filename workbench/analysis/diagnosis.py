@@ -29,7 +29,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import collectives, findings, weightsync
+from workbench.analysis import cause, collectives, findings, weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.frames import fmt
 
@@ -428,6 +428,14 @@ def _diagnose(run: _Run) -> Diagnosis:
     if d.clean:
         return _from_error(run, first.step)
     at, then = run.index(first.step), run.index(d.step)
+    if at == then and d.mechanism in _PARTED:
+        raised = cause.causes(run.events, d.step)
+        if raised:  # the exception is the cause, the parted collectives what it left behind
+            waiting = [s["rank"] for s in _where_stuck(run) if s["rank"] not in {int(e["rank"]) for e in raised}]
+            d.sentence = f"{cause.lead(raised, d.step, waiting)}: {d.sentence}"
+            d.ranks = sorted({int(e["rank"]) for e in raised}) + [r for r in d.ranks if r not in
+                                                                  {int(e["rank"]) for e in raised}]
+            return d
     # A rank raised before anything else went wrong (a check refusing a stream, a failed load), or
     # in the step where the state went wrong without a collective to blame: the exception is the
     # first cause, and what it left undone or half-written is the rest of the story.
@@ -440,6 +448,7 @@ def _diagnose(run: _Run) -> Diagnosis:
 
 
 _OUTCOMES = ("rank-died", "hang")  # stories about ranks, which already name who raised
+_PARTED = ("collective-mismatch", "rank-missing", "mispaired", "reinterpreted")  # stories read from the ledger
 
 
 def _first_error(run: _Run) -> Any:

@@ -19,9 +19,12 @@ call is the mismatched pair (all_reduce #13 vs all_gather_into_tensor #13, rank 
 queued 3 more behind it).
 
 Sequence numbers count per process group and per session attempt from 1, so the ranks'
-n-th calls on a group line up. Not seen: collectives issued from other threads (e.g.
-DDP's autograd-thread all-reduces). Cost: every aten op of a step passes one Python
-check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
+n-th calls on a group line up; send/recv count per directed channel (group ``0:0->1``).
+Each row says what this rank sends to and receives from each peer (``rank/traffic.py``),
+the user's line and the library's that issued it. Functional collectives (DTensor's) end
+at their ``wait_tensor``. Seen on CPU: DDP's reducer all-reduces (autograd runs CPU work
+on the calling thread). Not seen: collectives issued from other threads. Cost: every aten
+op of a step passes one Python check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms).
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.rank import control
+from workbench.rank.traffic import traffic
 
 NAMESPACES = ("c10d", "_c10d_functional")
 OP_NAMES = {
@@ -53,11 +59,13 @@ OP_NAMES = {
     "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv_any_source",
 }
-SKIP_OPS = {"wait_tensor"}  # functional collectives' wait: not a collective of its own
+SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # functional collectives' wait and autograd wrapper
 PAYLOAD_ARGS = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
 PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_WORKBENCH = os.path.dirname(_HERE)
+_TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed")
 _STDLIB = sysconfig.get_paths().get("stdlib", "")
 _PLUMBING = (
     os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
@@ -68,8 +76,17 @@ _PLUMBING = (
     os.path.join(_TORCH_DIR, "_compile.py"),
     os.path.join(_TORCH_DIR, "utils", "_contextlib.py"),
     os.path.join(_TORCH_DIR, "distributed", "_functional_collectives.py"),
+    os.path.join(_TORCH_DIR, "overrides.py"),  # a TorchFunctionMode's dispatch (poison's, torch.device's)
+    os.path.join(_TORCH_DIR, "utils", "_device.py"),
     os.path.abspath(__file__),
+    os.path.join(_HERE, "poison.py"),  # the workbench's own modes: never the caller
+    os.path.join(_HERE, "trace.py"),
+    *(os.path.abspath(m.__file__) for m in (typing_extensions,)),  # torch's @deprecated wrapper of c10d calls
 )
+_SHIPPED = "<dynamic-code>"  # cloudpickle's co_filename for code sent by value: the user's own
+# Code the user shipped (cloudpickle, IPython cells) and the catalogue's scenario files, even where the
+# workbench is installed into site-packages.
+_USER_PREFIXES = (_SHIPPED, "<ipython-input", os.path.join(os.path.dirname(_HERE), "scenarios") + os.sep)
 
 
 def ledger_path(directory: str, rank: int) -> str:
@@ -111,13 +128,18 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ledger = ledger
         self.coalesced: list[dict[str, Any]] = []  # context set by the _broadcast_coalesced wrapper
+        self.functional: dict[tuple, dict[str, Any]] = {}  # output tensor -> its functional call, until waited
+        self._patched: tuple[Any, Any] | None = None  # (functional collectives module, its own wait_tensor)
         self._device: torch.device | None = None
         self._last_device: torch.device | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace not in NAMESPACES or func._schema.name.split("::")[-1] in SKIP_OPS:
+        if func.namespace not in NAMESPACES:
             return func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name in SKIP_OPS:  # not collectives of their own; a wait ends the functional call it waits on
+            return self._wait(func, args, kwargs) if name == "wait_tensor" else func(*args, **kwargs)
         rec = self._start(func, args, kwargs)
         self._device = self._last_device
         try:
@@ -125,6 +147,12 @@ class _Recorder(TorchDispatchMode):
         except BaseException as exc:
             self._end(rec, exc)
             raise
+        if func.namespace == "_c10d_functional":
+            # A functional collective returns at once; its ``wait_tensor`` (DTensor's, FSDP2's) is where it ends.
+            self._patch_wait()
+            for t in _tensors(out):
+                self.functional[_key(t)] = rec
+            return out
         work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) else None
         if work is None:
             self._end(rec, None)
@@ -139,7 +167,14 @@ class _Recorder(TorchDispatchMode):
             # work's own CUDA events instead.
             _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None))
         elif unboxed is not None:
-            unboxed.get_future().add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
+            try:
+                fut = unboxed.get_future()
+            except RuntimeError:  # gloo's reduce_scatter work has none ("Work::getFuture not implemented")
+                fut = None
+            if fut is None:
+                self._end(rec, None, state="issued", note="the backend's work has no future to wait on")
+            else:
+                fut.add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
         elif self._device is not None and self._device.type == "cuda":
             # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
             event = torch.cuda.Event()
@@ -149,28 +184,72 @@ class _Recorder(TorchDispatchMode):
             self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
 
+    def _wait(self, func, args, kwargs):
+        rec = self.functional.pop(_key(args[0]), None) if args and isinstance(args[0], torch.Tensor) else None
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            if rec is not None:
+                self._end(rec, exc)
+            raise
+        if rec is not None and not any(r is rec for r in self.functional.values()):  # a coalesced call's last output
+            self._end(rec, None)
+        return out
+
+    def _patch_wait(self) -> None:
+        """Also see the waits that run where this mode is off: an ``AsyncCollectiveTensor`` waits inside its
+        own ``__torch_dispatch__``, below the modes, through the module's ``wait_tensor``."""
+        fc = sys.modules.get("torch.distributed._functional_collectives")
+        if self._patched is not None or fc is None:
+            return
+        original = fc.wait_tensor
+
+        def wait_tensor(tensor):
+            return self._wait(original, (tensor,), {})
+
+        fc.wait_tensor = wait_tensor
+        self._patched = (fc, original)
+
+    def finish(self) -> None:
+        """Functional calls this step issued and never waited on: dispatched, their end unseen."""
+        if self._patched is not None:
+            self._patched[0].wait_tensor = self._patched[1]
+            self._patched = None
+        for rec in {id(r): r for r in self.functional.values()}.values():
+            self._end(rec, None, state="issued", note="a functional collective nobody waited on in this step")
+        self.functional.clear()
+
     def _start(self, func, args, kwargs) -> dict[str, Any]:
         schema = func._schema
         raw = schema.name.split("::")[-1]
         bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)}
+        pg = _group(bound)
         group, ranks = "?", None
-        for v in bound.values():
-            if isinstance(v, torch.ScriptObject):
-                try:
-                    pg = dist.ProcessGroup.unbox(v)
-                except Exception:
-                    continue
-                group = pg.group_name or "default_pg"
-                try:
-                    ranks = dist.get_process_group_ranks(pg)
-                except Exception:
-                    ranks = list(range(pg.size()))
-                break
+        if pg is not None:
+            group = pg.group_name or "default_pg"
+            try:
+                ranks = dist.get_process_group_ranks(pg)
+            except Exception:
+                ranks = list(range(pg.size()))
+        me = ranks.index(self.ledger.rank) if ranks and self.ledger.rank in ranks else 0
+        theirs, send, recv = traffic(raw, bound, me, len(ranks) if ranks else 1)
         payload: list[torch.Tensor] = []
         for name in PAYLOAD_ARGS:
             if name in bound and bound[name] is not None:
                 payload = _tensors(bound[name])
                 break
+        # a receiver that passes nothing to send (a scatter's non-source): what it receives into
+        payload = payload or theirs
+        if raw in P2P and ranks:
+            # Point-to-point calls pair per directed channel (the k-th send from a to b with b's k-th
+            # receive from a), not in the group's collective order: a batch_isend_irecv may post in any order.
+            peer = next(iter(send or recv))
+            if peer != "?":
+                a, b = (self.ledger.rank, ranks[int(peer)]) if send else (ranks[int(peer)], self.ledger.rank)
+                group, ranks = f"{group}:{a}->{b}", [a, b]
+                # peers as indices into [a, b]: the sender is 0, the receiver 1
+                send = {"1": next(iter(send.values()))} if send else {}
+                recv = {"0": next(iter(recv.values()))} if recv else {}
         self._last_device = payload[0].device if payload else None
         rec: dict[str, Any] = {
             "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
@@ -180,12 +259,12 @@ class _Recorder(TorchDispatchMode):
             "shapes": [list(t.shape) for t in payload], "numel": sum(t.numel() for t in payload),
             "bytes": sum(t.numel() * t.element_size() for t in payload),
             "device": str(payload[0].device) if payload else "",
-            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(),
+            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(), "send": send, "recv": recv,
         }
         for arg, col in PEER_ARGS.items():
             if bound.get(arg) is not None:
                 rec[col] = bound[arg]
-        rec["caller"], rec["user_frame"], rec["stack"] = _frames()
+        rec["caller"], rec["user_frame"], rec["stack"], rec["library_frame"] = _frames()
         if self.coalesced and raw == "broadcast_":
             ctx = self.coalesced[-1]
             rec["via"] = "_broadcast_coalesced"
@@ -250,6 +329,35 @@ def _poll_events() -> None:
         time.sleep(0.02)
 
 
+P2P = ("send", "recv_", "isend", "irecv")
+
+
+def _group(bound: dict[str, Any]) -> Any:
+    """The call's process group: a c10d op's boxed ProcessGroup, a functional op's group name resolved."""
+    for k, v in bound.items():
+        if isinstance(v, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(v)
+            except Exception:
+                continue
+        if k == "group_name" and v is not None:
+            if isinstance(v, dist.ProcessGroup):
+                return v
+            try:
+                return dist.distributed_c10d._resolve_process_group(str(v))
+            except Exception:
+                return None
+    return None
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """A functional call's output as ``wait_tensor`` later receives it."""
+    try:
+        return (t.data_ptr(), t.numel(), str(t.dtype))
+    except Exception:
+        return (id(t),)
+
+
 def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         return [v]
@@ -271,27 +379,75 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in msg or "timeout" in msg
 
 
-def _frames() -> tuple[str, str, list[str]]:
-    """(first frame past the c10d plumbing, first frame in user code, a short stack)."""
+def _frames() -> tuple[str, str, list[str], str]:
+    """(first frame past the c10d plumbing, first frame in user code, a short stack, the innermost frame of a
+    third-party library on the way: ``accelerate/utils/fsdp_utils.py:522``, empty when none sits between).
+
+    A library counts when it called torch.distributed (a c10d call, DTensor, FSDP) itself; one that only
+    ran a module (transformers' layer ``__call__`` with FSDP2's hooks inside) or autograd did not issue it.
+
+    None is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the trace's hooks,
+    this ledger): with poison on, every collective passes through ``poison.py``'s ``__torch_function__``.
+    """
     f = sys._getframe(2)
-    caller = user = ""
+    caller = user = lib = ""
     stack: list[str] = []
+    ran_module = False  # torch outside torch.distributed sits between: a module call or autograd, not a library's call
     while f is not None:
-        fn = f.f_code.co_filename
+        fn = _filename(f)
         if not fn.startswith(_PLUMBING):
             where = f"{fn}:{f.f_lineno} {f.f_code.co_name}"
             if not caller:
                 caller = where
             if len(stack) < 8:
                 stack.append(where)
-            if not user and not _library(fn):
+            if not _library(fn):
                 user = where
                 break
+            if fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_DISTRIBUTED):
+                ran_module = True
+            elif not lib and not ran_module and _third_party(fn):
+                lib = where
         f = f.f_back
-    return caller, user, stack
+    return caller, user, stack, lib
+
+
+def _third_party(fn: str) -> bool:
+    """An installed library other than torch and the workbench (accelerate, transformers, ...)."""
+    return (("site-packages" in fn or "dist-packages" in fn) and not fn.startswith(_TORCH_DIR)
+            and not fn.startswith(_WORKBENCH))
+
+
+def _filename(f: Any) -> str:
+    """The frame's file, the client's name for it where cloudpickle shipped the code by value.
+
+    cloudpickle replaces ``co_filename`` with ``<dynamic-code>`` but keeps the line table and
+    carries the defining module's ``__file__`` in the function's globals (a notebook cell has
+    none: it stays ``<dynamic-code>``, still the user's code).
+    """
+    fn = f.f_code.co_filename
+    if fn == _SHIPPED:
+        origin = f.f_globals.get("__file__")
+        return origin if isinstance(origin, str) and origin else fn
+    return fn
+
+
+def traceback_text(exc: BaseException) -> str:
+    """``traceback.format_exc()`` with shipped code under its own file name (and so with its source lines)."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if len(frames) == len(te.stack):
+        for summary, frame in zip(te.stack, frames):
+            summary.filename = _filename(frame)
+    return "".join(te.format())
 
 
 def _library(fn: str) -> bool:
+    if fn.startswith(_USER_PREFIXES):
+        return False
     return ("site-packages" in fn or "dist-packages" in fn or fn.startswith(_HERE)
             or (bool(_STDLIB) and fn.startswith(_STDLIB)) or fn.startswith("<"))
 
@@ -325,6 +481,7 @@ def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
         with recorder:
             yield ledger
     finally:
+        recorder.finish()
         _ACTIVE.remove(recorder)
         dist._broadcast_coalesced = original
 

@@ -63,7 +63,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
                 fn(ctx)
         except BaseException as exc:
             error = {"error": type(exc).__name__, "message": str(exc)[:2000],
-                     "traceback": traceback.format_exc()[-6000:]}
+                     "traceback": ledger.traceback_text(exc)[-6000:]}
             if not _incident_error(exc):
                 ctx._failed_step = step or getattr(fn, "__name__", "?")
     elapsed = time.perf_counter() - t0
