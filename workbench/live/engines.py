@@ -114,11 +114,10 @@ class Engines:
         self.dirty = False  # a step failed: the group may hold mispaired messages
         self.generation = 0  # bumped whenever the group (and every rank's session state) is re-formed
         self.step_deadline: float | None = None  # a session step's deadline; None: self.deadline
-        # Declare a deadlock as soon as the ledgers prove it (analysis/deadlock.py). On by default on
-        # NCCL, where nothing releases a stuck rank before the deadline; off on gloo, whose own
-        # collective timeout releases it, so the rank's state after the failed call is still probed
-        # (the headline's rank 1 then reads the garbage into its forward).
-        self.detect_deadlocks: bool | None = None  # None: backend == "nccl"
+        # Declare a deadlock as soon as the ledgers prove it (analysis/deadlock.py), on every backend, and
+        # release only the calls that can never complete (live/release.py): ranks that are not stuck finish
+        # the step as they would have. False: wait for the collective timeout or the step deadline instead.
+        self.detect_deadlocks: bool = True
         self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
         self.group_s: float | None = None
