@@ -156,3 +156,39 @@ def test_rewind_reproduces_each_steps_fingerprints_and_a_changed_seed_departs(he
     s.goto("load")
     assert s.departures and s.departures[0]["step"] == "load" and "departs" in _notes(s.frames[0])
     assert s.next_step == "cast"
+
+
+def test_only_a_call_no_peer_ever_issued_is_declared_at_first_sight():
+    from workbench.analysis.collectives import OPEN, ledger_table
+    from workbench.analysis.deadlock import find
+    from workbench.live.release import certain
+
+    def call(rank, seq, numel=4, state="completed"):
+        return {"rank": rank, "session": "s", "attempt": 0, "step": "x", "group": "0", "group_ranks": [0, 1],
+                "seq": seq, "op": "broadcast", "dtypes": ["float32"], "shapes": [[numel]], "numel": numel,
+                "bytes": numel * 4, "state": state, "t_start": float(seq), "src": 0}
+
+    never = find(ledger_table([call(0, 1), call(1, 1), call(0, 2, state=OPEN)]), done=[1], ranks=[0, 1])
+    assert never is not None and certain(never)  # rank 1 is done and never issued #2
+    missized = find(ledger_table([call(0, 1, numel=8), call(1, 1, state=OPEN)]), done=[0], ranks=[0, 1])
+    assert missized is not None and not certain(missized)  # a pair NCCL may complete silently: hold first
+    both = find(ledger_table([call(0, 1, state=OPEN), call(1, 1, numel=8, state=OPEN)]), done=[], ranks=[0, 1])
+    assert both is not None and not certain(both)
+
+
+def test_the_stepper_slider_shows_an_earlier_frame_without_running_and_reruns_to_it(healthy, tmp_path):
+    from workbench.live.stepper import Stepper
+
+    st = Stepper(healthy.session(FLAKY, marker=str(tmp_path / "m")))
+    st.step()
+    st.step()  # grow_once fails on rank 1: the cursor stays there
+    s = st.session
+    assert len(s.log) == 2 and st.history.max == 1 and "step 1/3" in st.status.value
+    st.history.value = 0  # back to the first frame: drawn from the log, nothing runs
+    assert "after 'setup'" in st.figure.layout.title.text and len(s.log) == 2 and "setup" in st.shown.value
+    assert not st.skip.disabled  # a failed step at the cursor can be skipped
+    st.rerun_to_here()  # replay up to 'setup' on the same engines
+    assert [f.step for f in s.log] == ["setup", "grow_once", "setup"] and s.log[-1].replayed
+    assert s.next_step == "grow_once" and st.history.max == 2
+    st.step()  # the marker exists now: grow_once passes
+    assert s.frames[-1].ok and s.next_step == "report"

@@ -12,8 +12,10 @@ names each released call and the proof.
 
 The picture must hold ``HOLD_S`` first: a mis-sized pair the backend completes anyway (gloo
 accepts a short message into a larger receive, NCCL a mis-sized broadcast) is a corruption,
-not a hang. A rank the abort does not free within ``RELEASE_WAIT_S`` ends the wait the old way
-(its call stays open, ``recover()`` brings it back).
+not a hang. Only a peer that finished the step without ever issuing the waiter's call number
+is declared at first sight (``certain``): nothing on the wire can pair with that call. A rank
+the abort does not free within ``RELEASE_WAIT_S`` ends the wait the old way (its call stays
+open, ``recover()`` brings it back).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ if TYPE_CHECKING:
 
 HOLD_S = 0.3  # the same deadlock seen for this long is declared
 RELEASE_WAIT_S = 5.0  # released ranks that have not returned by then end the wait as stuck
+
+
+def certain(d: deadlock.Deadlock) -> bool:
+    """A peer that finished the step without ever issuing the waiter's call number: no backend can complete
+    that call (nothing is on the wire to pair with), so no hold is needed. A mis-sized or other-op pair can
+    still complete on some backends, and open calls on both sides may yet move: those wait ``HOLD_S``."""
+    if not d.finished:
+        return False
+    seqs = [int(c["seq"]) for c in d.waiting.values()]
+    return bool(seqs) and all(last is None or int(last["seq"]) < min(seqs) for last in d.finished.values())
 
 
 class Release:
@@ -64,7 +76,7 @@ class Release:
         if d.signature != self._seen:
             self._seen, self._since = d.signature, now
             return None
-        if now - self._since < self.hold:
+        if now - self._since < (0.0 if certain(d) else self.hold):
             return None
         self._declare(d)
         return None
