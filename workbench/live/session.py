@@ -166,7 +166,8 @@ class Session:
         else:
             ranks = list(range(self.cluster.world_size))
             if self.cluster.detect_deadlocks is not False:
-                watch = Release(self.cluster, lambda: self._ledger(step=name), ranks)
+                watch = Release(self.cluster, lambda: self._ledger(step=name), ranks,
+                                any_open=lambda: bool(self._open_calls(name)))
             sink = live_progress.sink_for(self.progress if self.progress is not None
                                           else getattr(self.cluster, "progress", True))
             line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
