@@ -192,3 +192,26 @@ def test_the_stepper_slider_shows_an_earlier_frame_without_running_and_reruns_to
     assert s.next_step == "grow_once" and st.history.max == 2
     st.step()  # the marker exists now: grow_once passes
     assert s.frames[-1].ok and s.next_step == "report"
+
+
+CHECKED = wb.Scenario("check-refuses", probe=None)
+
+
+@CHECKED.step
+def check(ctx) -> None:
+    if ctx.rank == 1:
+        raise WorkbenchError("the plan differs from rank 0's: refused before sending anything")
+    ctx.y = 1
+
+
+@CHECKED.step
+def after_check(ctx) -> None:
+    ctx.output("rank", float(ctx.rank))
+
+
+def test_a_check_that_refused_lets_the_cursor_go_on_as_the_ranks_do(healthy):
+    s = healthy.session(CHECKED)
+    frames = s.run()
+    assert [f.step for f in frames] == ["check", "after_check"] and s.done  # not stopped at the refusal
+    assert frames[0].rank_errors.keys() == {1} and not frames[0].halted and frames[1].ok
+    assert "the session goes on" in " ".join(frames[0].notes[1])

@@ -193,6 +193,9 @@ def after(ctx) -> None:
 def test_after_a_failed_step_later_steps_are_skipped_on_that_rank(fresh):
     s = fresh.session(BOOM)
     frames = s.run()
+    assert [f.kinds for f in frames] == [set(), {"error"}] and s.next_step == "boom"  # the cursor stays there
+    s.skip()  # go on past it: rank 1 skips the later steps instead of cascading
+    frames += s.run()
     assert [f.kinds for f in frames] == [set(), {"error"}, {"skipped"}]
     ev = frames[2].events
     assert list(ev["rank"]) == [1] and "'boom'" in ev.iloc[0]["message"]

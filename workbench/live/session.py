@@ -115,8 +115,9 @@ class Session:
 
     def _in_sync(self) -> bool:
         """Whether the ranks hold exactly what the steps before the cursor built, under today's settings."""
+        # A rank that died since is not a reason to replay: the step's frame names it (recover() brings it back).
         return (self._begun and self._held == self.cursor and self._generation == self.cluster.generation
-                and self._begun_with == self._config() and not self.cluster.needs_recovery)
+                and self._begun_with == self._config())
 
     def step(self) -> Frame:
         """Run the step at the cursor on every rank and probe what each rank then holds.
@@ -180,6 +181,7 @@ class Session:
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.replayed = replay
+        frame.halted = {r for r, v in values.items() if v.get("halted")}  # raised where later steps cannot go on
         frame.released = dict(watch.released) if watch is not None else {}
         rows = [dict(r) for r in self._ledger_rows(step=name)]  # as of now: later reads update rows in place
         frame.ledger = lambda: collectives.ledger_table(rows)  # a table only when asked (~10 ms a step)
@@ -468,16 +470,16 @@ class Session:
                 f"{self.cursor}/{len(self.steps)} steps, next={self.next_step}>")
 
 
-_WENT_ON = ("the step failed in a collective (the incident: every rank returned); the session goes on as the "
-            "job's ranks would, the later steps show what it left. s.goto(step) reruns it")
+_WENT_ON = ("the step failed the way the incident does (inside torch.distributed, or a check refused before any "
+            "damage) and every rank returned; the session goes on as the job's ranks would, the later steps show "
+            "what it left. s.goto(step) reruns it")
 
 
 def _goes_on(frame: Frame) -> bool:
-    """Whether the cursor moves past this frame: a clean step, one a rank skipped after an earlier failure,
-    or one whose only failure is a collective every rank returned from (a released deadlock, a timeout)."""
-    kinds = frame.kinds
-    return (not kinds or kinds <= {"skipped"}
-            or (frame.hang is not None and not kinds & {"died", "timeout"}))
+    """Whether the cursor moves past this frame: every rank returned (none died or is stuck) and no rank raised
+    an error the rank layer stops its later steps for (``halted``: anything but an error inside torch.distributed,
+    such as a released deadlock or a collective timeout, or a check's ``WorkbenchError``)."""
+    return not frame.kinds & {"died", "timeout"} and not getattr(frame, "halted", set())
 
 
 def _note_all(frame: Frame, world_size: int, note: str) -> None:
