@@ -206,7 +206,9 @@ def check(ctx) -> None:
 
 @CHECKED.step
 def after_check(ctx) -> None:
-    ctx.output("rank", float(ctx.rank))
+    import torch
+
+    ctx.output("rank", torch.tensor([float(ctx.rank)]))
 
 
 def test_a_check_that_refused_lets_the_cursor_go_on_as_the_ranks_do(healthy):
