@@ -193,6 +193,9 @@ def after(ctx) -> None:
 def test_after_a_failed_step_later_steps_are_skipped_on_that_rank(fresh):
     s = fresh.session(BOOM)
     frames = s.run()
+    assert [f.kinds for f in frames] == [set(), {"error"}] and s.next_step == "boom"  # the cursor stays there
+    s.skip()  # go on past it: rank 1 skips the later steps instead of cascading
+    frames += s.run()
     assert [f.kinds for f in frames] == [set(), {"error"}, {"skipped"}]
     ev = frames[2].events
     assert list(ev["rank"]) == [1] and "'boom'" in ev.iloc[0]["message"]
@@ -250,21 +253,17 @@ def _x(frame) -> list[float]:
     return [float(h[0]) for h in out[out["name"] == "x"].sort_values("rank")["head"]]
 
 
-@pytest.mark.parametrize("replay_failed", [True, False])
-def test_recover_replays_the_failed_step_or_says_it_did_not(fresh, tmp_path, replay_failed):
+def test_recover_stands_the_cursor_at_the_failed_step_and_says_so(fresh, tmp_path):
     s = fresh.session(FLAKY, marker=str(tmp_path / "failed-once"))
     s.step()
     assert s.step().kinds == {"error"}
-    info = s.recover(replay_failed=replay_failed)
-    after = s.step()
-    notes = [n for ns in after.notes.values() for n in ns]
-    assert after.ok and len(notes) == 2  # one per rank
-    if replay_failed:
-        assert info["replayed"] == ["setup", "grow_once"] and info["not_replayed"] == []
-        assert _x(after) == [2.0, 2.0] and "replayed setup, grow_once" in notes[0]
-    else:
-        assert info["replayed"] == ["setup"] and info["not_replayed"] == ["grow_once"]
-        assert _x(after) == [1.0, 1.0] and "'grow_once' was not replayed" in notes[0]
+    info = s.recover()
+    assert info["replayed"] == ["setup"] and info["cursor"] == "grow_once"
+    rerun = s.step()  # the failed step again, on the replayed setup
+    notes = [n for ns in rerun.notes.values() for n in ns]
+    assert rerun.ok and rerun.step == "grow_once" and len(notes) == 2  # one per rank
+    assert "replayed setup" in notes[0] and "cursor stood at 'grow_once'" in notes[0]
+    assert _x(s.step()) == [2.0, 2.0]
 
 
 # 4 -------------------------------------------------------------------------------------

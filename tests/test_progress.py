@@ -123,7 +123,7 @@ def test_real_hang_shows_the_waiting_collective_live_and_the_report_its_proof_an
     # the status line from the first poll, at every poll: the hang is declared 0.3 s after both ranks block
     monkeypatch.setattr(live, "AFTER_S", 0.0)
     monkeypatch.setattr(live, "EVERY_S", 0.0)
-    healthy.detect_deadlocks = True  # declared from the ledgers; gloo's 8 s timeout releases the ranks later
+    assert healthy.detect_deadlocks  # declared from the ledgers (the default on gloo too)
     shown: list[str] = []
     try:
         s = healthy.session("eval-loop-uneven-batches")
@@ -144,7 +144,7 @@ def test_real_hang_shows_the_waiting_collective_live_and_the_report_its_proof_an
             assert "in evaluate" in page and "in all_reduce" in page  # a stuck rank's frames
         assert healthy.recover()["action"].startswith("re-formed")
     finally:
-        healthy.detect_deadlocks = None
+        healthy.detect_deadlocks = True
 
 
 SITE = "/venv/lib/python3.11/site-packages"

@@ -30,6 +30,7 @@ class Cluster(Engines):
         """Register ``%px`` / ``%%px`` for these engines and give each cell ``torch``, ``dist``,
         ``wbr`` (``workbench.rank.phases``), ``rank``, ``world_size`` and ``device``."""
         self._check_usable()
+        self._fresh_group()
         view = self._client[self._ids]
         view.activate()
         self._execute("import torch\nimport torch.distributed as dist\nfrom workbench.rank import phases as wbr\n"
@@ -67,7 +68,14 @@ class Cluster(Engines):
             raise ClusterError(f"no variable(s) {sorted(missing)} on the engines (define them in a %%px cell)")
         return table(rows, COLUMNS)
 
+    def _fresh_group(self) -> None:
+        """A step that failed in a collective (a released deadlock cuts the group's sockets) leaves the group
+        unusable: free-form cells get a fresh one, as the next session would."""
+        if self.dirty:
+            self.form_group()
+
     def _execute(self, code: str) -> None:
+        self._fresh_group()
         self._wait(self._client[self._ids].execute(code, block=False), "execute")
 
     def _wait(self, ar: Any, what: str) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
+from workbench.live import lease as live_lease
 from workbench.rank.host import free_port, gpu_count, set_threads
 
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
@@ -101,6 +102,7 @@ class Engines:
         self.env = dict(env or {})
         self._ipp = None
         self._client = None
+        self._lease: live_lease.Lease | None = None  # the processes this client started, ended with it
         self._ids: list[int] = []
         self.pids: dict[int, int] = {}
         self.devices: dict[int, str] = {}
@@ -112,11 +114,10 @@ class Engines:
         self.dirty = False  # a step failed: the group may hold mispaired messages
         self.generation = 0  # bumped whenever the group (and every rank's session state) is re-formed
         self.step_deadline: float | None = None  # a session step's deadline; None: self.deadline
-        # Declare a deadlock as soon as the ledgers prove it (analysis/deadlock.py). On by default on
-        # NCCL, where nothing releases a stuck rank before the deadline; off on gloo, whose own
-        # collective timeout releases it, so the rank's state after the failed call is still probed
-        # (the headline's rank 1 then reads the garbage into its forward).
-        self.detect_deadlocks: bool | None = None  # None: backend == "nccl"
+        # Declare a deadlock as soon as the ledgers prove it (analysis/deadlock.py), on every backend, and
+        # release only the calls that can never complete (live/release.py): ranks that are not stuck finish
+        # the step as they would have. False: wait for the collective timeout or the step deadline instead.
+        self.detect_deadlocks: bool = True
         self.recoveries: list[dict[str, Any]] = []
         self.start_s: float | None = None
         self.group_s: float | None = None
@@ -135,8 +136,11 @@ class Engines:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
+        # Before any process starts: a client killed from here on takes everything it started along.
+        self._lease = live_lease.Lease().start()
+        env = {**self.env, **self._lease.env}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.WARNING, controller_args=CONTROLLER_ARGS)
             self._client = self._ipp.start_and_connect_sync()
@@ -218,6 +222,11 @@ class Engines:
         # Engines hold nothing worth a graceful exit: killing them first takes ~0.02 s, where
         # ipyparallel's SIGTERM-and-wait took 1.4 s of every cold run; their nannies follow.
         _kill(_with_children(self.pids.values()))  # each engine's nanny too: none outlives this call
+        if self._lease is not None:
+            # Everything else it started, whichever died first: the controller, its schedulers (alive
+            # after a killed hub), a daemon a step double-forked. They all carry the lease's marker.
+            self._lease.end()
+            self._lease = None
         if self._ipp is not None:
             try:
                 self._ipp.stop_cluster_sync()

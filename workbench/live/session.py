@@ -7,6 +7,7 @@ dead engines all land in the frame of the step they happened in.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -20,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from workbench import scenarios
-from workbench.analysis import collectives, deadlock, diagnosis
+from workbench.analysis import collectives, diagnosis
+from workbench.analysis.collectives import describe
 from workbench.analysis.frames import Frame, last_step
 from workbench.errors import RankFailure, UnknownName, WorkbenchError
 from workbench.live import progress as live_progress
+from workbench.live.release import Release
 from workbench.postmortem import bundle
 from workbench.postmortem.record import SCHEMA_VERSION, RunRecord, versions
 from workbench.rank.byname import RankFn
@@ -60,19 +63,31 @@ class Session:
         self.deadline: float | None = None  # per-step deadline; None: cluster.step_deadline or cluster.deadline
         self.attempt = 0  # bumped by recover(): ledger sequence numbers restart per attempt
         self._recovery: dict[str, Any] | None = None  # the last recover()'s info, until the next frame notes it
+        self.cursor = 0  # the step the next step() runs (see "stepping" below)
+        self.log: list[Frame] = []  # every frame ever taken, in order: runs, reruns, replays
+        self.departures: list[dict[str, Any]] = []  # replayed steps whose fingerprints differ from the run's
+        self._skipped: set[int] = set()  # steps skip() moved past: a replay leaves them out too
+        self._held: int | None = None  # how many steps the ranks hold for this session; None: a half-run step
+        self._begun_with: tuple | None = None  # (fix, params, poison) the ranks' context was started with
         # A step running past a second shows where the ranks are (live/progress.py): True draws it in the
         # notebook or on stderr, False not at all, a callable gets each line ("" when the step ended);
         # None: the cluster's setting (``cluster.progress``).
         self.progress = progress
 
     # -- stepping ---------------------------------------------------------------------
+    # A debugger's cursor: ``cursor`` is the index of the step the next ``step()`` runs. A step that
+    # fails stops the cursor *at* it (``step()`` runs it again, ``skip()`` moves past it); one whose only
+    # failure is the incident's collective (a deadlock released, a collective timed out: every rank
+    # returned) lets it go on, as the job's ranks would. ``frames`` is the timeline the ranks hold
+    # (frames[i] is step i's latest frame, the failed one at the cursor included); ``log`` keeps every
+    # frame ever taken (runs, reruns, replays), for a history view that runs nothing.
     @property
     def steps(self) -> list[str]:
         return self.scenario.step_names
 
     @property
     def next_step(self) -> str | None:
-        return self.steps[len(self.frames)] if len(self.frames) < len(self.steps) else None
+        return self.steps[self.cursor] if self.cursor < len(self.steps) else None
 
     @property
     def done(self) -> bool:
@@ -88,21 +103,60 @@ class Session:
             self.ledger_dir = self._ledger_reader.source = tempfile.mkdtemp(prefix=f"wb-ledger-{self.id}-")
         cluster.run(START_SESSION, self.id, self.fix, self.params, self.poison,
                     ledger_dir=self.ledger_dir, attempt=self.attempt)
-        self.started_at = self.updated_at = time.time()
+        self.started_at = self.started_at or time.time()
+        self.updated_at = time.time()
         self._begun = True
         self._generation = cluster.generation
+        self._begun_with = self._config()
+        self._held = 0
+
+    def _config(self) -> tuple:
+        return (self.fix, repr(sorted(self.params.items())), self.poison)
+
+    def _in_sync(self) -> bool:
+        """Whether the ranks hold exactly what the steps before the cursor built, under today's settings."""
+        # A rank that died since is not a reason to replay: the step's frame names it (recover() brings it back).
+        return (self._begun and self._held == self.cursor and self._generation == self.cluster.generation
+                and self._begun_with == self._config())
 
     def step(self) -> Frame:
-        """Run the next step on every rank and probe what each rank then holds."""
+        """Run the step at the cursor on every rank and probe what each rank then holds.
+
+        The ranks are first brought to the cursor if they are not there (after a failed step, a
+        recovery, a changed fix or parameter): replayed from the start on the same engines.
+        """
         if self.done:
-            raise WorkbenchError(f"all {len(self.steps)} steps ran; call reset() to start again")
-        if not self._begun:
-            self._begin()
-        elif self._generation != self.cluster.generation:
-            raise WorkbenchError(
-                f"the ranks were re-formed (recover or restart) after {len(self.frames)} step(s) of this session, "
-                "so they no longer hold its objects: s.recover() replays the steps so far, s.reset() starts over")
-        index = len(self.frames)
+            raise WorkbenchError(f"all {len(self.steps)} steps ran; call reset() to start again, "
+                                 "s.goto(step) or s.rewind() to go back")
+        self.scenario.check_fix(self.fix)
+        self.params = self.scenario.resolve_params(self.params)
+        if not self._in_sync():
+            self._replay(self.cursor)
+        frame = self._run_one(self.cursor)
+        if self._recovery is not None:
+            frame.notes = {r: [*frame.notes.get(r, []), _recovery_note(self._recovery)]
+                           for r in range(self.cluster.world_size)}
+            self._recovery = None
+        self._place(frame)
+        if _goes_on(frame):
+            if not frame.ok:
+                _note_all(frame, self.cluster.world_size, _WENT_ON)
+            self.cursor += 1
+            self._held = self.cursor
+        else:
+            self._held = None  # the ranks hold a half-run step: the next step() replays up to it first
+            _note_all(frame, self.cluster.world_size,
+                      f"the cursor stays at {frame.step!r}: s.step() runs it again (after replaying the steps "
+                      "before it), s.skip() moves past it")
+        self.updated_at = time.time()
+        return frame
+
+    def _place(self, frame: Frame) -> None:
+        self.frames = [*self.frames[:frame.index], frame]
+        self.log.append(frame)
+
+    def _run_one(self, index: int, replay: bool = False) -> Frame:
+        """Run step ``index`` on every rank (the ranks hold the steps before it) into a frame."""
         name, fn = self.scenario.steps[index]
         deadline = self.deadline or self.cluster.step_deadline or self.cluster.deadline
         dead = self.cluster.dead_ranks()  # died between steps: the frame names them, nothing runs without them
@@ -112,9 +166,9 @@ class Session:
                                                    "exited before this step; call cluster.restart()") for r in dead}
         else:
             ranks = list(range(self.cluster.world_size))
-            detect = self.cluster.detect_deadlocks
-            if detect if detect is not None else self.cluster.backend == "nccl":
-                watch = deadlock.Watch(lambda: self._ledger(step=name), ranks)
+            if self.cluster.detect_deadlocks is not False:
+                watch = Release(self.cluster, lambda: self._ledger(step=name), ranks,
+                                any_open=lambda: bool(self._open_calls(name)))
             sink = live_progress.sink_for(self.progress if self.progress is not None
                                           else getattr(self.cluster, "progress", True))
             line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
@@ -126,45 +180,143 @@ class Session:
                     line.close()
             values, failures = outcome.values, outcome.failures
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
+        frame.replayed = replay
+        frame.halted = {r for r, v in values.items() if v.get("halted")}  # raised where later steps cannot go on
+        frame.released = dict(watch.released) if watch is not None else {}
         rows = [dict(r) for r in self._ledger_rows(step=name)]  # as of now: later reads update rows in place
         frame.ledger = lambda: collectives.ledger_table(rows)  # a table only when asked (~10 ms a step)
         errored = frame.ranks_with("error")  # raw events: a clean step builds no table it was not asked for
-        if (failures or errored or collectives.any_timed_out(rows)) \
-                and collectives.is_hang(failures, frame.ledger, errored):
+        declared = watch is not None and watch.found is not None
+        if declared or ((failures or errored or collectives.any_timed_out(rows))
+                        and collectives.is_hang(failures, frame.ledger, errored)):
             frame.hang = collectives.diagnose(name, frame.ledger, failures,
                                               list(range(self.cluster.world_size)), deadline)
-            stuck = sorted(frame.hang.stuck)
-            frame.hang.stacks = self.cluster.stacks(stuck) if stuck else {}
-            if watch is not None and watch.found is not None:
-                frame.hang.proof = watch.found.reason
-                frame.hang.blocked_at = watch.blocked_at
-                frame.hang.declared_at = time.time()
+            if declared:
+                self._note_release(frame, watch)
+            else:
+                stuck = sorted(frame.hang.stuck)
+                frame.hang.stacks = self.cluster.stacks(stuck) if stuck else {}
         if not frame.ok:
             self.cluster.dirty = True
-        if self._recovery is not None:
-            frame.notes = {r: [*frame.notes.get(r, []), _recovery_note(self._recovery)]
-                           for r in range(self.cluster.world_size)}
-            self._recovery = None
-        self.frames.append(frame)
-        self.updated_at = time.time()
         return frame
 
+    def _note_release(self, frame: Frame, watch: Release) -> None:
+        """A deadlock the ledgers proved: the hang says who waited where, the notes what was released."""
+        hang = frame.hang
+        hang.caught_by = "ledger deadlock"
+        hang.proof = watch.found.reason
+        hang.blocked_at, hang.declared_at = watch.blocked_at, watch.declared_at
+        hang.stuck = {r: describe(c) for r, c in sorted(watch.found.waiting.items())}  # where they were stuck
+        hang.stacks = watch.stacks
+        for r, lines in watch.notes().items():
+            frame.notes[r] = [*frame.notes.get(r, []), *lines]
+
     def run(self, until: str | None = None) -> list[Frame]:
-        """Step through ``until`` (inclusive) or to the end; stops early if a rank died or hung."""
+        """Step through ``until`` (inclusive) or to the end; stops at a step that failed (the cursor stays
+        there) and goes on past one whose only failure is the incident's collective."""
         if until is not None and until not in self.steps:
             raise UnknownName(f"step of {self.scenario.name}", until, self.steps)
         out = []
         while not self.done:
             frame = self.step()
             out.append(frame)
-            if {"died", "timeout"} & frame.kinds or frame.step == until:
+            if self.cursor == frame.index or frame.step == until:
                 break
         return out
 
+    def skip(self) -> Frame:
+        """Move the cursor past the step it stands at, without running it again; the frame says so.
+
+        The ranks keep what they hold (a failed step's leftovers included); a later replay skips it too.
+        """
+        if self.done:
+            raise WorkbenchError(f"all {len(self.steps)} steps ran; nothing to skip")
+        index = self.cursor
+        if index >= len(self.frames):
+            raise WorkbenchError(f"step {self.steps[index]!r} has not run: s.skip() moves past a failed step; "
+                                 "s.step() runs this one")
+        frame = self.frames[index]
+        _note_all(frame, self.cluster.world_size,
+                  "skipped by s.skip() after it failed: the ranks keep what it left, the next step runs on that")
+        self._skipped.add(index)
+        self.cursor += 1
+        if self._held is None or self._held == index:
+            self._held = self.cursor  # the ranks' state is what the user chose to go on with
+        logging.getLogger("workbench").warning("workbench: skipped the failed step %r; next: %s",
+                                               self.steps[index], self.next_step)
+        return frame
+
+    def goto(self, step: str | int) -> Frame | None:
+        """Bring the ranks to the state right after ``step``: replayed from the start (same seed, fix and
+        parameters) on the same engines when it lies behind the cursor, run forward when ahead.
+
+        Each replayed frame says whether it departs from the frame it replaces (tensor fingerprints,
+        per rank); ``s.departures`` lists every departure. Returns ``step``'s frame.
+        """
+        index = self._index(step)
+        if index >= self.cursor and self._in_sync():
+            self.run(until=self.steps[index])
+        else:
+            self._replay(index + 1)
+        return self.frames[index] if index < len(self.frames) else None
+
+    def rewind(self, k: int = 1) -> Frame | None:
+        """Go back ``k`` steps (``goto`` the step ``k`` before the cursor's last): the ranks hold the state
+        after that step, replayed from the start. ``rewind(cursor)`` leaves the ranks at the beginning."""
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= self.cursor:
+            raise WorkbenchError(f"rewind(k) takes 1..{self.cursor} (steps before the cursor), got {k!r}")
+        target = self.cursor - k
+        if target == 0:
+            self._replay(0)
+            return None
+        return self.goto(target - 1)
+
+    def _index(self, step: str | int) -> int:
+        if isinstance(step, int) and not isinstance(step, bool):
+            if not 0 <= step < len(self.steps):
+                raise WorkbenchError(f"step index {step} out of range 0..{len(self.steps) - 1}")
+            return step
+        if step not in self.steps:
+            raise UnknownName(f"step of {self.scenario.name}", str(step), self.steps)
+        return self.steps.index(step)
+
+    def _replay(self, upto: int) -> list[Frame]:
+        """Fresh rank state (a new ledger attempt), then steps ``0..upto-1`` again, skipped ones left out,
+        each probed and compared with the frame it replaces. The cursor ends at ``upto``."""
+        if self._begun:
+            self.attempt += 1  # a fresh ledger sequence on the ranks
+        self._begun = False
+        self._begin()
+        before = list(self.frames)
+        tail = [before[upto]] if upto < len(before) and not before[upto].ok else []  # the failed step stays in view
+        self.frames = before[:upto]
+        self.cursor = 0
+        out = []
+        for i in range(upto):
+            self.cursor = i
+            if i in self._skipped:
+                continue
+            frame = self._run_one(i, replay=True)
+            _note_departure(frame, before[i] if i < len(before) else None, self.departures)
+            self.frames = [*self.frames[:i], frame, *self.frames[i + 1:]]
+            self.log.append(frame)
+            out.append(frame)
+            if not _goes_on(frame):
+                self.frames, self._held = self.frames[:i + 1], None
+                raise WorkbenchError(f"replaying step {frame.step!r} failed: " + "; ".join(
+                    f"rank {r}: {m[:300]}" for r, m in frame.rank_errors.items())
+                    + f"; the cursor stands at {frame.step!r}")
+        self.frames = self.frames[:upto] + tail
+        self._held = self.cursor = upto
+        self.updated_at = time.time()
+        return out
+
     def reset(self) -> Session:
-        """Drop the frames and the ranks' objects; the next step starts from the first."""
+        """Drop the frames and the ranks' objects; the next step starts from the first (``log`` stays)."""
         self.close()
         self.frames = []
+        self.cursor = 0
+        self._skipped = set()
         self._begun = False
         self.attempt += 1  # a fresh ledger sequence on the ranks
         return self
@@ -221,31 +373,27 @@ class Session:
     def hangs(self) -> list[Frame]:
         return [f for f in self.frames if f.hang is not None]
 
-    def recover(self, replay_failed: bool = False, wait: float | None = None) -> dict[str, Any]:
-        """After a hang or a failed step: bring the ranks back (``cluster.recover()``) and re-run the
-        steps before the first failed one, and that one too with ``replay_failed=True``.
+    def recover(self, wait: float | None = None) -> dict[str, Any]:
+        """After a hang or a failed step: bring the ranks back (``cluster.recover()``), replay the steps
+        before the first failed one and stand the cursor *at* it: ``s.step()`` runs it again (with a
+        changed fix or parameter if you changed one), ``s.skip()`` moves past it.
 
-        The failed frame stays in the history. Without ``replay_failed`` the next step runs on
-        ranks that never ran the failed one (what a hung step needs: replaying it would hang
-        again); the returned info (``replayed``, ``not_replayed``) and the next frame's notes
-        say which steps the ranks hold. The ledger starts a new attempt. ``wait``: see
-        ``Engines.recover`` (how long ranks still blocked after the abort get before a restart).
+        The failed frame stays in the timeline until it is rerun; every frame stays in ``s.log``.
+        The returned info (``replayed``, ``cursor``, ``departed``) and the next frame's notes say
+        what the ranks hold. The ledger starts a new attempt. ``wait``: see ``Engines.recover``
+        (how long ranks still blocked after the abort get before a restart).
         """
         info = self.cluster.recover(wait=wait)
-        failed = next((i for i, f in enumerate(self.frames) if not f.ok), len(self.frames))
-        upto = failed + 1 if replay_failed and failed < len(self.frames) else failed
-        self.attempt += 1
-        self._begun = False
-        self._begin()
-        for name, fn in self.scenario.steps[:upto]:
-            out = self.cluster.call(RUN_STEP, self.id, fn, [], step=name, timeout=self.cluster.deadline)
-            errors = [f.line() for f in out.failures.values()]
-            errors += [f"rank {r} error: {v['error']['error']}: {v['error']['message'][:300]}"
-                       for r, v in sorted(out.values.items()) if v["error"]]
-            if errors:
-                raise WorkbenchError(f"replaying step {name!r} after recovery failed: " + "; ".join(errors))
-        info["replayed"] = self.steps[:upto]
-        info["not_replayed"] = self.steps[upto:len(self.frames)]
+        failed = next((i for i, f in enumerate(self.frames) if not f.ok), None)
+        if failed is not None:
+            self.cursor = failed
+            self.frames = self.frames[:failed + 1]
+            self._skipped = {i for i in self._skipped if i < failed}
+        n = len(self.departures)
+        self._replay(self.cursor)
+        info["replayed"] = [self.steps[i] for i in range(self.cursor) if i not in self._skipped]
+        info["cursor"] = self.next_step
+        info["departed"] = self.departures[n:]
         self._recovery = info  # the next frame says what the ranks were given back
         return info
 
@@ -319,15 +467,59 @@ class Session:
 
     def __repr__(self) -> str:
         return (f"<Session {self.scenario.name} fix={self.fix} poison={self.poison} "
-                f"{len(self.frames)}/{len(self.steps)} steps, next={self.next_step}>")
+                f"{self.cursor}/{len(self.steps)} steps, next={self.next_step}>")
+
+
+_WENT_ON = ("the step failed the way the incident does (inside torch.distributed, or a check refused before any "
+            "damage) and every rank returned; the session goes on as the job's ranks would, the later steps show "
+            "what it left. s.goto(step) reruns it")
+
+
+def _goes_on(frame: Frame) -> bool:
+    """Whether the cursor moves past this frame: every rank returned (none died or is stuck) and no rank raised
+    an error the rank layer stops its later steps for (``halted``: anything but an error inside torch.distributed,
+    such as a released deadlock or a collective timeout, or a check's ``WorkbenchError``)."""
+    return not frame.kinds & {"died", "timeout"} and not getattr(frame, "halted", set())
+
+
+def _note_all(frame: Frame, world_size: int, note: str) -> None:
+    frame.notes = {r: [*frame.notes.get(r, []), note] for r in range(world_size)}
+
+
+def fingerprints(frame: Frame) -> dict[tuple[int, str], Any]:
+    """(rank, name) -> fingerprint of every tensor and output the frame probed: a step's identity."""
+    out: dict[tuple[int, str], Any] = {}
+    for table in (frame.tensors, frame.outputs):
+        if len(table) and "fingerprint" in table:
+            for r, n, fp in zip(table["rank"], table["name"], table["fingerprint"]):
+                out[(int(r), str(n))] = fp
+    return out
+
+
+def _note_departure(frame: Frame, old: Frame | None, departures: list[dict[str, Any]]) -> None:
+    """Say on each rank whether the replayed frame matches the one it replaces, tensor by tensor."""
+    if old is None:
+        return
+    new_fp, old_fp = fingerprints(frame), fingerprints(old)
+    differ = sorted(k for k in set(new_fp) | set(old_fp) if new_fp.get(k) != old_fp.get(k))
+    frame.departs = differ
+    ranks = sorted({r for r, _ in new_fp} | {r for r, _ in old_fp} | set(frame.notes))
+    for r in ranks:
+        mine = [n for q, n in differ if q == r]
+        if mine:
+            note = (f"replay departs from the earlier run at {frame.step!r}: {len(mine)} tensor(s) differ "
+                    f"({', '.join(mine[:5])}{', ...' if len(mine) > 5 else ''})")
+        else:
+            note = f"replay of {frame.step!r}: same fingerprints as the earlier run"
+        frame.notes[r] = [*frame.notes.get(r, []), note]
+    if differ:
+        departures.append({"step": frame.step, "index": frame.index,
+                           "differ": [{"rank": r, "name": n} for r, n in differ]})
 
 
 def _recovery_note(info: dict[str, Any]) -> str:
-    note = f"after recovery ({info['action']}): replayed {', '.join(info['replayed']) or 'no steps'}"
-    for name in info["not_replayed"]:
-        note += (f"; step {name!r} was not replayed, so the ranks never ran it "
-                 "(s.recover(replay_failed=True) replays it)")
-    return note
+    return (f"after recovery ({info['action']}): replayed {', '.join(info['replayed']) or 'no steps'}; "
+            f"the cursor stood at {info['cursor']!r}")
 
 
 def _stack(frames: list[Frame], attr: str) -> pd.DataFrame:

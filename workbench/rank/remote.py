@@ -52,6 +52,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     t0 = time.perf_counter()
     book = ledger.get_ledger(session_id)
     failed = getattr(ctx, "_failed_step", None)
+    halted = False  # this step's error stops the later steps on this rank: the client's cursor stays here
     if failed is not None:
         # The steps after a failure would only cascade (AttributeError on what it never built): say so once.
         error = {"kind": "skipped", "error": "Skipped",
@@ -66,6 +67,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
                      "traceback": ledger.traceback_text(exc)[-6000:]}
             if not _incident_error(exc):
                 ctx._failed_step = step or getattr(fn, "__name__", "?")
+                halted = True
     elapsed = time.perf_counter() - t0
     objects = ctx.user_objects()
     if probe_names is not None:
@@ -78,7 +80,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
         row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
         row.update(ctx.output_extras.get(row["name"], {}))
     return {
-        "rank": ctx.rank, "error": error, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
+        "rank": ctx.rank, "error": error, "halted": halted, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
         "trace": trace.take(ctx),
     }

@@ -1,0 +1,163 @@
+"""Processes the workbench starts die with the client that started them, and with ``stop()``.
+
+Real clients: ``workbench run`` and a Jupyter kernel killed with SIGKILL mid-step (no cleanup
+of theirs runs), and a cluster whose controller hub was killed before ``stop()``. Each step
+writes its process's marker (``WORKBENCH_TREE``) to a file, so the test knows the tree to
+look for without asking the client.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import workbench as wb
+from workbench.live import lease
+
+GONE_WITHIN_S = 10.0  # the issue's bound: no process of the tree 10 s after the client's death
+
+
+def _slow_scenario(tmp_path) -> str:
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent(f'''
+        import os
+        import time
+        import workbench as wb
+
+        SCENARIO = wb.Scenario("slow")
+
+        @SCENARIO.step
+        def wait(ctx):
+            with open({str(tmp_path)!r} + f"/in-step{{ctx.rank}}", "w") as f:
+                f.write(os.environ.get("WORKBENCH_TREE", ""))
+            time.sleep(120)
+    '''))
+    return str(path)
+
+
+def _token(tmp_path, proc_alive, what: str) -> str:
+    end = time.monotonic() + 120
+    marker = tmp_path / "in-step1"
+    while not (marker.exists() and marker.read_text()) and proc_alive() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert marker.exists() and marker.read_text(), f"{what} never reached its step"
+    return marker.read_text()
+
+
+def _gone_after_kill(pid: int, token: str) -> float:
+    """SIGKILL ``pid``; seconds until no process carries ``token`` (fails past the bound)."""
+    assert len(lease.members(token)) >= 3  # controller and two engines at least
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    while lease.members(token) and time.monotonic() - t0 < GONE_WITHIN_S:
+        time.sleep(0.1)
+    left = lease.members(token)
+    lease.kill(left)  # a failing run must not leak what it tests for
+    assert left == [], [" ".join(p.cmdline()) for p in left]
+    return time.monotonic() - t0
+
+
+def test_sigkill_of_workbench_run_mid_step_leaves_no_process(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", f"{_slow_scenario(tmp_path)}:",
+                             "--timeout", "8", "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        token = _token(tmp_path, lambda: proc.poll() is None, "workbench run")
+        seconds = _gone_after_kill(proc.pid, token)
+        print(f"workbench run: no process {seconds:.2f}s after SIGKILL")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_sigkill_of_a_notebook_kernel_mid_step_leaves_no_process(tmp_path):
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env={**os.environ})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        spec = _slow_scenario(tmp_path) + ":"
+        kc.execute(f"import workbench as wb\nc = wb.start(ranks=2, backend='gloo', timeout=8, progress=False)\n"
+                   f"s = c.session({spec!r})\ns.step()\n")
+        pid = km.provisioner.process.pid
+        token = _token(tmp_path, km.is_alive, "the kernel")
+        seconds = _gone_after_kill(pid, token)
+        print(f"kernel: no process {seconds:.2f}s after SIGKILL")
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        km.cleanup_resources()
+
+
+def test_stop_after_the_hub_died_ends_every_scheduler():
+    c = wb.start(ranks=2, backend="gloo", timeout=8)
+    token = c._lease.token
+    try:
+        procs = lease.members(token)
+        hub = psutil.Process(c._ipp.controller.process.pid)
+        schedulers = [p for p in procs if p.ppid() == hub.pid]
+        assert len(schedulers) >= 2, [" ".join(p.cmdline()) for p in procs]
+        hub.kill()
+        psutil.wait_procs([hub], timeout=5)
+        assert any(p.is_running() for p in schedulers)  # orphans: what stop() used to leave
+    finally:
+        c.stop()
+    assert lease.members(token) == []
+
+
+def test_stop_ends_a_daemon_a_step_double_forked():
+    def spawn_daemon() -> int:
+        import os
+        import time
+
+        r, w = os.pipe()
+        if os.fork() == 0:  # child: fork again and leave, so the grandchild is nobody's child
+            os.setsid()
+            if os.fork() == 0:
+                os.write(w, str(os.getpid()).encode())
+                time.sleep(300)
+            os._exit(0)
+        os.close(w)
+        pid = int(os.read(r, 32))
+        os.wait()
+        return pid
+
+    c = wb.start(ranks=2, backend="gloo", timeout=8)
+    try:
+        daemon = psutil.Process(c.run(spawn_daemon, ranks=[0])[0])
+        assert daemon.ppid() != c.pids[0]  # reparented: no longer in the engine's tree
+    finally:
+        c.stop()
+    psutil.wait_procs([daemon], timeout=5)
+    assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+def test_a_frozen_client_loses_its_ranks_when_its_lease_lapses(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", f"{_slow_scenario(tmp_path)}:",
+                             "--timeout", "8", "--no-progress"], env={**os.environ, "WORKBENCH_LEASE_S": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        token = _token(tmp_path, lambda: proc.poll() is None, "workbench run")
+        os.kill(proc.pid, signal.SIGSTOP)  # alive but frozen: only the lease can tell
+        end = time.monotonic() + 3 + GONE_WITHIN_S
+        while lease.members(token) and time.monotonic() < end:
+            time.sleep(0.2)
+        left = lease.members(token)
+        lease.kill(left)
+        assert left == []
+    finally:
+        proc.kill()
+        proc.wait(10)
