@@ -69,6 +69,19 @@ def test_dtype_mismatch():
     assert "different dtypes" in div.message
 
 
+def test_the_same_call_retyped_is_a_dtype_mismatch_not_an_extra_call_and_keeps_its_labels():
+    """The stale conversion cache: the receiver's cached spec says bf16 [8], the owner sends fp32 [8], and the
+    owner goes on to more calls than the receiver (which died). Same op, same count: a retyped call."""
+    stale = "conversion task for `bias` receives per the spec cached at sync 1: bfloat16 [8]"
+    rows = [*both({"op": "broadcast", "src": 1, "dtype": "bfloat16", "numel": 8}),
+            call(0, 2, op="broadcast", src=1, dtype="bfloat16", numel=8, label=stale),
+            call(1, 2, op="broadcast", src=1, numel=8, label="the owner sends its current float32 [8]"),
+            call(1, 3, op="broadcast", src=1, dtype="bfloat16", numel=8)]
+    div = first_divergence(ledger_table(rows))
+    assert div.kind == "dtype" and div.seq == 2
+    assert f"[{stale}]" in div.message and "[the owner sends its current float32 [8]]" in div.message
+
+
 def test_size_mismatch():
     rows = [*both({}), call(0, 2, op="broadcast", src=0, numel=64), call(1, 2, op="broadcast", src=0, numel=32)]
     div = first_divergence(ledger_table(rows))

@@ -191,8 +191,12 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
     # the silent stage-1 permutation comes first (fp32 bytes read as bf16 give NaN), the stage-2 hang later
     "weight-sync-order-desync": ("diverged", ["from step `deliver`", "later, in step `deliver_2`",
                                               "all_gather_into_tensor"]),
-    "stale-conversion-cache": ("collective-mismatch", ["in step `sync_2`", "broadcast #145 bfloat16 [8] 16 B",
-                                                       "broadcast #145 float32 [8] 32 B"]),
+    # the stale cached spec named as the cause, in the issuing code's own words (ledger labels)
+    "stale-conversion-cache": ("collective-mismatch", ["in step `sync_2` (different dtypes)",
+                                                       "broadcast #145 bfloat16 [8] 16 B",
+                                                       "receives per the spec cached at sync 1: bfloat16 [8]",
+                                                       "broadcast #145 float32 [8] 32 B",
+                                                       "the owner sends its current float32 [8]"]),
 }
 # Tempting non-fixes: their runs must not read clean. `check-streamed-names` alone is insurance that
 # fails loudly on the permutation, yet cannot stop the stage-2 walk that parts earlier.

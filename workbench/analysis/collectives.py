@@ -30,7 +30,7 @@ from workbench.errors import RankFailure
 LEDGER_COLUMNS = [
     "rank", "session", "attempt", "step", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel",
     "bytes", "src", "dst", "via", "bucket", "bucket_tensors", "state", "error", "caller", "user_frame",
-    "t_start", "t_end", "c10d_op", "library_frame", "send", "recv",
+    "t_start", "t_end", "c10d_op", "library_frame", "send", "recv", "label",
 ]
 OPEN = "started"
 
@@ -161,6 +161,8 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
     src = c.get("src")
     if is_number(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
         text += f" src={src}"
+    if isinstance(c.get("label"), str) and c["label"]:  # what the issuing code said the call is for
+        text += f" [{c['label']}]"
     where = c.get("user_frame") or c.get("caller")
     lib = c.get("library_frame")
     if isinstance(lib, str) and lib and lib != where:  # a library issued it: its line, then the user's
@@ -306,6 +308,13 @@ def _loose(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return a is not None and b is not None and a.get("op") == b.get("op") and a.get("dtypes") == b.get("dtypes")
 
 
+def _retyped(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same call made with another dtype: same op and element count, different dtypes (a stale cached
+    spec, a cast on one side). Read as a dtype mismatch of that call, never as an extra call."""
+    return (a.get("op") == b.get("op") and a.get("dtypes") != b.get("dtypes")
+            and is_number(a.get("numel")) and _nz(a.get("numel")) == _nz(b.get("numel")))
+
+
 def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
     """The earliest call on which the ranks disagree (per session attempt and group), or None."""
     if ledger is None or ledger.empty:
@@ -356,7 +365,8 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
             others = [q for q in present if q != r]
             # ... and it issued more calls than they did: with equal counts it is a mismatch, not an extra
             if (all(_loose(nxt, at[q]) for q in others) and not any(_loose(at[r], at[q]) for q in others)
-                    and all(len(calls[r]) > len(calls[q]) for q in others)):
+                    and all(len(calls[r]) > len(calls[q]) for q in others)
+                    and not any(_retyped(at[r], at[q]) for q in others)):
                 msg = (f"group {group} call #{seq}: rank {r} issued an extra {describe(at[r])} that rank(s) {others} "
                        f"did not; their call #{seq} ({'; '.join(f'rank {q}: {describe(at[q])}' for q in others)}) "
                        f"pairs with it instead, and rank {r}'s next call #{seq + 1} is {describe(nxt)}")

@@ -93,6 +93,29 @@ def ledger_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.jsonl")
 
 
+_LABELS = threading.local()
+
+
+@contextlib.contextmanager
+def label(text: str) -> Iterator[None]:
+    """Say, in the ledger, what the collectives issued inside this block are for ("the conversion task for
+    `bias`, spec cached at sync 1"): code that builds a collective from cached state can name that state,
+    and a mismatch then reads as its cause, not only as two calls that part. Nested labels join with "; "."""
+    stack = getattr(_LABELS, "stack", None)
+    if stack is None:
+        stack = _LABELS.stack = []
+    stack.append(text)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_label() -> str | None:
+    stack = getattr(_LABELS, "stack", None)
+    return "; ".join(stack) if stack else None
+
+
 class Ledger:
     """Append-only JSON-lines writer for one rank and one session attempt."""
 
@@ -265,6 +288,7 @@ class _Recorder(TorchDispatchMode):
             if bound.get(arg) is not None:
                 rec[col] = bound[arg]
         rec["caller"], rec["user_frame"], rec["stack"], rec["library_frame"] = _frames()
+        rec["label"] = current_label()
         if self.coalesced and raw == "broadcast_":
             ctx = self.coalesced[-1]
             rec["via"] = "_broadcast_coalesced"

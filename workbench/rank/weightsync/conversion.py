@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
+from workbench.rank.ledger import label
 from workbench.rank.weightsync import model as model_mod
 from workbench.rank.weightsync import pack
 from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TOY_SHAPE  # noqa: F401  (re-exported)
@@ -93,26 +94,36 @@ class ParamMapping:
         self.hf_name = hf_name
         self.mesh = mesh
         self._tensor_spec_output_cache: dict[str, list[Any]] = {}
+        self._syncs = 0  # broadcasts so far: a task's mapping broadcasts once per weight sync
+        self._cached_at: dict[str, int] = {}  # cache key -> the sync whose spec it holds
 
     def broadcast_from_pp_rank(self, tensor: torch.Tensor | None, cache_key: str | None = None) -> torch.Tensor:
         m = self.mesh
+        self._syncs += 1
         if cache_key is not None and cache_key in self._tensor_spec_output_cache:
             specs = self._tensor_spec_output_cache[cache_key]  # no collective: the spec of the first call
+            origin = f"the spec cached at sync {self._cached_at[cache_key]}"
         else:
             spec = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
             specs = [None] * m.size
             dist.all_gather_object(specs, spec, group=m.group)
             if cache_key is not None:
                 self._tensor_spec_output_cache[cache_key] = specs
+                self._cached_at[cache_key] = self._syncs
+            origin = "the spec just gathered"
         src = next((r for r, s in enumerate(specs) if s is not None), None)
         if src is None:
             raise WorkbenchError(f"no pipeline stage holds {self.hf_name!r}")
         if tensor is None:
             shape, dtype = specs[src]
             tensor = torch.empty(shape, dtype=dtype, device=m.device)
+            why = f"conversion task for `{self.hf_name}` receives per {origin}: {dtype_name(dtype)} {list(shape)}"
         else:
             tensor = tensor.detach().contiguous()
-        dist.broadcast(tensor, src=src, group=m.group)
+            why = (f"conversion task for `{self.hf_name}`: the owner sends its current "
+                   f"{dtype_name(tensor.dtype)} {list(tensor.shape)}")
+        with label(why):  # a stale cached spec then reads as the cause of a mismatch, in the ledger's words
+            dist.broadcast(tensor, src=src, group=m.group)
         return tensor
 
 
