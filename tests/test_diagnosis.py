@@ -188,8 +188,9 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
         "`model.layers.0.mlp.experts.4.gate_up_proj`", "nothing raised"]),
     "router-bias-bf16": ("lossy-cast", ["`model.layers.0.mlp.gate.e_score_correction_bias` rounded to bfloat16 "
                                         "(float32 on the trainer)"]),
-    # the silent stage-1 permutation comes first (fp32 bytes read as bf16 give NaN), the stage-2 hang later
-    "weight-sync-order-desync": ("diverged", ["from step `deliver`", "later, in step `deliver_2`",
+    # the silent stage-1 permutation is the first cause (the plan/stream split, however the bytes then look),
+    # the stage-2 parting later
+    "weight-sync-order-desync": ("permuted", ["part at index 33 of stage 1", "nothing raised", "; later, in step",
                                               "all_gather_into_tensor"]),
     # the stale cached spec named as the cause, in the issuing code's own words (ledger labels)
     "stale-conversion-cache": ("collective-mismatch", ["in step `sync_2` (different dtypes)",

@@ -350,7 +350,10 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
         present = [r for r in ranks if at[r] is not None]
         ref = at[present[0]]
         seq = int(ref["seq"]) if is_number(ref.get("seq")) else k + 1
-        step = ref.get("step")
+        # where the ranks part: the step of the earliest-issued of these calls (a rank that went on past
+        # a released call issues its next one steps later)
+        timed = [at[r] for r in present if is_number(at[r].get("t_start"))]
+        step = (min(timed, key=lambda c: float(c["t_start"])) if timed else ref).get("step")
         if len(present) < len(ranks):
             absent = [r for r in ranks if at[r] is None]
             msg = (f"group {group} call #{seq}: rank(s) {present} issued {describe(ref)}; "

@@ -122,6 +122,7 @@ class _Run:
     trace: pd.DataFrame
     manifest: dict[str, Any]
     status: dict[str, pd.DataFrame]  # step -> status table
+    notes: list[dict[str, Any]] = field(default_factory=list)  # the ranks' notes (weight-sync plan/stream orders)
 
     @classmethod
     def of(cls, rec: Any) -> _Run:
@@ -135,8 +136,9 @@ class _Run:
         for s in steps:
             t = tensors[tensors["step"] == s] if "step" in tensors else tensors.iloc[0:0]
             status[s] = findings.status(t) if len(t) else pd.DataFrame(columns=["rank", "name", "status", "detail"])
+        notes = getattr(rec, "notes", None)
         return cls(steps, tensors, _table(rec, "outputs"), events, _table(rec, "ledger"), _table(rec, "trace"),
-                   manifest, status)
+                   manifest, status, notes if isinstance(notes, list) else [])
 
     def at(self, df: pd.DataFrame, step: str) -> pd.DataFrame:
         return df[df["step"] == step] if "step" in df and len(df) else df.iloc[0:0]
@@ -477,9 +479,39 @@ def _from_error(run: _Run, step: str) -> Diagnosis:
                           for x in ev[ev["kind"] == "error"].itertuples(index=False)]))
 
 
+def _permuted(run: _Run) -> Diagnosis | None:
+    """A packed weight stream whose order parts from the receiver's plan: every name from that index on
+    loads whatever bytes sit at its planned offset. The first cause, however the bytes then look."""
+    from workbench.analysis.weightsync_order import first_split
+
+    sp = first_split(run.notes)
+    if sp is None:
+        return None
+    step = sp["step"] if sp["step"] in run.steps else (run.steps[0] if run.steps else None)
+    types = (f" ({sp['dtype_planned']} planned, {sp['dtype_streamed']} streamed)"
+             if sp["dtype_planned"] != sp["dtype_streamed"] else "")
+    sentence = (f"the receiver's plan and the sender's stream part at index {sp['index']} of stage {sp['stage']}"
+                f"{types}: the plan lists `{short(str(sp['planned']))}` there, the stream carries "
+                f"`{short(str(sp['streamed']))}`, so {sp['wrong']} of {sp['names']} planned names load other "
+                "tensors' bytes and nothing raised")
+    ev = [{"step": step, "rank": None, "what": "plan vs stream",
+           "fact": f"index {sp['index']}: plan {sp['planned']!r}, stream {sp['streamed']!r}"}]
+    return Diagnosis("permuted", sentence, step, [], sp["planned"], None, _ev(ev))
+
+
 def _diagnose_state(run: _Run) -> Diagnosis:
     among = run.names
     div = collectives.first_divergence(run.ledger) if len(run.ledger) else None
+    perm = _permuted(run)
+    if perm is not None:
+        if div is not None and run.index(div.step) >= run.index(perm.step):
+            later = _from_ledger(run, div)
+            perm.sentence += f"; later, in step `{div.step}`: {later.sentence}"
+            perm.call = later.call
+            perm.evidence = pd.concat([perm.evidence, later.evidence], ignore_index=True)
+        else:
+            perm.sentence += _outputs_clause(_bad_outputs(run))
+        return perm
     if div is not None:
         early = _first_faults(run, before=div.step)
         if not len(early):

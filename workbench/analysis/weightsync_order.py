@@ -65,6 +65,31 @@ def first_mismatch(plan: pd.DataFrame, stream: pd.DataFrame) -> dict[str, Any] |
     return None
 
 
+def first_split(notes: Any) -> dict[str, Any] | None:
+    """The earliest stage whose receiver plan and sender stream part: stage, index, planned and streamed
+    names, how many planned names then hold other tensors' bytes, and the step whose notes showed it."""
+    steps: dict[tuple[str, int], str | None] = {}
+    for n in notes if isinstance(notes, list) else []:
+        text = n.get("note") if isinstance(n, dict) else None
+        if isinstance(text, str) and text.startswith(ORDER_NOTE):
+            doc = json.loads(text[len(ORDER_NOTE):])
+            steps.setdefault((doc["kind"], int(doc["stage"])), n.get("step"))
+    found = orders(notes)
+    for stage in sorted({st for _, st in found}):
+        plan, stream = found.get(("plan", stage)), found.get(("stream", stage))
+        if plan is None or stream is None:
+            continue
+        at = first_mismatch(plan, stream)
+        if at is None:
+            continue
+        pv = provenance(plan, stream)
+        return {**at, "stage": stage, "wrong": int((~pv["own"]).sum()), "names": len(pv),
+                "step": steps.get(("stream", stage)) or steps.get(("plan", stage)),
+                "dtype_planned": plan["dtype"].iloc[at["index"]] if at["index"] < len(plan) else None,
+                "dtype_streamed": stream["dtype"].iloc[at["index"]] if at["index"] < len(stream) else None}
+    return None
+
+
 def provenance(plan: pd.DataFrame, stream: pd.DataFrame) -> pd.DataFrame:
     """Per plan entry: the stream tensors whose bytes land in it, and whether it got its own bytes.
 
