@@ -443,7 +443,6 @@ print("fuzzed", n)
 '''
 
 
-@pytest.mark.slow
 def test_fuzz_absurd_manifest_values_under_a_memory_cap(small, tmp_path):
     """Absurd values in every manifest field: each bundle loads (and its views run) or is refused in
     one line, inside a 3 GiB address-space cap: an OOM or MemoryError fails the subprocess."""
