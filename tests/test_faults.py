@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -357,3 +358,80 @@ def test_no_rendezvous_listener_outside_loopback(fresh):
     assert any(a.port == fresh.port for a in listening)  # the store is found, and only on loopback
     outside = [a for a in listening if not ipaddress.ip_address(a.ip.split("%")[0]).is_loopback]
     assert outside == []
+
+
+# issue 29 ------------------------------------------------------------------------------
+PARAMS = wb.Scenario("params-faults", probe=None, params={"theta": 1.0, "where": ""})
+PARAMS.step(setup)
+PARAMS.step(report)
+
+
+def _json_args(path) -> object:
+    from workbench import cli
+
+    return cli.build_parser().parse_args(["run", "x", "--json", str(path)])
+
+
+def test_json_of_a_nan_parameter_is_strict_and_keeps_no_machine_path(fresh, tmp_path):
+    import json
+
+    from workbench import cli
+
+    params = PARAMS.resolve_params({"theta": "nan", "where": str(tmp_path / "data")})
+    s = fresh.session(PARAMS, **params)
+    s.run()
+    s.close()
+    out = tmp_path / "run.json"
+    assert cli.write_outputs([s], [s.record()], _json_args(out)) == []
+    text = out.read_text()
+    doc = json.loads(text)  # strict JSON: no NaN token
+    assert doc["params"]["theta"] == "nan" and doc["params"]["where"].startswith("<tmp>/")
+    assert str(tmp_path) not in text and str(Path.home()) + "/" not in text
+
+
+def test_json_is_written_atomically_a_full_disk_keeps_the_old_file(fresh, tmp_path):
+    """A file-size limit (what a nearly full disk does to a write) fails the --json write: the old file
+    stays whole under its name and no temp file is left."""
+    import resource
+    import signal
+
+    from workbench import cli
+
+    s = _tiny_records(fresh)
+    out = tmp_path / "run.json"
+    out.write_text('{"old": true}')
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512, hard))
+    try:
+        errors = cli.write_outputs([s], [s.record()], _json_args(out))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert len(errors) == 1 and "--json" in errors[0], errors
+    assert out.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+@pytest.mark.parametrize("name", ["a/b", "../up", "nul\x00", ""])
+def test_a_scenario_name_that_is_no_file_name_fails_before_engines_start(tmp_path, name, capsys):
+    from workbench import cli
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match="scenario name"):
+        wb.Scenario(name)
+    path = tmp_path / "slash.py"
+    path.write_text(f"import workbench as wb\nSCENARIO = wb.Scenario({name!r})\n")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert cli.main(["run", f"{path}:"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scenario name" in err and "Traceback" not in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+@pytest.mark.parametrize("value", ["1" + "0" * 30, str(2**63), str(-(2**63) - 1)])
+def test_an_integer_parameter_beyond_64_bits_names_its_key(value):
+    from workbench import scenarios
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match=f"hidden_size={value}.*64-bit"):
+        scenarios.get("fsdp1-rotary-meta-init").resolve_params({"hidden_size": value})
