@@ -58,23 +58,59 @@ def bind_address(rendezvous_addr: str, rendezvous_port: int) -> str:
         probe.close()
 
 
+REQUEST_S = 5.0  # a request must arrive whole within this (one slow or idle client cannot hold the thread)
+MAX_REQUEST = 64 * 1024  # bytes: a request is a short JSON line
+
+
 def _serve(srv: socket.socket) -> None:
+    """Accept forever; each connection is answered on its own short-lived thread, so a client that holds a
+    connection open (a byte every few seconds) delays no one else's ``ping`` or ``abort``."""
     while True:
-        conn, _ = srv.accept()
-        with conn:
-            try:
-                conn.settimeout(5.0)
-                req = json.loads(conn.makefile("rb").readline() or b"{}")
-                if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
-                    reply: dict[str, Any] = {"error": "wrong token"}
-                else:
-                    reply = handle(str(req.get("cmd", "")))
-            except Exception as exc:  # the control path must never die of one bad request
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            try:
-                conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
-            except OSError:
-                pass
+        try:
+            conn, _ = srv.accept()
+        except OSError:  # out of file descriptors, say: the control path must outlive it
+            time.sleep(0.1)
+            continue
+        threading.Thread(target=_answer, args=(conn,), name="workbench-control-conn", daemon=True).start()
+
+
+def _read_request(conn: socket.socket, deadline: float) -> bytes:
+    """One request line, whole by ``deadline`` and at most ``MAX_REQUEST`` bytes, or an error."""
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            chunk = conn.recv(4096)
+        except TimeoutError:
+            raise TimeoutError(f"request not complete within {REQUEST_S:g} s") from None
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_REQUEST:
+            raise ValueError(f"request longer than {MAX_REQUEST} bytes")
+    return buf.split(b"\n", 1)[0]
+
+
+def _answer(conn: socket.socket) -> None:
+    with conn:
+        try:
+            req = json.loads(_read_request(conn, time.monotonic() + REQUEST_S) or b"{}")
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+            if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
+                reply: dict[str, Any] = {"error": "wrong token"}
+            else:
+                reply = handle(str(req.get("cmd", "")))
+        except Exception as exc:  # the control path must never die of one bad request
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            conn.settimeout(REQUEST_S)
+            conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+        except OSError:
+            pass
 
 
 def handle(cmd: str) -> dict[str, Any]:
@@ -99,12 +135,12 @@ def mark() -> dict[str, Any]:
 
 
 def stacks() -> dict[str, str]:
-    """Every thread's Python stack, the main thread first, this control thread left out."""
+    """Every thread's Python stack, the main thread first, the control threads left out."""
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     out: dict[str, str] = {}
     for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
-        if ident != threading.get_ident():
+        if not names.get(ident, "").startswith("workbench-control"):
             out[names.get(ident, str(ident))] = "".join(traceback.format_stack(frame))
     return out
 
