@@ -435,3 +435,35 @@ def test_an_integer_parameter_beyond_64_bits_names_its_key(value):
 
     with pytest.raises(WorkbenchError, match=f"hidden_size={value}.*64-bit"):
         scenarios.get("fsdp1-rotary-meta-init").resolve_params({"hidden_size": value})
+
+
+def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
+    """Every engine wrote a wb-stacks-<pid>-*.txt and per-session work dirs it never removed (engines are
+    killed): the next engine to start removes those of dead pids, and a clean exit removes its own file."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = os.getpid()
+    made = {  # mkstemp/mkdtemp add 8 random characters
+        "stale_file": tmp_path / f"wb-stacks-{dead.pid}-abcd_123.txt",
+        "live_file": tmp_path / f"wb-stacks-{mine}-abcd_123.txt",
+        "stale_dir": tmp_path / f"wb-tiny-1234abcd-r1-p{dead.pid}-xyz12345",
+        "live_dir": tmp_path / f"wb-tiny-9-r0-p{mine}-xyz12345",
+        "other": tmp_path / f"wb-ledger-x-r1-p{dead.pid}-xyz12345",  # a client's ledger dir: not an engine's
+    }
+    for key, p in made.items():
+        if key.endswith("file"):
+            p.write_text("x")
+        else:
+            p.mkdir()
+            (p / "inside").write_text("x")
+    code = ("import os, glob; from workbench.rank import stacks; p = stacks.install(); "
+            "print(p, flush=True)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        made[k].name for k in ("live_file", "live_dir", "other"))  # its own file went at exit too
+    assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-"))
