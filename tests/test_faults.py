@@ -271,18 +271,21 @@ def test_recover_replays_the_failed_step_or_says_it_did_not(fresh, tmp_path, rep
 # 4 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
+    import glob
     import signal
     import subprocess
     import sys
+    import tempfile
     import textwrap
 
     marker = tmp_path / "in-step"
+    name = f"slow-{os.getpid()}-{sig.lower()}"  # this test's temp dirs, and no one else's
     path = tmp_path / "slow.py"
     path.write_text(textwrap.dedent(f'''
         import time
         import workbench as wb
 
-        SCENARIO = wb.Scenario("slow")
+        SCENARIO = wb.Scenario({name!r})
 
         @SCENARIO.step
         def wait(ctx):
@@ -304,6 +307,8 @@ def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
         assert "interrupted; engines stopped" in proc.stderr.read()
         _, alive = psutil.wait_procs(family, timeout=5)
         assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+        tmp = tempfile.gettempdir()  # the session's ledger dir and the ranks' work dirs went with them
+        assert glob.glob(os.path.join(tmp, f"wb-ledger-{name}-*")) + glob.glob(os.path.join(tmp, f"wb-{name}-*")) == []
     finally:  # a failing run must not leak what it tests for
         if proc.poll() is None:
             family += psutil.Process(proc.pid).children(recursive=True)

@@ -138,3 +138,73 @@ def test_up_with_an_unwritable_home_is_seen_by_status_and_down(tmp_path):
         assert alive(family) == []
     finally:
         _kill_all(family)
+
+
+STUCK = '''
+import workbench as wb
+
+SCENARIO = wb.Scenario("stuck-attached")
+
+
+@SCENARIO.step
+def setup(ctx):
+    import torch
+    ctx.x = torch.ones(3)
+
+
+@SCENARIO.step
+def lonely(ctx):
+    import torch.distributed as dist
+    open(MARKER + str(ctx.rank), "w").close()
+    if ctx.rank == 0:
+        dist.broadcast(ctx.x, 0)  # rank 1 never joins: rank 0 waits out the collective timeout
+
+
+@SCENARIO.step
+def together(ctx):
+    import torch.distributed as dist
+    dist.all_reduce(ctx.x)
+'''
+
+
+def _busy(client) -> list[int]:
+    status = client.queue_status(targets=client.ids)
+    return [e for e in client.ids if status[e]["tasks"] or status[e]["queue"]]
+
+
+def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(tmp_path):
+    import ipyparallel as ipp
+
+    pdir = str(tmp_path / "profile_att")
+    sc = tmp_path / "stuck.py"
+    sc.write_text(STUCK.replace("MARKER", repr(str(tmp_path / "in-step"))))
+    registry.up(2, pdir, backend="gloo")
+    family = [p for pid in registry.processes(pdir) for p in _family(pid)]
+    try:
+        proc = subprocess.Popen([*CLI, "run", f"{sc}:", "--cluster", pdir, "--timeout", "300", "--no-progress"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 180
+        while not (tmp_path / "in-step0").exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 is in its broadcast
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130
+        err = proc.stderr.read()
+        assert "stay up" in err and "process group was aborted" in err and "engines stopped" not in err, err
+        client = ipp.Client(profile_dir=pdir, timeout=30)
+        try:  # rank 0 is back long before its 300 s collective timeout
+            end = time.monotonic() + 60
+            while _busy(client) and time.monotonic() < end:
+                time.sleep(0.5)
+            assert _busy(client) == []
+        finally:
+            client.close()
+        again = cli("run", f"{sc}:", "--cluster", pdir, "--timeout", "8", "--no-progress")
+        assert again.returncode == 1 and "lonely" in again.stderr  # the same warm ranks run it again
+        assert len(alive(family)) == len(family)
+    finally:
+        try:
+            registry.down(pdir)
+        except ClusterError:
+            pass
+        _kill_all(family)

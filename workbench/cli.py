@@ -180,6 +180,38 @@ def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace)
     return errors
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C/SIGTERM, with what happened to the ranks (an attached cluster's stay up)."""
+
+
+def release_attached(cluster: Any, where: str) -> Interrupted:
+    """An interrupted run on warm ranks: abort their group through each rank's control thread, so a rank blocked
+    in a collective returns now instead of at the collective timeout (the next run waited for it, silently)."""
+    try:
+        for cmd in ("mark", "abort"):  # every rank marked first, as recover() does
+            replies = [cluster.control(r, cmd) for r in range(cluster.world_size)]
+        done = all(r.get("aborted") for r in replies)
+    except Exception:
+        done = False
+    return Interrupted(f"the ranks of cluster {where!r} stay up; " + (
+        "their process group was aborted, so a collective the step was blocked in returns now (a step still "
+        "running Python keeps its rank busy until it ends)" if done else
+        "they could not all be reached, and may still be running the interrupted step")
+        + f"; `workbench down --profile {where}` stops them")
+
+
+def remove_session_dirs(runs: list[Any]) -> None:
+    """The client's ledger dir and this host's rank work dirs of each session (what ``Session.close`` removes)."""
+    import glob
+    import shutil
+    import tempfile
+
+    for s in runs:
+        shutil.rmtree(s.ledger_dir, ignore_errors=True)
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{glob.escape(s.id)}-r*")):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from workbench import scenarios
 
@@ -192,21 +224,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     distinct_outputs(args)
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
-    with ranks_for(args) as cluster:
-        cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
-        print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
-              f"process group {cluster.group_s:.2f}s")
-        runs: list[Any] = []
-        try:
-            for fix in [args.fix, *(f for f in fixes if f != args.fix)]:
-                runs.append(cluster.session(sc, fix=fix, poison=not args.no_poison, **params))
-                runs[-1].run()
-                print_summary(runs[-1])
-                runs[-1].close()  # free the ranks' models before the next run; the frames stay
-        finally:  # interrupted or failed: the session's ledger and rank dirs go too
-            for s in runs:
-                s.close()
-        records = [s.record() for s in runs]
+    runs: list[Any] = []
+    try:
+        with ranks_for(args) as cluster:
+            cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
+            print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
+                  f"process group {cluster.group_s:.2f}s")
+            try:
+                for fix in [args.fix, *(f for f in fixes if f != args.fix)]:
+                    runs.append(cluster.session(sc, fix=fix, poison=not args.no_poison, **params))
+                    runs[-1].run()
+                    print_summary(runs[-1])
+                    runs[-1].close()  # free the ranks' models before the next run; the frames stay
+            except KeyboardInterrupt:
+                if args.cluster:
+                    raise release_attached(cluster, args.cluster) from None
+                raise
+            records = [s.record() for s in runs]
+    finally:  # failed or interrupted: the sessions' local temp dirs go too (no call to ranks that may be stuck)
+        remove_session_dirs(runs)
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     errors = write_outputs(runs, records, args)
     failed = [f"{s.fix or 'bug path'}: {f.step}" for s in runs for f in s.frames if not f.ok]
@@ -439,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("workbench: interrupted; engines stopped", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"workbench: interrupted; {str(exc) or 'engines stopped'}", file=sys.stderr)
         return 130
     finally:
         for sig, handler in saved.items():  # main() called in-process (tests) leaves the caller's handlers
