@@ -472,3 +472,19 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         made[k].name for k in ("live_file", "live_dir", "other"))  # its own file went at exit too
     assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-"))
+
+
+def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):
+    import signal
+
+    s = fresh.session(TINY)
+    assert s.step().ok
+    pid = fresh.pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frame = s.step()  # rank 1 misses its heartbeats while rank 0 waits for it in the all-reduce
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    msg = frame.rank_errors[1]
+    assert "EngineStopped" in msg and f"kill -CONT {pid}" in msg and "not dead" in msg, msg
+    fresh.restart()

@@ -467,6 +467,8 @@ class Engines:
                 out.values[r] = ar.get(0)
             except Exception as exc:
                 out.failures[r] = _failure_from(r, exc)
+                if out.failures[r].kind == "died" and self.is_local(r):  # issue 29: SIGSTOP is no death
+                    out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
                 if out.failures[r].kind == "died":
                     self._dead.add(r)
         return out
@@ -498,6 +500,18 @@ def ship_by_value(obj: Any) -> None:
         return
     if not path.startswith((sys.prefix, sys.base_prefix)):
         cloudpickle.register_pickle_by_value(module)
+
+
+def stopped_failure(rank: int, pid: int | None) -> RankFailure | None:
+    """A rank the hub dropped because its process is stopped (SIGSTOP, Ctrl-Z), not dead; None otherwise."""
+    try:
+        if pid is None or psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            return None
+    except psutil.NoSuchProcess:
+        return None
+    return RankFailure(rank, "died", "EngineStopped",
+                       f"engine process {pid} is stopped (SIGSTOP or Ctrl-Z), not dead; the controller dropped it "
+                       f"after its missed heartbeats (`kill -CONT {pid}` resumes the process); call cluster.restart()")
 
 
 def _failure_from(rank: int, exc: BaseException) -> RankFailure:
