@@ -488,3 +488,31 @@ def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):
     msg = frame.rank_errors[1]
     assert "EngineStopped" in msg and f"kill -CONT {pid}" in msg and "not dead" in msg, msg
     fresh.restart()
+
+
+LOOP = wb.Scenario("python-loop-on-rank-1", probe=None)
+LOOP.step(setup)
+
+
+@LOOP.step
+def spin(ctx) -> None:
+    if ctx.rank == 1:
+        while True:  # pure Python: no socket an abort could cut
+            pass
+
+
+LOOP.step(grow)  # a collective afterwards: the group works again
+
+
+def test_a_rank_spinning_in_python_is_interrupted_by_recover_on_the_same_engines(fresh):
+    pids = dict(fresh.pids)
+    s = fresh.session(LOOP)
+    assert s.step().ok
+    s.deadline = 5.0
+    frame = s.step()
+    assert 1 in frame.rank_errors, frame.kinds  # past its deadline
+    info = s.recover(wait=0)  # no waiting out the collective timeout: the control thread stops the loop
+    assert info["action"] == "re-formed the process group on the same engines", info
+    assert dict(fresh.pids) == pids
+    after = s.step()
+    assert after.ok, after.rank_errors

@@ -258,7 +258,10 @@ class Engines:
                 list(pool.map(lambda r: self.control(r, "mark"), range(self.world_size)))
                 aborted = dict(zip(range(self.world_size),
                                    pool.map(lambda r: self.control(r, "abort"), range(self.world_size))))
-            if not self.wait_idle(ABORT_WAIT_S):
+            if not self.wait_idle(ABORT_WAIT_S):  # a rank running Python waits on no socket: stop its step
+                for r in sorted(self._busy):
+                    aborted[r] = {**aborted.get(r, {}), **self.control(r, "interrupt")}
+            if not self.wait_idle(ABORT_WAIT_S if any(a.get("interrupted") for a in aborted.values()) else 0):
                 logging.getLogger("workbench").warning(
                     "workbench: ranks %s still blocked %.0fs after the abort", sorted(self._busy), ABORT_WAIT_S)
         if self.alive and not dead and (not stuck or self.wait_idle(self.timeout + 5 if wait is None else wait)):

@@ -114,7 +114,7 @@ def _answer(conn: socket.socket) -> None:
 
 
 def handle(cmd: str) -> dict[str, Any]:
-    """One command: ``ping``, ``stacks``, ``mark`` or ``abort``."""
+    """One command: ``ping``, ``stacks``, ``mark``, ``abort`` or ``interrupt``."""
     if cmd == "ping":
         return {"ok": True, "pid": os.getpid()}
     if cmd == "stacks":
@@ -123,7 +123,33 @@ def handle(cmd: str) -> dict[str, Any]:
         return mark()
     if cmd == "abort":
         return abort()
-    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort"}
+    if cmd == "interrupt":
+        return interrupt()
+    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort, interrupt"}
+
+
+class StepInterrupted(BaseException):
+    """Raised in a step's thread by ``interrupt``: not an Exception, so a step's ``except Exception`` loop
+    does not swallow it."""
+
+
+def in_step(step: str | None) -> None:
+    """The step runner says a step's own code starts (its name) or ended (None) on this thread."""
+    _STATE["step"] = (threading.get_ident(), step) if step is not None else None
+
+
+def interrupt() -> dict[str, Any]:
+    """Raise ``StepInterrupted`` in a step still running Python (a loop no abort reaches: it waits on no
+    socket), so the same engine comes back instead of being replaced after the collective timeout."""
+    import ctypes
+
+    running = _STATE.get("step")
+    if not running:
+        return {"interrupted": False, "why": "no step running"}
+    ident, step = running
+    mark()
+    n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(StepInterrupted))
+    return {"interrupted": n == 1, "step": step}
 
 
 def mark() -> dict[str, Any]:
