@@ -355,10 +355,15 @@ def test_absurd_world_size_is_refused_at_load(small, tmp_path, value):
     assert "'ranks'" in msg and "world size" in msg
 
 
+def test_a_world_size_its_devices_do_not_back_is_refused(small, tmp_path):
+    assert "'devices' names 2 rank(s)" in _error(_with_run_field(small, tmp_path / "r.wbundle", "ranks", 4096))
+
+
 @pytest.mark.parametrize("key, value", [
     ("timeout_s", "abc"), ("timeout_s", -1), ("seed", 10**40), ("poison", "yes"), ("backend", 3),
     ("started_at", "noon"), ("devices", {"7": "cpu"}), ("devices", {"x": "cpu"}),
-    ("elapsed", [{"0": "fast"}]), ("elapsed", [{}] * 50), ("hangs", [{"stuck": {"9": "x"}}]), ("hangs", ["x"]),
+    ("elapsed", [{"0": "fast"}]), ("devices", {"0": "cpu"}), ("elapsed", [{}] * 50),
+    ("hangs", [{"stuck": {"9": "x"}}]), ("hangs", ["x"]),
 ])
 def test_each_manifest_field_is_checked_against_what_it_describes(small, tmp_path, key, value):
     assert repr(key) in _error(_with_run_field(small, tmp_path / "f.wbundle", key, value))

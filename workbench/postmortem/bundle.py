@@ -444,8 +444,12 @@ def _check_run_fields(rm: dict[str, Any], path: Path, i: int) -> None:
         _need(rm.get(key) is None or _is_number(rm[key]), path, f"run {i} {key!r} is not a time")
     seed = rm.get("seed")
     _need(seed is None or (_is_int(seed) and abs(seed) < 2**64), path, f"run {i} 'seed' is not a 64-bit integer")
-    _need(all(_rank_key(k, ranks) for k in rm.get("devices", {})), path,
+    devices = rm.get("devices", {})
+    _need(all(_rank_key(k, ranks) for k in devices), path,
           f"run {i} 'devices' names a rank outside 0..{(ranks or 1) - 1}")
+    # A run records every rank's device: a world larger than its devices is a number nothing backs.
+    _need(not devices or ranks is None or len(devices) == ranks, path,
+          f"run {i} 'ranks' is {ranks} but 'devices' names {len(devices)} rank(s)")
     elapsed = rm.get("elapsed", [])
     _need(isinstance(elapsed, list) and len(elapsed) <= len(rm.get("steps_run", [])) and all(
         isinstance(e, dict) and all(_rank_key(k, ranks) and _is_number(v) for k, v in e.items()) for e in elapsed),
