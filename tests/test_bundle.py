@@ -357,6 +357,9 @@ def test_absurd_world_size_is_refused_at_load(small, tmp_path, value):
 
 def test_a_world_size_its_devices_do_not_back_is_refused(small, tmp_path):
     assert "'devices' names 2 rank(s)" in _error(_with_run_field(small, tmp_path / "r.wbundle", "ranks", 4096))
+    m = _manifest(small)
+    m["runs"][0]["manifest"].update(ranks=4096, devices={})
+    assert "'devices' names 0 rank(s)" in _error(_rewrite(small, tmp_path / "e.wbundle", manifest=m))
 
 
 @pytest.mark.parametrize("key, value", [

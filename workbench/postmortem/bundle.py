@@ -448,7 +448,7 @@ def _check_run_fields(rm: dict[str, Any], path: Path, i: int) -> None:
     _need(all(_rank_key(k, ranks) for k in devices), path,
           f"run {i} 'devices' names a rank outside 0..{(ranks or 1) - 1}")
     # A run records every rank's device: a world larger than its devices is a number nothing backs.
-    _need(not devices or ranks is None or len(devices) == ranks, path,
+    _need(ranks is None or len(devices) == ranks, path,
           f"run {i} 'ranks' is {ranks} but 'devices' names {len(devices)} rank(s)")
     elapsed = rm.get("elapsed", [])
     _need(isinstance(elapsed, list) and len(elapsed) <= len(rm.get("steps_run", [])) and all(
