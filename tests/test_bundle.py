@@ -340,3 +340,126 @@ def test_columns_pyarrow_cannot_type_round_trip_as_json(recorded, tmp_path):
     with zipfile.ZipFile(tmp_path / "odd.wbundle") as z:
         spec = json.loads(z.read("manifest.json"))["runs"][0]["tables"]["outputs"]
     assert spec["json_columns"] == ["extra"]
+
+
+# -- hostile manifests (issue 29): every field checked against what it describes, bounded cost ----------
+def _with_run_field(src: bytes, dst: Path, key: str, value) -> Path:
+    m = _manifest(src)
+    m["runs"][0]["manifest"][key] = value
+    return _rewrite(src, dst, manifest=m)
+
+
+@pytest.mark.parametrize("value", [10**12, 100_000, "abc", 0, -1, True, 2.5, [2]])
+def test_absurd_world_size_is_refused_at_load(small, tmp_path, value):
+    msg = _error(_with_run_field(small, tmp_path / "r.wbundle", "ranks", value))
+    assert "'ranks'" in msg and "world size" in msg
+
+
+def test_a_world_size_its_devices_do_not_back_is_refused(small, tmp_path):
+    assert "'devices' names 2 rank(s)" in _error(_with_run_field(small, tmp_path / "r.wbundle", "ranks", 4096))
+    m = _manifest(small)
+    m["runs"][0]["manifest"].update(ranks=4096, devices={})
+    assert "'devices' names 0 rank(s)" in _error(_rewrite(small, tmp_path / "e.wbundle", manifest=m))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("timeout_s", "abc"), ("timeout_s", -1), ("seed", 10**40), ("poison", "yes"), ("backend", 3),
+    ("started_at", "noon"), ("devices", {"7": "cpu"}), ("devices", {"x": "cpu"}),
+    ("elapsed", [{"0": "fast"}]), ("devices", {"0": "cpu"}), ("elapsed", [{}] * 50),
+    ("hangs", [{"stuck": {"9": "x"}}]), ("hangs", ["x"]),
+])
+def test_each_manifest_field_is_checked_against_what_it_describes(small, tmp_path, key, value):
+    assert repr(key) in _error(_with_run_field(small, tmp_path / "f.wbundle", key, value))
+
+
+def test_a_rank_in_the_tables_outside_the_manifest_world_is_named(small, tmp_path):
+    m = _manifest(small)
+    m["runs"][0]["manifest"].update(ranks=1, devices={"0": "cpu"}, elapsed=[], hangs=[])
+    msg = _error(_rewrite(small, tmp_path / "w.wbundle", manifest=m))  # the tables hold ranks 0 and 1
+    assert "names rank 1" in msg and "outside" in msg
+
+
+def test_a_table_declaring_more_rows_than_the_manifest_is_refused_before_decoding(small, tmp_path):
+    m = _manifest(small)
+    m["runs"][0]["tables"]["tensors"]["rows"] = 10**12
+    assert "declares" in _error(_rewrite(small, tmp_path / "rows.wbundle", manifest=m))
+
+
+def test_cli_rerun_of_a_crafted_bundle_is_one_line(small, tmp_path, capsys):
+    from workbench.cli import main
+
+    path = _with_run_field(small, tmp_path / "abc.wbundle", "ranks", "abc")
+    assert main(["rerun", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("workbench: error: ") and "\n" not in err and "'ranks'" in err
+
+
+FUZZ_UNDER_CAP = r'''
+import io, json, resource, sys, tempfile, zipfile
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (MEM, MEM))
+from hypothesis import given, settings, HealthCheck, strategies as st
+from workbench.analysis import diagnosis
+from workbench.errors import BundleError
+from workbench.postmortem import bundle, report
+src = Path(sys.argv[1]).read_bytes()
+with zipfile.ZipFile(io.BytesIO(src)) as z:
+    BASE = json.loads(z.read("manifest.json"))
+BIG = st.sampled_from([10**12, 10**18, -10**18, 2**63, 2**64 + 1, 100_000, 4097, 1e308, -1e308, 0, -1,
+                       float("inf"), float("nan"), True, "abc", "9" * 4000, "x" * 100_000, None])
+HUGE = BIG | st.lists(BIG, max_size=3) | st.dictionaries(st.sampled_from(["0", "1", "999999", "-1", "x"]), BIG,
+                                                         max_size=3)
+KEYS = ["ranks", "timeout_s", "seed", "started_at", "saved_at", "steps", "steps_run", "elapsed", "hangs",
+        "devices", "params", "poison", "backend", "fix", "scenario", "schema"]
+ROWS = st.sampled_from([None, 10**12, -1, 2**63, "1"])
+n = {"ok": 0, "refused": 0}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(fields=st.dictionaries(st.sampled_from(KEYS), HUGE, min_size=1, max_size=3), rows=ROWS,
+       elapsed_n=st.sampled_from([0, 1, 10**5]))
+def fuzz(fields, rows, elapsed_n):
+    m = json.loads(json.dumps(BASE))
+    run = m["runs"][0]
+    run["manifest"].update(fields)
+    if elapsed_n == 10**5:
+        run["manifest"]["elapsed"] = [{"0": 1.0}] * elapsed_n
+    if rows is not None:
+        run["tables"]["events"]["rows"] = rows
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(src)) as zin, zipfile.ZipFile(buf, "w") as zout:
+        for name in zin.namelist():
+            zout.writestr(name, json.dumps(m) if name == "manifest.json" else zin.read(name))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "f.wbundle"
+        p.write_bytes(buf.getvalue())
+        try:
+            b = bundle.load(p)
+        except BundleError as exc:
+            assert "\n" not in str(exc)
+            n["refused"] += 1
+            return
+    for r in b:  # whatever loads, every view of it runs in bounded memory
+        report.environment([r]); report.timings(r)
+        d = r.diagnose()
+        diagnosis.grid(r, d)
+    n["ok"] += 1
+
+
+fuzz()
+print("fuzzed", n)
+'''
+
+
+def test_fuzz_absurd_manifest_values_under_a_memory_cap(small, tmp_path):
+    """Absurd values in every manifest field: each bundle loads (and its views run) or is refused in
+    one line, inside a 3 GiB address-space cap: an OOM or MemoryError fails the subprocess."""
+    import subprocess
+
+    src = tmp_path / "small.wbundle"
+    src.write_bytes(small)
+    code = FUZZ_UNDER_CAP.replace("MEM", str(3 << 30)).replace("EXAMPLES", "120")
+    out = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fuzzed" in out.stdout and "'refused': 0" not in out.stdout, out.stdout

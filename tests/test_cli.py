@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 CLI = [sys.executable, "-m", "workbench.cli"]
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle"
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -82,3 +85,64 @@ def test_make_demo_the_main_job_succeeds_and_says_the_failure_is_the_incident():
     assert "diagnosis (reinterpreted): rank 1's `inv_freq` is rank 0's fp32 bytes" in out.stdout
     assert report.stat().st_size > 10_000
     assert "demo: the bug path failed as the incident does" in out.stdout
+
+
+# -- outputs never lost (issue 29) ----------------------------------------------------------
+def test_outputs_naming_one_file_are_refused_before_engines_start(tmp_path):
+    o = str(tmp_path / "o")
+    out = cli("run", "fsdp1-rotary-meta-init", "--json", o, "--bundle", o + ".wbundle", "--report", o, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--report" in out.stderr and "same file as --json" in out.stderr and "Traceback" not in out.stderr
+    out = cli("run", "fsdp1-rotary-meta-init", "--json", o + ".wbundle", "--bundle", o, timeout=60)
+    assert out.returncode == 2 and "same file as --json" in out.stderr  # --bundle o writes o.wbundle
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_onto_its_own_bundle_is_refused_and_the_bundle_kept(tmp_path, capsys):
+    import shutil
+
+    from workbench.cli import main
+    from workbench.postmortem import bundle
+
+    b = tmp_path / "v.wbundle"
+    shutil.copy(FIXTURE, b)
+    before = b.read_bytes()
+    assert main(["report", str(b), "-o", str(b)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bundle itself" in err
+    d = bundle.unpack(b, tmp_path / "unpacked")
+    assert main(["report", str(d), "-o", str(d / "manifest.json")]) == 2
+    assert b.read_bytes() == before and len(bundle.load(d)) == len(bundle.load(b))
+
+
+TINY_FILE = '''
+import workbench as wb
+
+SCENARIO = wb.Scenario("tiny-cli", probe=None)
+
+
+@SCENARIO.step
+def hello(ctx):
+    import torch
+    for i in range(200):
+        print("line", i)
+    ctx.output("x", torch.ones(2) * ctx.rank)
+'''
+
+
+def test_a_closed_stdout_pipe_still_writes_the_bundle(tmp_path):
+    """`workbench run ... --bundle b | head -1`: the reader goes away; the run still ends cleanly."""
+    sc = tmp_path / "tiny.py"
+    sc.write_text(TINY_FILE)
+    b = tmp_path / "b.wbundle"
+    proc = subprocess.Popen([*CLI, "run", f"{sc}:", "--timeout", "8", "--bundle", str(b), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each line reaches the pipe at once
+    proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err[-3000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    from workbench.postmortem import bundle
+
+    assert bundle.load(b).scenario == "tiny-cli"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -269,18 +270,21 @@ def test_recover_stands_the_cursor_at_the_failed_step_and_says_so(fresh, tmp_pat
 # 4 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
+    import glob
     import signal
     import subprocess
     import sys
+    import tempfile
     import textwrap
 
     marker = tmp_path / "in-step"
+    name = f"slow-{os.getpid()}-{sig.lower()}"  # this test's temp dirs, and no one else's
     path = tmp_path / "slow.py"
     path.write_text(textwrap.dedent(f'''
         import time
         import workbench as wb
 
-        SCENARIO = wb.Scenario("slow")
+        SCENARIO = wb.Scenario({name!r})
 
         @SCENARIO.step
         def wait(ctx):
@@ -302,6 +306,8 @@ def test_sigterm_and_sighup_to_workbench_run_leave_no_process(tmp_path, sig):
         assert "interrupted; engines stopped" in proc.stderr.read()
         _, alive = psutil.wait_procs(family, timeout=5)
         assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+        tmp = tempfile.gettempdir()  # the session's ledger dir and the ranks' work dirs went with them
+        assert glob.glob(os.path.join(tmp, f"wb-ledger-{name}-*")) + glob.glob(os.path.join(tmp, f"wb-{name}-*")) == []
     finally:  # a failing run must not leak what it tests for
         if proc.poll() is None:
             family += psutil.Process(proc.pid).children(recursive=True)
@@ -356,3 +362,156 @@ def test_no_rendezvous_listener_outside_loopback(fresh):
     assert any(a.port == fresh.port for a in listening)  # the store is found, and only on loopback
     outside = [a for a in listening if not ipaddress.ip_address(a.ip.split("%")[0]).is_loopback]
     assert outside == []
+
+
+# issue 29 ------------------------------------------------------------------------------
+PARAMS = wb.Scenario("params-faults", probe=None, params={"theta": 1.0, "where": ""})
+PARAMS.step(setup)
+PARAMS.step(report)
+
+
+def _json_args(path) -> object:
+    from workbench import cli
+
+    return cli.build_parser().parse_args(["run", "x", "--json", str(path)])
+
+
+def test_json_of_a_nan_parameter_is_strict_and_keeps_no_machine_path(fresh, tmp_path):
+    import json
+
+    from workbench import cli
+
+    params = PARAMS.resolve_params({"theta": "nan", "where": str(tmp_path / "data")})
+    s = fresh.session(PARAMS, **params)
+    s.run()
+    s.close()
+    out = tmp_path / "run.json"
+    assert cli.write_outputs([s], [s.record()], _json_args(out)) == []
+    text = out.read_text()
+    doc = json.loads(text)  # strict JSON: no NaN token
+    assert doc["params"]["theta"] == "nan" and doc["params"]["where"].startswith("<tmp>/")
+    assert str(tmp_path) not in text and str(Path.home()) + "/" not in text
+
+
+def test_json_is_written_atomically_a_full_disk_keeps_the_old_file(fresh, tmp_path):
+    """A file-size limit (what a nearly full disk does to a write) fails the --json write: the old file
+    stays whole under its name and no temp file is left."""
+    import resource
+    import signal
+
+    from workbench import cli
+
+    s = _tiny_records(fresh)
+    out = tmp_path / "run.json"
+    out.write_text('{"old": true}')
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512, hard))
+    try:
+        errors = cli.write_outputs([s], [s.record()], _json_args(out))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert len(errors) == 1 and "--json" in errors[0], errors
+    assert out.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+@pytest.mark.parametrize("name", ["a/b", "../up", "nul\x00", ""])
+def test_a_scenario_name_that_is_no_file_name_fails_before_engines_start(tmp_path, name, capsys):
+    from workbench import cli
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match="scenario name"):
+        wb.Scenario(name)
+    path = tmp_path / "slash.py"
+    path.write_text(f"import workbench as wb\nSCENARIO = wb.Scenario({name!r})\n")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert cli.main(["run", f"{path}:"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scenario name" in err and "Traceback" not in err
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+@pytest.mark.parametrize("value", ["1" + "0" * 30, str(2**63), str(-(2**63) - 1)])
+def test_an_integer_parameter_beyond_64_bits_names_its_key(value):
+    from workbench import scenarios
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match=f"hidden_size={value}.*64-bit"):
+        scenarios.get("fsdp1-rotary-meta-init").resolve_params({"hidden_size": value})
+
+
+def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
+    """Every engine wrote a wb-stacks-<pid>-*.txt and per-session work dirs it never removed (engines are
+    killed): the next engine to start removes those of dead pids, and a clean exit removes its own file."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = os.getpid()
+    made = {  # mkstemp/mkdtemp add 8 random characters
+        "stale_file": tmp_path / f"wb-stacks-{dead.pid}-abcd_123.txt",
+        "live_file": tmp_path / f"wb-stacks-{mine}-abcd_123.txt",
+        "stale_dir": tmp_path / f"wb-tiny-1234abcd-r1-p{dead.pid}-xyz12345",
+        "live_dir": tmp_path / f"wb-tiny-9-r0-p{mine}-xyz12345",
+        "other": tmp_path / f"wb-ledger-x-r1-p{dead.pid}-xyz12345",  # a client's ledger dir: not an engine's
+    }
+    for key, p in made.items():
+        if key.endswith("file"):
+            p.write_text("x")
+        else:
+            p.mkdir()
+            (p / "inside").write_text("x")
+    code = ("import os, glob; from workbench.rank import stacks; p = stacks.install(); "
+            "print(p, flush=True)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        made[k].name for k in ("live_file", "live_dir", "other"))  # its own file went at exit too
+    assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-"))
+
+
+def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):
+    import signal
+
+    s = fresh.session(TINY)
+    assert s.step().ok
+    pid = fresh.pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frame = s.step()  # rank 1 misses its heartbeats while rank 0 waits for it in the all-reduce
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    msg = frame.rank_errors[1]
+    assert "EngineStopped" in msg and f"kill -CONT {pid}" in msg and "not dead" in msg, msg
+    fresh.restart()
+
+
+LOOP = wb.Scenario("python-loop-on-rank-1", probe=None)
+LOOP.step(setup)
+
+
+@LOOP.step
+def spin(ctx) -> None:
+    if ctx.rank == 1:
+        while True:  # pure Python: no socket an abort could cut
+            pass
+
+
+LOOP.step(grow)  # a collective afterwards: the group works again
+
+
+def test_a_rank_spinning_in_python_is_interrupted_by_recover_on_the_same_engines(fresh):
+    pids = dict(fresh.pids)
+    s = fresh.session(LOOP)
+    assert s.step().ok
+    s.deadline = 5.0
+    frame = s.step()
+    assert 1 in frame.rank_errors, frame.kinds  # past its deadline
+    info = s.recover(wait=0)  # no waiting out the collective timeout: the control thread stops the loop
+    assert info["action"] == "re-formed the process group on the same engines", info
+    assert dict(fresh.pids) == pids
+    after = s.step()
+    assert after.ok, after.rank_errors

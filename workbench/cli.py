@@ -131,10 +131,27 @@ def check_output(path: str | None, flag: str, suffix: str = "") -> None:
         raise WorkbenchError(f"{flag} {path}: not writable")
 
 
+def distinct_outputs(args: argparse.Namespace) -> None:
+    """Two outputs naming one file would keep only the last written (rc 0): refuse before engines start."""
+    from workbench.postmortem.bundle import SUFFIX
+
+    seen: dict[str, str] = {}
+    for flag, path in (("--json", args.json), ("--bundle", args.bundle), ("--report", args.report)):
+        if not path:
+            continue
+        p = Path(path)
+        p = p.with_suffix(SUFFIX) if flag == "--bundle" and not p.suffix else p  # what bundle.save writes
+        key = os.path.realpath(p)
+        if key in seen:
+            raise WorkbenchError(f"{flag} {path}: the same file as {seen[key]}; give each output its own name")
+        seen[key] = f"{flag} {path}"
+
+
 def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace) -> list[str]:
     """Write --json, --bundle and --report, each on its own: one that fails does not lose the
     others. Returns one line per output that could not be written."""
-    from workbench.postmortem import bundle
+    from workbench.analysis.frames import jsonable
+    from workbench.postmortem import bundle, report
 
     errors: list[str] = []
     saved = None
@@ -142,8 +159,8 @@ def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace)
         try:
             doc = run_json(runs[0])
             doc["fixes"] = [run_json(s) for s in runs[1:]]
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(doc, indent=1, allow_nan=False))
+            # strict JSON (a --set x=nan param included), machine paths scrubbed as in bundles, written atomically
+            report.write_atomic(args.json, json.dumps(bundle.scrub(jsonable(doc)), indent=1, allow_nan=False))
             print(f"json: {args.json}")
         except (OSError, ValueError, WorkbenchError) as exc:
             errors.append(f"--json {args.json}: {exc}")
@@ -151,7 +168,7 @@ def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace)
         try:
             saved = bundle.save(records, args.bundle)
             print(f"bundle: {saved}")
-        except (OSError, WorkbenchError) as exc:
+        except (OSError, ValueError, WorkbenchError) as exc:
             errors.append(f"--bundle {args.bundle}: {exc}")
     if args.report:
         # The same path as `workbench report BUNDLE`: records -> bundle -> loaded -> page.
@@ -161,9 +178,41 @@ def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace)
             with tempfile.TemporaryDirectory() as d:
                 src = saved or bundle.save(records, Path(d) / "run.wbundle")
                 print(f"report: {report_from_bundle(src, args.report)}")
-        except (OSError, WorkbenchError) as exc:
+        except (OSError, ValueError, WorkbenchError) as exc:
             errors.append(f"--report {args.report}: {exc}")
     return errors
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C/SIGTERM, with what happened to the ranks (an attached cluster's stay up)."""
+
+
+def release_attached(cluster: Any, where: str) -> Interrupted:
+    """An interrupted run on warm ranks: abort their group through each rank's control thread, so a rank blocked
+    in a collective returns now instead of at the collective timeout (the next run waited for it, silently)."""
+    try:
+        for cmd in ("mark", "abort"):  # every rank marked first, as recover() does
+            replies = [cluster.control(r, cmd) for r in range(cluster.world_size)]
+        done = all(r.get("aborted") for r in replies)
+    except Exception:
+        done = False
+    return Interrupted(f"the ranks of cluster {where!r} stay up; " + (
+        "their process group was aborted, so a collective the step was blocked in returns now (a step still "
+        "running Python keeps its rank busy until it ends)" if done else
+        "they could not all be reached, and may still be running the interrupted step")
+        + f"; `workbench down --profile {where}` stops them")
+
+
+def remove_session_dirs(runs: list[Any]) -> None:
+    """The client's ledger dir and this host's rank work dirs of each session (what ``Session.close`` removes)."""
+    import glob
+    import shutil
+    import tempfile
+
+    for s in runs:
+        shutil.rmtree(s.ledger_dir, ignore_errors=True)
+        for d in glob.glob(os.path.join(tempfile.gettempdir(), f"wb-{glob.escape(s.id)}-r*")):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -177,24 +226,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output(args.report, "--report")
     if args.ranks is not None and args.ranks >= 1:  # below 1: the engines' own one-line refusal
         sc.check_ranks(args.ranks, params)
+    distinct_outputs(args)
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
-    with ranks_for(args) as cluster:
-        cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
-        print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
-              f"process group {cluster.group_s:.2f}s")
-        runs = [cluster.session(sc, fix=args.fix, poison=not args.no_poison, **params)]
-        runs[0].run()
-        print_summary(runs[0])
-        runs[0].close()  # free the ranks' models before the next run; the frames stay
-        for fix in fixes:
-            if fix != args.fix:
-                s = cluster.session(sc, fix=fix, poison=not args.no_poison, **params)
-                s.run()
-                print_summary(s)
-                s.close()
-                runs.append(s)
-        records = [s.record() for s in runs]
+    runs: list[Any] = []
+    try:
+        with ranks_for(args) as cluster:
+            cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
+            print(f"{cluster}: engines {cluster.start_s:.1f}s, imports {cluster.imports_s:.1f}s, "
+                  f"process group {cluster.group_s:.2f}s")
+            try:
+                for fix in [args.fix, *(f for f in fixes if f != args.fix)]:
+                    runs.append(cluster.session(sc, fix=fix, poison=not args.no_poison, **params))
+                    runs[-1].run()
+                    print_summary(runs[-1])
+                    runs[-1].close()  # free the ranks' models before the next run; the frames stay
+            except KeyboardInterrupt:
+                if args.cluster:
+                    raise release_attached(cluster, args.cluster) from None
+                raise
+            records = [s.record() for s in runs]
+    finally:  # failed or interrupted: the sessions' local temp dirs go too (no call to ranks that may be stuck)
+        remove_session_dirs(runs)
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")
     errors = write_outputs(runs, records, args)
     failed = [f"{s.fix or 'bug path'}: {f.step}" for s in runs for f in s.frames if not f.ok]
@@ -243,6 +296,9 @@ def report_from_bundle(path: str | Path, out: str | Path) -> Path:
 def cmd_report(args: argparse.Namespace) -> int:
     out = args.output or Path(args.bundle.rstrip("/")).with_suffix(".html").name
     check_output(str(out), "-o")
+    src, dst = os.path.realpath(args.bundle), os.path.realpath(out)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise WorkbenchError(f"-o {out}: that is the bundle itself; the report would overwrite it")
     print(f"report: {report_from_bundle(args.bundle, out)}")
     return 0
 
@@ -415,11 +471,46 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # the Ctrl-C path: `with wb.start(...)` stops every engine on the way out
 
 
+class PipeSafe:
+    """stdout that outlives its reader: ``workbench run ... | head -1`` must still write the bundle and
+    stop the engines. Once the pipe breaks, the rest of the output goes to /dev/null."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.broken = stream, False
+
+    def _drop(self) -> None:
+        self.broken = True
+        try:  # the stream's buffer is flushed again at exit: give it somewhere to go
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import signal
     import threading
 
+    stdout = sys.stdout
+    sys.stdout = PipeSafe(stdout)
     saved = {}
     if threading.current_thread() is threading.main_thread():
         # timeout, CI cancellation and `docker stop` send SIGTERM; a closed terminal SIGHUP
@@ -429,12 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("workbench: interrupted; engines stopped", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"workbench: interrupted; {str(exc) or 'engines stopped'}", file=sys.stderr)
         return 130
     finally:
         for sig, handler in saved.items():  # main() called in-process (tests) leaves the caller's handlers
             signal.signal(sig, handler)
+        sys.stdout.flush()  # a broken pipe found here goes to /dev/null too, not to "Exception ignored" at exit
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ class Scenario:
     meshes: str = "any N >= 2"  # the --ranks N its roles lay out on, as `workbench list` says it
     mesh_rule: Callable[[int, dict[str, Any]], bool] | None = None
 
+    def __post_init__(self) -> None:
+        # The name goes into temp dir and file names on every rank: a '/' there failed after engines started.
+        if not isinstance(self.name, str) or not self.name.strip() or any(
+                c in self.name for c in "/\\\0") or self.name in (".", "..") or len(self.name) > 120:
+            raise WorkbenchError(f"scenario name {self.name!r}: give a file-name-safe name (no '/', '\\', NUL; "
+                                 "at most 120 characters)")
+
     def step(self, fn: Step | None = None, *, name: str | None = None) -> Any:
         """Decorator: append ``fn`` as the next step (named after the function)."""
         def add(f: Step) -> Step:
@@ -116,6 +123,9 @@ def coerce(value: Any, default: Any, key: str) -> Any:
             if value.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
-        return type(default)(value)
+        out = type(default)(value)
     except ValueError:
         raise WorkbenchError(f"parameter {key}={value!r}: expected {type(default).__name__}") from None
+    if isinstance(out, int) and not -(2**63) <= out < 2**63:  # else torch's C++ overflow, naming no key
+        raise WorkbenchError(f"parameter {key}={value}: out of range for a 64-bit integer")
+    return out

@@ -267,7 +267,10 @@ class Engines:
                 list(pool.map(lambda r: self.control(r, "mark"), range(self.world_size)))
                 aborted = dict(zip(range(self.world_size),
                                    pool.map(lambda r: self.control(r, "abort"), range(self.world_size))))
-            if not self.wait_idle(ABORT_WAIT_S):
+            if not self.wait_idle(ABORT_WAIT_S):  # a rank running Python waits on no socket: stop its step
+                for r in sorted(self._busy):
+                    aborted[r] = {**aborted.get(r, {}), **self.control(r, "interrupt")}
+            if not self.wait_idle(ABORT_WAIT_S if any(a.get("interrupted") for a in aborted.values()) else 0):
                 logging.getLogger("workbench").warning(
                     "workbench: ranks %s still blocked %.0fs after the abort", sorted(self._busy), ABORT_WAIT_S)
         if self.alive and not dead and (not stuck or self.wait_idle(self.timeout + 5 if wait is None else wait)):
@@ -479,6 +482,8 @@ class Engines:
                 out.values[r] = ar.get(0)
             except Exception as exc:
                 out.failures[r] = _failure_from(r, exc)
+                if out.failures[r].kind == "died" and self.is_local(r):  # issue 29: SIGSTOP is no death
+                    out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
                 if out.failures[r].kind == "died":
                     self._dead.add(r)
         return out
@@ -510,6 +515,18 @@ def ship_by_value(obj: Any) -> None:
         return
     if not path.startswith((sys.prefix, sys.base_prefix)):
         cloudpickle.register_pickle_by_value(module)
+
+
+def stopped_failure(rank: int, pid: int | None) -> RankFailure | None:
+    """A rank the hub dropped because its process is stopped (SIGSTOP, Ctrl-Z), not dead; None otherwise."""
+    try:
+        if pid is None or psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            return None
+    except psutil.NoSuchProcess:
+        return None
+    return RankFailure(rank, "died", "EngineStopped",
+                       f"engine process {pid} is stopped (SIGSTOP or Ctrl-Z), not dead; the controller dropped it "
+                       f"after its missed heartbeats (`kill -CONT {pid}` resumes the process); call cluster.restart()")
 
 
 def _failure_from(rank: int, exc: BaseException) -> RankFailure:

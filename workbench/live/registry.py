@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import tempfile
 import time
 from typing import Any
 
@@ -23,20 +25,60 @@ WAIT_S = 5.0  # how long an attach waits for engines still registering before it
 UP_TIMEOUT_S = 120.0  # engines registering after `workbench up` (a loaded 2-core box needs ~10 s)
 
 
+def ipython_dir() -> str:
+    """``$IPYTHONDIR``, else ``~/.ipython``; when that cannot be written, one fixed per-user directory in the
+    temp dir. (IPython's own fallback is a fresh temp dir per process: ``up`` then recorded a cluster that
+    ``status`` and ``down`` never found.)"""
+    env = os.environ.get("IPYTHONDIR")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    home = os.path.expanduser("~")
+    ipdir = os.path.join(home, ".ipython")
+    if (os.path.isdir(ipdir) and os.access(ipdir, os.W_OK | os.X_OK)) or \
+            (not os.path.exists(ipdir) and os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK)):
+        return ipdir
+    fallback = os.path.join(tempfile.gettempdir(), f"workbench-ipython-{os.getuid()}")
+    os.makedirs(fallback, mode=0o700, exist_ok=True)
+    st = os.lstat(fallback)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # someone else's (or a link): not ours
+        raise ClusterError(f"{ipdir} is not writable and {fallback} is not this user's directory; "
+                           "set IPYTHONDIR to a directory you own")
+    return fallback
+
+
+def split_key(profile: str | None, cluster_id: str = "") -> tuple[str | None, str]:
+    """``status`` prints clusters as ``profile:cluster_id``: accept that spelling wherever a profile goes."""
+    if profile and not cluster_id and ":" in profile and os.sep not in profile:
+        name, cid = profile.rsplit(":", 1)
+        return name or None, cid
+    return profile, cluster_id
+
+
 def profile_dir(profile: str | None) -> str:
-    """A profile name (``$IPYTHONDIR/profile_<name>``) or a directory path, as an absolute path."""
+    """A profile name (``<ipython dir>/profile_<name>``) or a directory path, as an absolute path."""
     profile = profile or "default"
     if os.sep in profile or profile.startswith("."):
         return os.path.abspath(os.path.expanduser(profile))
-    from IPython.paths import get_ipython_dir
+    return os.path.join(ipython_dir(), f"profile_{profile}")
 
-    return os.path.join(get_ipython_dir(), f"profile_{profile}")
+
+def _controller_gone(ipc: Any) -> int | None:
+    """The pid of a local controller that the cluster file records but that is no longer running."""
+    ctl = ipc.controller
+    pid = getattr(ctl, "pid", None)
+    if ctl is None or "Local" not in type(ctl).__name__ or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        return pid if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE else None
+    except psutil.NoSuchProcess:
+        return pid
 
 
 def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
     """The running ``ipp.Cluster`` recorded in a profile; one clear line when there is none."""
     import ipyparallel as ipp
 
+    profile, cluster_id = split_key(profile, cluster_id)
     pdir = profile_dir(profile)
     name = profile or "default"
     if not os.path.isdir(pdir):
@@ -154,7 +196,10 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
             raise ClusterError(f"a cluster is already running in profile {name!r}; "
                                f"`workbench down --profile {name}` stops it")
         down(profile, cluster_id)
-    ProfileDir.create_profile_dir(pdir)
+    try:
+        ProfileDir.create_profile_dir(pdir)
+    except OSError as exc:
+        raise ClusterError(f"cannot create the profile directory {pdir}: {exc.strerror or exc}") from None
     t0 = time.time()
     ipc = ipp.Cluster(profile_dir=pdir, cluster_id=cluster_id, n=ranks, controller_args=CONTROLLER_ARGS,
                       shutdown_atexit=False, log_level=logging.WARNING)
@@ -175,7 +220,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         if client is not None:
             client.close()
         stop_cluster(ipc)
-        if isinstance(exc, ClusterError):
+        if isinstance(exc, (ClusterError, KeyboardInterrupt)):  # Ctrl-C/SIGTERM: main says "interrupted", rc 130
             raise
         raise ClusterError(f"could not start {ranks} engines in profile {name!r}: {exc}") from None
     client.close()
@@ -202,6 +247,8 @@ def leave_queued(client: Any, ar: Any, targets: list[int], wait: float = 5.0) ->
 
 def down(profile: str | None = None, cluster_id: str = "") -> int:
     """Stop the cluster of a profile (a stale record included); the number of processes it had."""
+    profile, cluster_id = split_key(profile, cluster_id)
+    cluster_id = cluster_id or _only_orphan(profile)
     ipc = load(profile, cluster_id, strict=False)
     n = stop_cluster(ipc)
     try:
@@ -211,13 +258,64 @@ def down(profile: str | None = None, cluster_id: str = "") -> int:
     return n
 
 
+def _recorded_ids(pdir: str) -> list[str]:
+    try:
+        names = os.listdir(os.path.join(pdir, "security"))
+    except OSError:
+        return []
+    return sorted(n[len("cluster-"):-len(".json")] for n in names if n.startswith("cluster-") and n.endswith(".json"))
+
+
+def _orphaned(ipc: Any) -> bool:
+    """Whether no live process owns the cluster: its controller is gone, or was left to init by a killed run."""
+    ctl = ipc.controller
+    pid = getattr(ctl, "pid", None)
+    if ctl is None or _controller_gone(ipc):
+        return True
+    try:
+        return isinstance(pid, int) and psutil.Process(pid).ppid() in (0, 1)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _only_orphan(profile: str | None) -> str:
+    """With no ``--cluster-id`` and no cluster of id '' in the profile: the id of its one recorded cluster
+    when no live process owns it (a run killed with SIGKILL leaves ``default:<id>``); else a line naming them."""
+    pdir = profile_dir(profile)
+    ids = _recorded_ids(pdir)
+    if not ids or "" in ids:
+        return ""
+    name = profile or "default"
+    owned = []
+    for cid in ids:
+        try:
+            ipc = load(profile, cid, strict=False)
+        except ClusterError:
+            continue
+        if not _orphaned(ipc):
+            owned.append(cid)
+    if len(ids) == 1 and not owned:
+        return ids[0]
+    raise ClusterError(f"profile {name!r} has no cluster of id ''; it has {', '.join(f'{name}:{c}' for c in ids)}"
+                       + (f" ({', '.join(owned)} still owned by a running process)" if owned else "")
+                       + f": `workbench down --profile {name}:ID` stops one")
+
+
 def running(profile: str | None = None) -> list[dict[str, Any]]:
     """Every recorded cluster (of one profile, or of every profile under $IPYTHONDIR)."""
     from ipyparallel import ClusterManager
 
-    kw = {"profile_dir": profile_dir(profile)} if profile else {}
-    if profile and not os.path.isdir(kw["profile_dir"]):
-        raise ClusterError(f"unknown profile {profile!r}: no profile directory {kw['profile_dir']}")
+    if profile:
+        kw: dict[str, Any] = {"profile_dir": profile_dir(profile)}
+        if not os.path.isdir(kw["profile_dir"]):
+            raise ClusterError(f"unknown profile {profile!r}: no profile directory {kw['profile_dir']}")
+    else:  # every profile of the same directory `up` and `down` use (not IPython's per-process fallback)
+        root = ipython_dir()
+        dirs = sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("profile_")) \
+            if os.path.isdir(root) else []
+        if not dirs:
+            return []
+        kw = {"profile_dirs": dirs}
     logging.getLogger("ClusterManager").setLevel(logging.ERROR)
     rows = []
     for key, ipc in ClusterManager(log=logging.getLogger("ClusterManager")).load_clusters(**kw).items():

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -41,6 +42,12 @@ BUNDLE_SCHEMA = 1  # the layout of this file; RunRecord manifests carry their ow
 SUFFIX = ".wbundle"
 MANIFEST = "manifest.json"
 MAX_MEMBER_BYTES = 512 * 1024 * 1024
+# A run's world size: the views loop over ranks x steps, so an absurd count in a small manifest would cost
+# hours and gigabytes (issue 29: ``"ranks": 10**12`` built set(range(n))). Far above any ipyparallel job.
+MAX_RANKS = 4096
+MAX_TABLE_ROWS = 20_000_000  # a Parquet table's declared rows, checked before it is decoded
+MAX_TABLE_BYTES = 4 * MAX_MEMBER_BYTES  # ... and its declared uncompressed size
+RANK_TABLES = ("tensors", "outputs", "events", "ledger")  # tables whose ``rank`` column the views index
 # Tables every run must have, with the columns the views need.
 REQUIRED = {
     "tensors": ["step", "step_index", "rank", "name", "kind", "dtype", "is_meta", "numel", "head", "fingerprint"],
@@ -384,6 +391,7 @@ def _check_manifest(m: Any, path: Path) -> None:
                   f"run {i} {key!r} is not a list of step names")
         for key in ("params", "fixes", "devices", "versions"):
             _need(isinstance(rm.get(key, {}), dict), path, f"run {i} {key!r} is not an object")
+        _check_run_fields(rm, path, i)
         notes = run.get("notes", [])
         _need(isinstance(notes, list) and all(isinstance(n, dict) for n in notes), path,
               f"run {i} 'notes' is not a list of objects")
@@ -404,6 +412,78 @@ def _check_manifest(m: Any, path: Path) -> None:
                   f"run {i} table {t!r} 'json_columns' is not a list of names")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _rank_key(k: Any, ranks: int | None) -> bool:
+    """A rank as the manifest spells it (an int, or its decimal text as a JSON key), within the world."""
+    if isinstance(k, str):
+        if not k.isdigit() or len(k) > 6:
+            return False
+        k = int(k)
+    return _is_int(k) and k >= 0 and (ranks is None or k < ranks)
+
+
+def _check_run_fields(rm: dict[str, Any], path: Path, i: int) -> None:
+    """Each field a run's manifest carries, against the type and range it describes: the views and
+    ``rerun`` read them without further checks, so a crafted value must stop here, in one line."""
+    ranks = rm.get("ranks")
+    _need(ranks is None or (_is_int(ranks) and 1 <= ranks <= MAX_RANKS), path,
+          f"run {i} 'ranks' is {str(ranks)[:40]!r}, not a world size from 1 to {MAX_RANKS}")
+    for key in ("title", "incident", "backend"):
+        _need(rm.get(key) is None or isinstance(rm[key], str), path, f"run {i} {key!r} is not a string")
+    _need(rm.get("poison") is None or isinstance(rm["poison"], bool), path, f"run {i} 'poison' is not true/false")
+    t = rm.get("timeout_s")
+    _need(t is None or (_is_number(t) and t > 0), path, f"run {i} 'timeout_s' is not a positive number of seconds")
+    for key in ("started_at", "saved_at"):
+        _need(rm.get(key) is None or _is_number(rm[key]), path, f"run {i} {key!r} is not a time")
+    seed = rm.get("seed")
+    _need(seed is None or (_is_int(seed) and abs(seed) < 2**64), path, f"run {i} 'seed' is not a 64-bit integer")
+    devices = rm.get("devices", {})
+    _need(all(_rank_key(k, ranks) for k in devices), path,
+          f"run {i} 'devices' names a rank outside 0..{(ranks or 1) - 1}")
+    # A run records every rank's device: a world larger than its devices is a number nothing backs.
+    _need(ranks is None or len(devices) == ranks, path,
+          f"run {i} 'ranks' is {ranks} but 'devices' names {len(devices)} rank(s)")
+    elapsed = rm.get("elapsed", [])
+    _need(isinstance(elapsed, list) and len(elapsed) <= len(rm.get("steps_run", [])) and all(
+        isinstance(e, dict) and all(_rank_key(k, ranks) and _is_number(v) for k, v in e.items()) for e in elapsed),
+        path, f"run {i} 'elapsed' is not one {{rank: seconds}} object per step run")
+    hangs = rm.get("hangs", [])
+    _need(isinstance(hangs, list) and all(_valid_hang(h, ranks) for h in hangs), path,
+          f"run {i} 'hangs' is not a list of hang records over ranks 0..{(ranks or 1) - 1}")
+
+
+def _valid_hang(h: Any, ranks: int | None) -> bool:
+    if not isinstance(h, dict) or not isinstance(h.get("step", ""), (str, type(None))):
+        return False
+    for key in ("stuck", "finished", "dead"):
+        v = h.get(key, [])
+        if not isinstance(v, (list, dict)) or not all(_rank_key(r, ranks) for r in v):
+            return False
+    return all(isinstance(h.get(k, {}), (dict, type(None))) for k in ("divergence",))
+
+
+def _check_rank_columns(tables: dict[str, pd.DataFrame], ranks: int | None, path: Path, i: int) -> None:
+    """Every rank a table names is a whole number inside the run's world (``ranks`` in its manifest)."""
+    for t in RANK_TABLES:
+        df = tables.get(t)
+        if df is None or "rank" not in df.columns or not len(df):
+            continue
+        col = pd.to_numeric(df["rank"], errors="coerce")
+        bad = col.isna() & df["rank"].notna() | col.notna() & ((col < 0) | (col % 1 != 0)
+                                                                | (col >= (ranks or MAX_RANKS)))
+        if bad.any():
+            v = df["rank"][bad].iloc[0]
+            raise BundleError(f"{path}: run {i} table {t!r} names rank {str(v)[:40]}, outside the run's "
+                              f"{ranks or MAX_RANKS} ranks")
+
+
 def _restore(v: Any) -> Any:
     """Parquet list cells come back as numpy arrays: make them the lists the views expect."""
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) and getattr(v, "ndim", 0) >= 1:
@@ -417,6 +497,11 @@ def _read_table(reader: _Reader, spec: dict[str, Any], where: str) -> pd.DataFra
     data = reader.read(spec["file"])
     if hashlib.sha256(data).hexdigest() != spec["sha256"]:
         raise BundleError(f"{reader.path}: {spec['file']} is corrupt (checksum mismatch)")
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata  # what decoding would cost, before paying it
+    size = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    if meta.num_rows != spec["rows"] or meta.num_rows > MAX_TABLE_ROWS or size > MAX_TABLE_BYTES:
+        raise BundleError(f"{reader.path}: {where} declares {meta.num_rows} rows ({size} bytes decoded), the "
+                          f"manifest says {spec['rows']} (at most {MAX_TABLE_ROWS} rows, {MAX_TABLE_BYTES} bytes)")
     df = pq.read_table(io.BytesIO(data)).to_pandas()
     if len(df) != spec["rows"]:
         raise BundleError(f"{reader.path}: {where} has {len(df)} rows, the manifest says {spec['rows']}")
@@ -448,6 +533,7 @@ def _load(path: Path) -> Bundle:
                 missing = [c for c in cols if c not in tables[t].columns]
                 if missing and len(tables[t]):
                     raise BundleError(f"{path}: run {i} table {t!r} lacks columns {', '.join(missing)}")
+            _check_rank_columns(tables, run["manifest"].get("ranks"), path, i)
             kwargs = {t: df for t, df in tables.items() if t in field_names and t not in ("manifest", "notes")}
             records.append(RunRecord(manifest=run["manifest"], notes=run.get("notes", []), **kwargs))
             recorded.append(tables.get("findings"))

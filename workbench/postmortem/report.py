@@ -292,13 +292,21 @@ def write(records: Iterable[RunRecord], path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise WorkbenchError(f"{path} is a directory; give a file name such as {path / 'report.html'}")
-    page = render(records)
+    return write_atomic(path, render(records))
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a temporary sibling, then rename it into place: a full disk or a crash mid-write
+    leaves the old file (or none), never a truncated one under the chosen name."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique temporary name: two writers of one report never share (or clobber) a half-written file.
+    # A unique temporary name: two writers of one file never share (or clobber) a half-written file.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -174,7 +174,8 @@ def new_context(session_id: str, fix: str | None, params: dict[str, Any], poison
     """A fresh context for one session; an earlier one of the same id is dropped."""
     old = _SESSIONS.pop(session_id, None)
     del old
-    workdir = tempfile.mkdtemp(prefix=f"wb-{session_id}-r{_RANK['rank']}-")
+    # the pid in the name: a killed engine's dir is found and swept by the next engine (stacks.sweep_stale)
+    workdir = tempfile.mkdtemp(prefix=f"wb-{session_id}-r{_RANK['rank']}-p{os.getpid()}-")
     ctx = RankContext(
         rank=_RANK["rank"],
         world_size=_RANK["world_size"],

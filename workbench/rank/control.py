@@ -58,27 +58,64 @@ def bind_address(rendezvous_addr: str, rendezvous_port: int) -> str:
         probe.close()
 
 
+REQUEST_S = 5.0  # a request must arrive whole within this (one slow or idle client cannot hold the thread)
+MAX_REQUEST = 64 * 1024  # bytes: a request is a short JSON line
+
+
 def _serve(srv: socket.socket) -> None:
+    """Accept forever; each connection is answered on its own short-lived thread, so a client that holds a
+    connection open (a byte every few seconds) delays no one else's ``ping`` or ``abort``."""
     while True:
-        conn, _ = srv.accept()
-        with conn:
-            try:
-                conn.settimeout(5.0)
-                req = json.loads(conn.makefile("rb").readline() or b"{}")
-                if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
-                    reply: dict[str, Any] = {"error": "wrong token"}
-                else:
-                    reply = handle(str(req.get("cmd", "")), req)
-            except Exception as exc:  # the control path must never die of one bad request
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            try:
-                conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
-            except OSError:
-                pass
+        try:
+            conn, _ = srv.accept()
+        except OSError:  # out of file descriptors, say: the control path must outlive it
+            time.sleep(0.1)
+            continue
+        threading.Thread(target=_answer, args=(conn,), name="workbench-control-conn", daemon=True).start()
+
+
+def _read_request(conn: socket.socket, deadline: float) -> bytes:
+    """One request line, whole by ``deadline`` and at most ``MAX_REQUEST`` bytes, or an error."""
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            chunk = conn.recv(4096)
+        except TimeoutError:
+            raise TimeoutError(f"request not complete within {REQUEST_S:g} s") from None
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_REQUEST:
+            raise ValueError(f"request longer than {MAX_REQUEST} bytes")
+    return buf.split(b"\n", 1)[0]
+
+
+def _answer(conn: socket.socket) -> None:
+    with conn:
+        try:
+            req = json.loads(_read_request(conn, time.monotonic() + REQUEST_S) or b"{}")
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+            if not hmac.compare_digest(str(req.get("token", "")), _STATE["token"]):
+                reply: dict[str, Any] = {"error": "wrong token"}
+            else:
+                reply = handle(str(req.get("cmd", "")), req)
+        except Exception as exc:  # the control path must never die of one bad request
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            conn.settimeout(REQUEST_S)
+            conn.sendall(json.dumps(reply, default=str).encode() + b"\n")
+        except OSError:
+            pass
 
 
 def handle(cmd: str, req: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One command: ``ping``, ``stacks``, ``mark``, ``abort`` or ``tail`` (a ledger file's new bytes)."""
+    """One command: ``ping``, ``stacks``, ``mark``, ``abort``, ``interrupt`` or ``tail`` (a ledger file's new
+    bytes)."""
     if cmd == "ping":
         return {"ok": True, "pid": os.getpid()}
     if cmd == "stacks":
@@ -89,7 +126,9 @@ def handle(cmd: str, req: dict[str, Any] | None = None) -> dict[str, Any]:
         return abort()
     if cmd == "tail":
         return tail(str((req or {}).get("path", "")), int((req or {}).get("offset", 0)))
-    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort, tail"}
+    if cmd == "interrupt":
+        return interrupt()
+    return {"error": f"unknown control command {cmd!r}; known: ping, stacks, mark, abort, interrupt, tail"}
 
 
 TAIL_MAX = 4 << 20  # bytes of one reply; the client asks again for the rest
@@ -116,6 +155,30 @@ def tail(path: str, offset: int) -> dict[str, Any]:
     return {"data": base64.b64encode(data).decode()}
 
 
+class StepInterrupted(BaseException):
+    """Raised in a step's thread by ``interrupt``: not an Exception, so a step's ``except Exception`` loop
+    does not swallow it."""
+
+
+def in_step(step: str | None) -> None:
+    """The step runner says a step's own code starts (its name) or ended (None) on this thread."""
+    _STATE["step"] = (threading.get_ident(), step) if step is not None else None
+
+
+def interrupt() -> dict[str, Any]:
+    """Raise ``StepInterrupted`` in a step still running Python (a loop no abort reaches: it waits on no
+    socket), so the same engine comes back instead of being replaced after the collective timeout."""
+    import ctypes
+
+    running = _STATE.get("step")
+    if not running:
+        return {"interrupted": False, "why": "no step running"}
+    ident, step = running
+    mark()
+    n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(StepInterrupted))
+    return {"interrupted": n == 1, "step": step}
+
+
 def mark() -> dict[str, Any]:
     """Say that this rank's group is about to be aborted, before any rank aborts: on gloo an idle
     rank cutting its sockets wakes a stuck peer ("Connection closed by peer") before that peer's
@@ -125,12 +188,12 @@ def mark() -> dict[str, Any]:
 
 
 def stacks() -> dict[str, str]:
-    """Every thread's Python stack, the main thread first, this control thread left out."""
+    """Every thread's Python stack, the main thread first, the control threads left out."""
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
     out: dict[str, str] = {}
     for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
-        if ident != threading.get_ident():
+        if not names.get(ident, "").startswith("workbench-control"):
             out[names.get(ident, str(ident))] = "".join(traceback.format_stack(frame))
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank import context, ledger, poison, probe, reference, trace
+from workbench.rank import context, control, ledger, poison, probe, reference, trace
 
 
 def start_session(session_id: str, fix: str | None, params: dict[str, Any], poison_on: bool,
@@ -61,7 +61,11 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
         try:
             with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), \
                     poison.allocations():
-                fn(ctx)
+                control.in_step(step or getattr(fn, "__name__", "?"))  # control.interrupt may stop it
+                try:
+                    fn(ctx)
+                finally:
+                    control.in_step(None)
         except BaseException as exc:
             error = {"error": type(exc).__name__, "message": str(exc)[:2000],
                      "traceback": ledger.traceback_text(exc)[-6000:]}

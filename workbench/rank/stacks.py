@@ -8,8 +8,12 @@ client can send SIGUSR1 to the engine and read where its main thread sits.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import glob
 import os
+import re
+import shutil
 import signal
 import tempfile
 from typing import Any
@@ -20,7 +24,51 @@ _FILE: dict[str, Any] = {}
 def install() -> str:
     """Register SIGUSR1 to dump all threads' stacks into this rank's file; returns its path."""
     if "path" not in _FILE:
+        sweep_stale()
         fd, path = tempfile.mkstemp(prefix=f"wb-stacks-{os.getpid()}-", suffix=".txt")
         _FILE.update(path=path, fh=os.fdopen(fd, "w"))
         faulthandler.register(signal.SIGUSR1, file=_FILE["fh"], all_threads=True, chain=False)
+        atexit.register(_remove, path)  # a clean exit; a killed engine's file goes in the next sweep
     return _FILE["path"]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# Temp files and dirs named after the engine process that made them: <pid> is the group.
+STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive, and not ours to judge
+        return False
+    return False
+
+
+def sweep_stale(directory: str | None = None) -> int:
+    """Remove the stacks files and session work dirs of engine processes that no longer exist (engines are
+    killed, not asked to exit, so they cannot clean up themselves). A live or foreign pid's are kept."""
+    directory = directory or tempfile.gettempdir()
+    n = 0
+    for path in glob.glob(os.path.join(directory, "wb-*")):
+        name = os.path.basename(path)
+        m = next((m for rx in STALE if (m := rx.fullmatch(name))), None)
+        if m is None or not _gone(int(m.group(1))) or os.path.islink(path):
+            continue
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n

@@ -1,0 +1,210 @@
+"""Clusters the tool must still find and name (issue 29): a run killed with SIGKILL, a controller that died,
+`up` interrupted, a HOME nobody can write. Real engines, each test ends every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from workbench.errors import ClusterError
+from workbench.live import registry
+
+CLI = [sys.executable, "-m", "workbench.cli"]
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _kill_all(procs: list[psutil.Process]) -> None:
+    for p in alive(procs):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_a_sigkilled_runs_cluster_is_found_by_down_without_its_id(tmp_path):
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipy")}
+    code = textwrap.dedent("""
+        import time
+        import workbench as wb
+        c = wb.start(ranks=1, backend="gloo", timeout=8)
+        print("up", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    family: list[psutil.Process] = []
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        family = _family(proc.pid)[1:]
+        proc.kill()  # SIGKILL: nothing of the run cleans up
+        proc.wait(30)
+        status = cli("status", env=env, timeout=60)
+        assert status.returncode == 0 and "default:" in status.stdout, status
+        down = cli("down", env=env, timeout=120)
+        assert down.returncode == 0, down.stderr[-2000:]
+        assert alive(family) == [] and "default:" not in cli("status", env=env, timeout=60).stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_all(family)
+
+
+def test_attaching_to_a_cluster_whose_controller_died_says_so_and_down_clears_it(tmp_path):
+    import workbench as wb
+
+    pdir = str(tmp_path / "profile_dead")
+    registry.up(1, pdir, backend="gloo")
+    ipc = registry.load(pdir)
+    ctl = _family(ipc.controller.pid)
+    engines = [p for pid in registry.processes(pdir) for p in _family(pid) if p not in ctl]
+    family = ctl + engines
+    try:
+        ctl[0].kill()
+        psutil.wait_procs(ctl[:1], timeout=10)
+        with pytest.raises(ClusterError, match=r"controller of .* is no process on this host.*workbench down") as e:
+            wb.connect(pdir, timeout=8)
+        assert "\n" not in str(e.value) and "timed out" not in str(e.value)
+        registry.down(pdir)  # (the dead controller's schedulers: the "processes orphaned" bullet, not here)
+        assert engines and alive(engines) == [] and registry.running(pdir) == []
+    finally:
+        _kill_all(family)
+
+
+def test_sigterm_during_up_is_an_interruption_with_no_process_left(tmp_path):
+    pdir = tmp_path / "profile_term"
+    proc = subprocess.Popen([*CLI, "up", "--ranks", "1", "--profile", str(pdir)], stderr=subprocess.PIPE, text=True)
+    family: list[psutil.Process] = []
+    try:
+        end = time.monotonic() + 120
+        while not (pdir / "security" / "cluster-.json").exists() and time.monotonic() < end:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        family = _family(proc.pid)[1:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 130
+        err = proc.stderr.read()
+        assert "interrupted" in err and "Traceback" not in err and "could not start" not in err, err
+        assert alive(family) == [] and not (pdir / "security" / "cluster-.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_all(family + _family(proc.pid))
+
+
+def test_up_with_an_unwritable_home_is_seen_by_status_and_down(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "IPYTHONDIR"}
+    (tmp_path / "tmp").mkdir()
+    env.update(HOME=str(tmp_path / "no" / "home"), TMPDIR=str(tmp_path / "tmp"))
+    family: list[psutil.Process] = []
+    try:
+        up = cli("up", "--ranks", "1", "--profile", "hm", env=env)
+        assert up.returncode == 0 and "down --profile hm" in up.stdout, up.stderr[-2000:]
+        # one fixed per-user place in the temp dir, the same for every later command
+        pdir = tmp_path / "tmp" / f"workbench-ipython-{os.getuid()}" / "profile_hm"
+        family = [p for pid in registry.processes(str(pdir)) for p in _family(pid)]
+        assert len(family) >= 3
+        status = cli("status", env=env, timeout=60)
+        assert "hm:" in status.stdout and "running" in status.stdout, status
+        down = cli("down", "--profile", "hm", env=env, timeout=120)
+        assert down.returncode == 0, down.stderr[-2000:]
+        assert alive(family) == []
+    finally:
+        _kill_all(family)
+
+
+STUCK = '''
+import workbench as wb
+
+SCENARIO = wb.Scenario("stuck-attached")
+
+
+@SCENARIO.step
+def setup(ctx):
+    import torch
+    ctx.x = torch.ones(3)
+
+
+@SCENARIO.step
+def lonely(ctx):
+    import torch.distributed as dist
+    open(MARKER + str(ctx.rank), "w").close()
+    if ctx.rank == 0:
+        dist.broadcast(ctx.x, 0)  # rank 1 never joins: rank 0 waits out the collective timeout
+
+
+@SCENARIO.step
+def together(ctx):
+    import torch.distributed as dist
+    dist.all_reduce(ctx.x)
+'''
+
+
+def _busy(client) -> list[int]:
+    status = client.queue_status(targets=client.ids)
+    return [e for e in client.ids if status[e]["tasks"] or status[e]["queue"]]
+
+
+def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(tmp_path):
+    import ipyparallel as ipp
+
+    pdir = str(tmp_path / "profile_att")
+    sc = tmp_path / "stuck.py"
+    sc.write_text(STUCK.replace("MARKER", repr(str(tmp_path / "in-step"))))
+    registry.up(2, pdir, backend="gloo")
+    family = [p for pid in registry.processes(pdir) for p in _family(pid)]
+    try:
+        proc = subprocess.Popen([*CLI, "run", f"{sc}:", "--cluster", pdir, "--timeout", "300", "--no-progress"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 180
+        while not (tmp_path / "in-step0").exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        time.sleep(1.0)  # rank 0 is in its broadcast
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130
+        err = proc.stderr.read()
+        assert "stay up" in err and "process group was aborted" in err and "engines stopped" not in err, err
+        client = ipp.Client(profile_dir=pdir, timeout=30)
+        try:  # rank 0 is back long before its 300 s collective timeout
+            end = time.monotonic() + 60
+            while _busy(client) and time.monotonic() < end:
+                time.sleep(0.5)
+            assert _busy(client) == []
+        finally:
+            client.close()
+        again = cli("run", f"{sc}:", "--cluster", pdir, "--timeout", "8", "--no-progress")
+        assert again.returncode == 1 and "lonely" in again.stderr  # the same warm ranks run it again
+        assert len(alive(family)) == len(family)
+    finally:
+        try:
+            registry.down(pdir)
+        except ClusterError:
+            pass
+        _kill_all(family)
