@@ -49,7 +49,8 @@ SCENARIO = Scenario(
     title="Weight sync: reused conversion tasks keep a stale pipeline-broadcast spec (bias bf16 -> fp32)",
     doc=__doc__,
     params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
-            "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32"},
+            "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32",
+            "receiver": "auto"},
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
 )

@@ -97,7 +97,20 @@ def _own_world() -> Iterator[None]:
 
 # -- the engine --------------------------------------------------------------------------------------
 def _key(config) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+    """What decides the engine's shapes (not the values, which every session reloads)."""
+    from workbench.rank.weightsync.defaults import VLLM_SHAPE
+
+    return json.dumps({"model_type": config.model_type, **{k: getattr(config, k, None) for k in VLLM_SHAPE}},
+                      sort_keys=True, default=str)
+
+
+def warm(seed: int = 0) -> dict[str, Any]:
+    """Start this rank's engine for the default ``VLLM_SHAPE`` model ahead of a session (tests, notebooks):
+    the start then happens under the caller's timeout, not inside a step's deadline."""
+    from workbench.rank.weightsync import model as wm
+
+    _, took = engine(wm.build_model(wm.vllm_config(), seed))
+    return {"vllm": vllm_version(), "start_s": _ENGINE["start_s"], "started_now": took is not None}
 
 
 def save_checkpoint(model: torch.nn.Module) -> str:
@@ -310,8 +323,9 @@ def hf_state(llm, config) -> dict[str, torch.Tensor]:
             out[f"{pre}gate_proj.weight"], out[f"{pre}up_proj.weight"] = gate, up
         elif ".experts." in name:
             _experts(model, name, p, out)
-        elif name.endswith(".gate.weight"):
-            out[name] = _gate_weight(model.get_submodule(name[: -len(".weight")]), config.hidden_size)
+        elif name.endswith(".gate.weight"):  # fp32 inside vLLM, loaded from the bf16 the sync sends: exact
+            out[name] = _gate_weight(model.get_submodule(name[: -len(".weight")]), config.hidden_size).to(
+                torch.bfloat16)
         else:
             out[name] = t
     return out
@@ -343,3 +357,30 @@ def close() -> None:
     _ENGINE.clear()
     if d:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def fused_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert read-back stacked into transformers' module tensors (``experts.gate_up_proj`` [E, ...])."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        m = EXPERT_RE.match(name)
+        if m:
+            experts.setdefault(f"{m['prefix']}.{m['w']}", {})[int(m["e"])] = t
+        else:
+            out[name] = t
+    for name, per in experts.items():
+        out[name] = torch.stack([per[e] for e in sorted(per)])
+    return out
+
+
+def update_one(up: WeightUpdate, name: str, tensor: torch.Tensor) -> None:
+    """One named tensor into the open update; vLLM's refusal becomes one line naming the tensor."""
+    try:
+        up.update([(name, tensor)])
+    except WorkbenchError:
+        raise
+    except Exception as exc:  # vLLM's loader asserts on shapes and names
+        msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise WorkbenchError(f"vLLM's load_weights refused tensor {name!r} {list(tensor.shape)}: "
+                             f"{type(exc).__name__}: {msg}") from None
