@@ -29,7 +29,7 @@ requests per bucket, each with its own metadata.
 
 from __future__ import annotations
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
@@ -38,13 +38,16 @@ from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
 SCENARIO = Scenario(
     name="router-bias-bf16",
-    title="Weight sync casts the fp32 MoE router bias to bf16: per-expert offsets collapse, routing changes",
+    title=("Weight sync casts the fp32 MoE router bias to bf16: per-expert offsets collapse, routing changes"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "router_scale": 0.01, "receiver": "auto"},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 KEEP_FP32 = SCENARIO.fix(
     "keep-fp32-routing-params",
     "Names ending with a routing-critical suffix (e_score_correction_bias) keep their native fp32 through the sync; "

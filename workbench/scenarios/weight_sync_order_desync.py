@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, TOY_SHAPE
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -51,13 +51,16 @@ if TYPE_CHECKING:
 
 SCENARIO = Scenario(
     name="weight-sync-order-desync",
-    title="Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs",
+    title=("Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
             "seq_len": 16, "receiver": "auto"},
     probe=["inference"],
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 ONE_PLAN = SCENARIO.fix(
     "one-chunk-plan",
     "One chunk-plan generator yields the per-(bucket, dtype) chunks: the metadata takes names, dtypes and shapes "

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -50,13 +50,16 @@ if TYPE_CHECKING:
 
 SCENARIO = Scenario(
     name="weight-sync-rank0-metadata",
-    title="Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata",
+    title=("Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "router_scale": 1.0, "keep_fp32_routing": True, "receiver": "auto"},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 PER_RANK = SCENARIO.fix(
     "per-rank-metadata",
     "Each rank gathers its own names/dtypes/shapes/sizes with its handle; every worker slices its buffer with "

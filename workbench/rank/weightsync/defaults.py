@@ -27,5 +27,6 @@ VLLM_SHAPE: dict[str, Any] = {
     "head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "max_position_embeddings": 64, "initializer_range": 0.2,
 }
+RECEIVERS = ("auto", "vllm", "workbench")  # the inference role: vLLM's engine, or the workbench's stand-in
 DEFAULT_BUCKET_BYTES = 1 << 30  # SkyRL's default 1 GB: a tiny model is one bucket
 DEFAULT_THRESHOLD = 1 << 20  # vLLM: 1 GiB; the toy models here are far below 1 MiB: one buffer

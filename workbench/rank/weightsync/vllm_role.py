@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.rank.weightsync.defaults import RECEIVERS
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-RECEIVERS = ("auto", "vllm", "workbench")
 KV_CACHE_BYTES = 32 << 20
 EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
 _ENGINE: dict[str, Any] = {}  # this process's engine: {"key", "llm", "dir", "start_s"}
