@@ -203,12 +203,14 @@ def score(ctx, sync: int) -> None:
         if name in trainer and "rotary_emb" not in name:
             ctx.expect(f"inference.{name}", trainer[name].detach().clone())
     gap, wrong, total = compare_vllm(ctx) if ctx.receiver == "vllm" else compare(ctx.inference, ctx.trainer, ctx.tokens)
+    floor = kernel_floor(ctx) if ctx.receiver == "vllm" else float("nan")
     ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap, receiver=ctx.receiver,
-               presync_gap=getattr(ctx, "presync_gap", float("nan")))
+               presync_gap=getattr(ctx, "presync_gap", float("nan")), floor_gap=floor)
     ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
     who = "vLLM" if ctx.receiver == "vllm" else "stand-in"
     ctx.note(f"sync {sync} ({who}): {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap "
-             f"{gap:.3g}" + (f" (before any sync: {ctx.presync_gap:.3g})" if ctx.receiver == "vllm" else "")
+             f"{gap:.3g}" + (f" (before any sync: {ctx.presync_gap:.3g}; vLLM serving these trainer weights: "
+                             f"{floor:.3g})" if ctx.receiver == "vllm" else "")
              + (f"; first wrong: {', '.join(wrong[:3])}" if wrong else ""))
 
 
@@ -241,6 +243,22 @@ def compare_vllm(ctx) -> tuple[float, list[str], int]:
     wrong = [n for n, t in want.items() if not _same_bytes(t, have[n].to(t.dtype))]
     gap = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
     return gap if gap == gap else float("inf"), wrong, len(want)
+
+
+def kernel_floor(ctx) -> float:
+    """The round trip for the trainer's current weights: vLLM loads them, scores, and gets its own bytes back.
+
+    After a right sync the gap is this floor by construction; it moves with the weights (near-tied router
+    picks flip between vLLM's and the trainer's kernels), so it is the level a fix must return to."""
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    held = vr.hf_state(ctx._llm, ctx.config)
+    vr.reload_all(ctx._llm, ctx.trainer)
+    floor = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
+    with vr.WeightUpdate(ctx._llm) as up:  # what the sync left, byte for byte
+        up.update(held.items())
+    return floor
 
 
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:
