@@ -69,11 +69,14 @@ def build_model(config, seed: int, dtype: torch.dtype = torch.bfloat16, device: 
     router weight: small values squeeze ``sigmoid(logits)`` towards 0.5, so per-expert bias
     differences of ~1e-3 decide some top-k picks.
     """
-    from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+    glm = config.model_type != "deepseek_v3"
+    if glm:
+        from transformers import Glm4MoeForCausalLM as cls
+    else:
+        from transformers import DeepseekV3ForCausalLM as cls
 
     torch.manual_seed(seed)
-    glm = config.model_type != "deepseek_v3"
-    model = (AutoModelForCausalLM.from_config(config) if glm else DeepseekV3ForCausalLM(config)).eval()
+    model = cls(config).eval()
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for name, p in model.named_parameters():
