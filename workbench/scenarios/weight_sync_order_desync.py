@@ -87,7 +87,7 @@ def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
     from workbench.rank.weightsync import vllm_role as vr
 
     p = ctx.params
-    ctx.receiver = vr.resolve(p["receiver"])
+    ctx.receiver = vr.resolve(p["receiver"], ctx.device)
     ctx.config = cv.vllm_config(**p) if ctx.receiver == "vllm" else cv.toy_config(**p)
     trainer = cv.build_model(ctx.config, p["seed"], dtype=torch.bfloat16, device=ctx.device)
     for _, b in cv.router_biases(trainer):

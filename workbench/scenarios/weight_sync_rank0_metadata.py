@@ -80,7 +80,7 @@ def build(ctx) -> None:
 
     p = ctx.params
     sync_dtype = getattr(torch, SYNC_DTYPE)
-    ctx.receiver = vr.resolve(p["receiver"])
+    ctx.receiver = vr.resolve(p["receiver"], ctx.device)
     ctx.config = wm.vllm_config(**p) if ctx.receiver == "vllm" else wm.tiny_config(**p)
     kw = {"router_scale": p["router_scale"]}
     ctx._trainer_model = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.device, **kw)

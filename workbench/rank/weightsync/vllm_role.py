@@ -62,11 +62,15 @@ def unavailable() -> str | None:
     return None
 
 
-def resolve(receiver: str) -> str:
-    """``auto`` -> ``vllm`` where vLLM imports, else ``workbench``; a bad name is one line."""
+def resolve(receiver: str, device: torch.device | str = "cpu") -> str:
+    """``auto`` -> ``vllm`` on CPU ranks where vLLM imports, else ``workbench``; a bad name is one line.
+
+    The role runs vLLM's CPU build in the rank's own process, so GPU ranks keep the stand-in."""
     if receiver not in RECEIVERS:
         raise WorkbenchError(f"unknown receiver {receiver!r}; valid: {', '.join(RECEIVERS)}")
     why = unavailable()
+    if why is None and torch.device(device).type != "cpu":
+        why = f"the vLLM role runs vLLM's CPU build in a CPU rank's process; this rank is on {device}"
     if receiver == "auto":
         return "workbench" if why else "vllm"
     if receiver == "vllm" and why:
