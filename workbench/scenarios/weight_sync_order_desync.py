@@ -176,7 +176,7 @@ def deliver(ctx, check: bool) -> None:
         with vr.WeightUpdate(ctx._llm) as up:
             got = bc.consume(plan, lambda n, t: vr.update_one(up, n, t), src=SENDER, threshold=threshold,
                              device=ctx.device, check=check)
-        ctx.inference = vr.fused_state(vr.hf_state(ctx._llm, ctx.config))
+        ctx.inference = vr.as_module(vr.fused_state(vr.hf_state(ctx._llm, ctx.config)))
         ctx.note(f"vLLM's loader: received {len(got.buffers)} buffer(s), {got.bytes} bytes; loaded {len(got.names)} "
                  "tensors by plan")
     else:
@@ -197,9 +197,7 @@ def score(ctx, sync: int) -> None:
     if ctx.rank != WORKER:
         return
     trainer = dict(ctx.trainer.named_parameters()) | dict(ctx.trainer.named_buffers())
-    held = ctx.inference if isinstance(ctx.inference, dict) else dict(
-        [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()])
-    for name in held:
+    for name, _ in [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()]:
         if name in trainer and "rotary_emb" not in name:
             ctx.expect(f"inference.{name}", trainer[name].detach().clone())
     gap, wrong, total = compare_vllm(ctx) if ctx.receiver == "vllm" else compare(ctx.inference, ctx.trainer, ctx.tokens)
@@ -224,7 +222,7 @@ def start_vllm(ctx, stale: torch.nn.Module) -> None:
         vr.reload_all(ctx._llm, stale)
     ctx.presync_gap = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(stale, ctx.tokens))
                             .abs().mean())
-    ctx.inference = vr.fused_state(vr.hf_state(ctx._llm, ctx.config))
+    ctx.inference = vr.as_module(vr.fused_state(vr.hf_state(ctx._llm, ctx.config)))
     how = f"started in {took:.1f} s" if took is not None else "reused, every weight reloaded from this checkpoint"
     ctx.note(f"vLLM {vr.vllm_version()} engine {how}; round trip before any sync (same weights): mean "
              f"|log-prob vLLM - trainer| {ctx.presync_gap:.3g}")

@@ -257,7 +257,7 @@ def vllm_view(ctx, names: list[str]) -> dict[str, torch.Tensor]:
     from workbench.rank.weightsync import vllm_role as vr
 
     state = vr.hf_state(ctx._llm, ctx.config)
-    ctx._inference = vr.fused_state(state)  # module tensors, what worker<w>_model probes
+    ctx._inference = vr.as_module(vr.fused_state(state))  # module tensors, what worker<w>_model probes
     return {n: state[n] for n in names}
 
 

@@ -388,3 +388,19 @@ def update_one(up: WeightUpdate, name: str, tensor: torch.Tensor) -> None:
         msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise WorkbenchError(f"vLLM's load_weights refused tensor {name!r} {list(tensor.shape)}: "
                              f"{type(exc).__name__}: {msg}") from None
+
+
+def as_module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Read-back tensors as buffers of a module tree named like the trainer's model, so the probe treats
+    the worker like a model: its expectations (``ctx.expect``) and written-state apply as they do to the
+    stand-in's transformers copy."""
+    root = torch.nn.Module()
+    for name, t in state.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_buffer(leaf, t, persistent=False)
+    return root
