@@ -29,6 +29,7 @@ through its GEMM. So a match matrix says which bytes vLLM's parameters hold.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -138,6 +139,7 @@ def engine(model: torch.nn.Module) -> tuple[Any, float | None]:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     d = save_checkpoint(model)
+    atexit.register(shutil.rmtree, d, True)  # the checkpoint folder goes with the rank's process
     t = time.perf_counter()
     with _own_world():
         from vllm import LLM
