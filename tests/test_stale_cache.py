@@ -28,7 +28,7 @@ def _notes(s, step: str, rank: int) -> list[str]:
 
 
 def test_sync1_right_sync2_receives_into_the_stale_bf16_spec_and_the_rank_is_recovered(healthy):
-    s = healthy.session(SCENARIO)
+    s = healthy.session(SCENARIO, receiver="workbench")
     s.run()
     assert [f.step for f in s.frames][-1] == "sync_2"
     assert all(f.ok for f in s.frames[:-1])
@@ -49,7 +49,7 @@ def test_sync1_right_sync2_receives_into_the_stale_bf16_spec_and_the_rank_is_rec
 
 
 def test_rebuilding_tasks_per_sync_regathers_the_spec_and_sync2_is_right(healthy):
-    s = healthy.session(SCENARIO, fix="rebuild-tasks-per-sync")
+    s = healthy.session(SCENARIO, receiver="workbench", fix="rebuild-tasks-per-sync")
     s.run()
     assert s.done and all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]
     assert any("cached spec of the router bias: float32" in n for n in _notes(s, "sync_2", 0))
@@ -58,7 +58,7 @@ def test_rebuilding_tasks_per_sync_regathers_the_spec_and_sync2_is_right(healthy
 
 
 def test_control_values_change_but_dtype_does_not_so_the_stale_spec_still_fits(healthy):
-    s = healthy.session(SCENARIO, bias_dtype_sync2="bfloat16")
+    s = healthy.session(SCENARIO, receiver="workbench", bias_dtype_sync2="bfloat16")
     s.run()
     assert s.done and all(f.ok for f in s.frames)
     assert any("reused conversion tasks" in n for n in _notes(s, "sync_2", 0))
@@ -67,7 +67,7 @@ def test_control_values_change_but_dtype_does_not_so_the_stale_spec_still_fits(h
 
 def test_reverse_direction_is_silent_on_gloo_and_sync2_loads_a_wrong_bias(healthy):
     """fp32 spec cached, bf16 sent: the receive buffer is the larger one, gloo fills half of it and returns."""
-    s = healthy.session(SCENARIO, bias_dtype_sync1="float32", bias_dtype_sync2="bfloat16")
+    s = healthy.session(SCENARIO, receiver="workbench", bias_dtype_sync1="float32", bias_dtype_sync2="bfloat16")
     s.run()
     assert s.done and all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]
     assert _out(s, "score_1", "names_wrong") == 0.0
@@ -78,7 +78,7 @@ def test_reverse_direction_is_silent_on_gloo_and_sync2_loads_a_wrong_bias(health
     calls = {r: c for r, c in div.calls.items() if c is not None}
     assert (calls[0]["dtypes"], int(calls[0]["bytes"])) == ("float32", 32)
     assert (calls[1]["dtypes"], int(calls[1]["bytes"])) == ("bfloat16", 16)
-    fixed = healthy.session(SCENARIO, fix="rebuild-tasks-per-sync", bias_dtype_sync1="float32",
+    fixed = healthy.session(SCENARIO, receiver="workbench", fix="rebuild-tasks-per-sync", bias_dtype_sync1="float32",
                             bias_dtype_sync2="bfloat16")
     fixed.run()
     assert _out(fixed, "score_2", "names_wrong") == 0.0

@@ -99,7 +99,7 @@ def _out(s, step: str, name: str) -> float:
 
 @pytest.mark.slow
 def test_stage1_silent_then_stage2_hangs_in_an_expert_all_gather_and_recovers(healthy):
-    s = healthy.session(SCENARIO)
+    s = healthy.session(SCENARIO, receiver="workbench")
     s.run(until="score")
     assert all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]  # silent: nothing raised
     assert _out(s, "score", "names_wrong") == 8.0 and _out(s, "score", "logprob_gap") > 0.05
@@ -129,7 +129,7 @@ def test_stage1_silent_then_stage2_hangs_in_an_expert_all_gather_and_recovers(he
 
 @pytest.mark.slow
 def test_check_streamed_names_fails_on_both_ranks_at_the_first_mismatch_before_loading(healthy):
-    s = healthy.session(SCENARIO, fix="check-streamed-names")
+    s = healthy.session(SCENARIO, receiver="workbench", fix="check-streamed-names")
     s.run(until="score")
     deliver = s.frames[3]
     errors = _errors(deliver)
@@ -141,7 +141,7 @@ def test_check_streamed_names_fails_on_both_ranks_at_the_first_mismatch_before_l
 
 @pytest.mark.slow
 def test_one_chunk_plan_with_the_check_syncs_right_twice(healthy):
-    s = healthy.session(SCENARIO, fix="one-chunk-plan+check-streamed-names")
+    s = healthy.session(SCENARIO, receiver="workbench", fix="one-chunk-plan+check-streamed-names")
     s.run()
     assert all(f.ok and f.hang is None for f in s.frames) and s.done
     for step in ("score", "score_2"):

@@ -25,7 +25,7 @@ BIAS = "model.layers.0.mlp.gate.e_score_correction_bias"
 
 
 def run(cluster, name, fix=None, **params):
-    s = cluster.session(name, fix=fix, **params)
+    s = cluster.session(name, fix=fix, **{"receiver": "workbench", **params})
     s.run()
     assert all(f.ok for f in s.frames), [f.rank_errors for f in s.frames]
     rec = s.record()
@@ -183,7 +183,7 @@ def load(ctx):
     ("name", f"the receiver's model has no tensor '{EXP}.99.gate_up_proj'"),
 ])
 def test_bad_input_is_one_line_naming_the_tensor(healthy, corrupt, message):
-    s = healthy.session(bad, corrupt=corrupt)
+    s = healthy.session(bad, corrupt=corrupt, receiver="workbench")
     s.run()
     frame = s.frames[-1]
     assert frame.step == "load" and set(frame.rank_errors) == {0, 1}
@@ -195,7 +195,7 @@ def test_bad_input_is_one_line_naming_the_tensor(healthy, corrupt, message):
 
 
 def test_unknown_layout_is_one_line(healthy):
-    s = healthy.session("weight-sync-rank0-metadata", layout="pp")
+    s = healthy.session("weight-sync-rank0-metadata", layout="pp", receiver="workbench")
     s.run()
     errs = s.frames[0].rank_errors
     assert set(errs) == {0, 1} and all("unknown export layout 'pp'; valid: ep, replicated" in e for e in errs.values())

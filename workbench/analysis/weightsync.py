@@ -184,7 +184,10 @@ def routing_summary(source: Any) -> pd.DataFrame:
 
 # -- output gap --------------------------------------------------------------------------------
 def output_gap(*sources: Any) -> pd.DataFrame:
-    """Per run and worker: mean |log-prob - trainer's| before and after the sync, and the max after."""
+    """Per run and worker: mean |log-prob - trainer's| before and after the sync, and the max after.
+
+    ``presync``: the round trip before any sync (vLLM serving the trainer's own weights: kernels only;
+    NaN for the stand-in, which computes like the trainer); ``receiver``: whose log-probs these are."""
     rows = []
     for src in sources:
         rec = _record(src)
@@ -194,8 +197,21 @@ def output_gap(*sources: Any) -> pd.DataFrame:
         last = o[(o["name"] == "logprobs")]
         for r in last.itertuples():
             rows.append({"run": rec.label, "worker": int(r.worker), "rank": int(r.rank), "before": float(r.gap_before),
-                         "after": float(r.gap_mean), "after_max": float(r.ref_max_abs_diff)})
-    return pd.DataFrame(rows, columns=["run", "worker", "rank", "before", "after", "after_max"])
+                         "after": float(r.gap_mean), "after_max": float(r.ref_max_abs_diff),
+                         "presync": _num(getattr(r, "presync_gap", None)),
+                         "receiver": _str(getattr(r, "receiver", None), "workbench")})
+    return pd.DataFrame(rows, columns=["run", "worker", "rank", "before", "after", "after_max", "presync", "receiver"])
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _str(v: Any, default: str) -> str:
+    return v if isinstance(v, str) and v else default
 
 
 # -- buffer layout -----------------------------------------------------------------------------

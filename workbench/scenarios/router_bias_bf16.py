@@ -17,6 +17,10 @@ unscaled toy logits the scores differ by ~1e-2 and the bias would decide almost 
 Same transport and roles as ``weight-sync-rank0-metadata`` with its fix in place (every
 worker slices with its own metadata): only the dtype differs.
 
+Under ``receiver=vllm`` (the default where vLLM imports) the bias lands in vLLM's own float32
+``e_score_correction_bias`` parameter, and the routing compared is vLLM's: its router scores for
+the fixed tokens with its loaded bias against the same scores with the trainer's fp32 bias.
+
 Fix ``keep-fp32-routing-params``: names ending with a routing-critical suffix
 (``e_score_correction_bias``) keep their native dtype through the sync. A bucket then holds
 bf16 and fp32 tensors, so it is packed per dtype: two buffers, two handles and two update
@@ -25,7 +29,7 @@ requests per bucket, each with its own metadata.
 
 from __future__ import annotations
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
@@ -34,13 +38,16 @@ from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
 SCENARIO = Scenario(
     name="router-bias-bf16",
-    title="Weight sync casts the fp32 MoE router bias to bf16: per-expert offsets collapse, routing changes",
+    title=("Weight sync casts the fp32 MoE router bias to bf16: per-expert offsets collapse, routing changes"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
-            "router_scale": 0.01},
+            "router_scale": 0.01, "receiver": "auto"},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 KEEP_FP32 = SCENARIO.fix(
     "keep-fp32-routing-params",
     "Names ending with a routing-critical suffix (e_score_correction_bias) keep their native fp32 through the sync; "
@@ -79,8 +86,10 @@ def load(ctx) -> None:
     from workbench.rank.weightsync import model as wm
 
     colocated.load(ctx)
-    for name, b in wm.router_biases(ctx._inference):
-        ctx.note(f"worker {ctx.worker} {name}: {wm.distinct_values(b)} distinct values after the sync")
+    for name, b in colocated.worker_router(ctx)[1].items():
+        ctx.note(f"worker {ctx.worker} {name}.{wm.BIAS_SUFFIX} ({b.dtype}, "
+                 f"{'vLLM' if ctx.receiver == 'vllm' else 'stand-in'}): {wm.distinct_values(b)} distinct values "
+                 "after the sync")
 
 
 @SCENARIO.step

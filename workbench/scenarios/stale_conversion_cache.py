@@ -30,7 +30,7 @@ bias values without any error (the silent outcome the incident saw on NCCL).
 
 from __future__ import annotations
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, TOY_SHAPE
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
 from workbench.scenarios.weight_sync_order_desync import (
     build_roles,
@@ -46,13 +46,17 @@ from workbench.scenarios.weight_sync_order_desync import (
 
 SCENARIO = Scenario(
     name="stale-conversion-cache",
-    title="Weight sync: reused conversion tasks keep a stale pipeline-broadcast spec (bias bf16 -> fp32)",
+    title=("Weight sync: reused conversion tasks keep a stale pipeline-broadcast spec (bias bf16 -> fp32)"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
-            "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32"},
+            "seq_len": 16, "lr": 0.02, "bias_dtype_sync1": "bfloat16", "bias_dtype_sync2": "float32",
+            "receiver": "auto"},
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 REBUILD = SCENARIO.fix(
     "rebuild-tasks-per-sync",
     "Store only the bucket index groups; build fresh conversion tasks (fresh mappings, empty spec caches) on every "

@@ -22,6 +22,11 @@ builder copies the regrouping but decides it from the dtype of tensors this rank
 The owner of the bias walks the bucket once per dtype, the other rank once: the owner's
 extra walk starts with an expert all-gather nobody joins, and the sync hangs there.
 
+Receiver: ``receiver=vllm`` (the default where vLLM imports) makes rank 1's worker a real vLLM
+engine (a tiny GLM-4.5 MoE from the worker's checkpoint): the consumer hands each sliced tensor to
+vLLM's update protocol and ``load_weights``, the gap is vLLM's prompt log-probs against the
+trainer's, and the names are read back from vLLM's parameters. ``receiver=workbench``: the stand-in.
+
 Fixes: ``one-chunk-plan`` (one generator feeds metadata and stream), ``check-streamed-names``
 (the sender ships each buffer's names and both sides compare them with the plan before
 any bytes move: a loud error at the first mismatching index; it cannot stop a walk that
@@ -33,7 +38,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, TOY_SHAPE
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -46,13 +51,16 @@ if TYPE_CHECKING:
 
 SCENARIO = Scenario(
     name="weight-sync-order-desync",
-    title="Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs",
+    title=("Weight sync: the plan lists raw order, the stream regroups by dtype (silent), then a drifted mirror hangs"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TOY_SHAPE, "seed": 0, "bucket_bytes": DEFAULT_BUCKET_BYTES, "threshold_bytes": DEFAULT_THRESHOLD,
-            "seq_len": 16},
+            "seq_len": 16, "receiver": "auto"},
     probe=["inference"],
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 ONE_PLAN = SCENARIO.fix(
     "one-chunk-plan",
     "One chunk-plan generator yields the per-(bucket, dtype) chunks: the metadata takes names, dtypes and shapes "
@@ -76,9 +84,11 @@ def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
     import torch
 
     from workbench.rank.weightsync import conversion as cv
+    from workbench.rank.weightsync import vllm_role as vr
 
     p = ctx.params
-    ctx.config = cv.toy_config(**p)
+    ctx.receiver = vr.resolve(p["receiver"], ctx.device)
+    ctx.config = cv.vllm_config(**p) if ctx.receiver == "vllm" else cv.toy_config(**p)
     trainer = cv.build_model(ctx.config, p["seed"], dtype=torch.bfloat16, device=ctx.device)
     for _, b in cv.router_biases(trainer):
         b.data = b.data.to(torch.float32 if bias_dtype is None else bias_dtype)
@@ -91,6 +101,8 @@ def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
     if ctx.rank == WORKER:
         # the worker's stale copy; it keeps the routing bias fp32
         ctx.inference = cv.build_model(ctx.config, p["seed"] + 1, dtype=torch.bfloat16, device=ctx.device)
+        if ctx.receiver == "vllm":
+            start_vllm(ctx, ctx.inference)
     owner = ctx.mesh.stage_of(cv.router_biases(trainer)[0][0])
     ctx.note(f"trainer stage {ctx.rank}" + (" (owns the MoE layer and its router bias)" if owner == ctx.rank else "")
              + ("; sender" if ctx.rank == SENDER else "; inference worker"))
@@ -157,6 +169,16 @@ def deliver(ctx, check: bool) -> None:
     if ctx.rank == SENDER:
         sent = bc.send_packed(ctx.buffers, src=SENDER, plan=ctx.plan, check=check, threshold=threshold)
         ctx.note(f"sent {len(sent.buffers)} buffer(s), {sent.bytes} bytes")
+    elif ctx.receiver == "vllm":
+        from workbench.rank.weightsync import vllm_role as vr
+
+        plan = bc.Plan.from_metadata(box[0])
+        with vr.WeightUpdate(ctx._llm) as up:
+            got = bc.consume(plan, lambda n, t: vr.update_one(up, n, t), src=SENDER, threshold=threshold,
+                             device=ctx.device, check=check)
+        ctx.inference = vr.as_module(vr.fused_state(vr.hf_state(ctx._llm, ctx.config)))
+        ctx.note(f"vLLM's loader: received {len(got.buffers)} buffer(s), {got.bytes} bytes; loaded {len(got.names)} "
+                 "tensors by plan")
     else:
         plan = bc.Plan.from_metadata(box[0])
         got = bc.consume(plan, lambda n, t: cv.load_hf_weight(ctx.inference, n, t), src=SENDER, threshold=threshold,
@@ -178,11 +200,63 @@ def score(ctx, sync: int) -> None:
     for name, _ in [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()]:
         if name in trainer and "rotary_emb" not in name:
             ctx.expect(f"inference.{name}", trainer[name].detach().clone())
-    gap, wrong, total = compare(ctx.inference, ctx.trainer, ctx.tokens)
-    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap)
+    gap, wrong, total = compare_vllm(ctx) if ctx.receiver == "vllm" else compare(ctx.inference, ctx.trainer, ctx.tokens)
+    floor = kernel_floor(ctx) if ctx.receiver == "vllm" else float("nan")
+    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap, receiver=ctx.receiver,
+               presync_gap=getattr(ctx, "presync_gap", float("nan")), floor_gap=floor)
     ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
-    ctx.note(f"sync {sync}: {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap {gap:.3g}"
+    who = "vLLM" if ctx.receiver == "vllm" else "stand-in"
+    ctx.note(f"sync {sync} ({who}): {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap "
+             f"{gap:.3g}" + (f" (before any sync: {ctx.presync_gap:.3g}; vLLM serving these trainer weights: "
+                             f"{floor:.3g})" if ctx.receiver == "vllm" else "")
              + (f"; first wrong: {', '.join(wrong[:3])}" if wrong else ""))
+
+
+def start_vllm(ctx, stale: torch.nn.Module) -> None:
+    """vLLM's engine serving the worker's stale copy (reused engines reload it); the round trip before any sync."""
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    ctx._llm, took = vr.engine(stale)
+    if took is None:
+        vr.reload_all(ctx._llm, stale)
+    ctx.presync_gap = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(stale, ctx.tokens))
+                            .abs().mean())
+    ctx.inference = vr.as_module(vr.fused_state(vr.hf_state(ctx._llm, ctx.config)))
+    how = f"started in {took:.1f} s" if took is not None else "reused, every weight reloaded from this checkpoint"
+    ctx.note(f"vLLM {vr.vllm_version()} engine {how}; round trip before any sync (same weights): mean "
+             f"|log-prob vLLM - trainer| {ctx.presync_gap:.3g}")
+
+
+def compare_vllm(ctx) -> tuple[float, list[str], int]:
+    """vLLM's prompt log-probs against the trainer's on the fixed tokens; names read back from vLLM."""
+    import torch
+
+    from workbench.rank.weightsync import conversion as cv
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    want = cv.hf_state(ctx.trainer, torch.bfloat16)
+    have = vr.hf_state(ctx._llm, ctx.config)
+    wrong = [n for n, t in want.items() if not _same_bytes(t, have[n].to(t.dtype))]
+    gap = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
+    return gap if gap == gap else float("inf"), wrong, len(want)
+
+
+def kernel_floor(ctx) -> float:
+    """The round trip for the trainer's current weights: vLLM loads them, scores, and gets its own bytes back.
+
+    After a right sync the gap is this floor by construction; it moves with the weights (near-tied router
+    picks flip between vLLM's and the trainer's kernels), so it is the level a fix must return to."""
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    held = vr.hf_state(ctx._llm, ctx.config)
+    vr.reload_all(ctx._llm, ctx.trainer)
+    floor = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
+    with vr.WeightUpdate(ctx._llm) as up:  # what the sync left, byte for byte
+        up.update(held.items())
+    return floor
 
 
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:

@@ -24,6 +24,12 @@ Steps: ``build`` (trainer model, the worker's stale copy, log-prob gap before th
 (handles all-gathered, rank 0's request broadcast), ``load`` (the worker rebuilds its
 device's handle, slices, loads by name), ``check`` (log-prob gap after, routing).
 
+Receiver: ``receiver=vllm`` (the default where vLLM imports) makes the worker a real vLLM engine
+in the hosting rank's process (a tiny GLM-4.5 MoE, started from the trainer's checkpoint): the
+sliced tensors go through vLLM's update protocol and ``load_weights``, the log-probs are vLLM's,
+and the worker's tensors are read back from vLLM's parameters. ``receiver=workbench`` is the
+stand-in (a second transformers model), for machines without vLLM.
+
 Fix ``per-rank-metadata`` (PR #1816): each rank gathers its metadata with its handle and
 every worker slices with its own device's lists.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TINY
+from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -44,13 +50,16 @@ if TYPE_CHECKING:
 
 SCENARIO = Scenario(
     name="weight-sync-rank0-metadata",
-    title="Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata",
+    title=("Weight sync over CUDA IPC: every worker slices its own buffer with rank 0's metadata"
+           " [vLLM's loader where it imports]"),
     doc=__doc__,
     params={**TINY, "seed": 0, "seq_len": 32, "layout": "ep", "bucket_bytes": DEFAULT_BUCKET_BYTES,
-            "router_scale": 1.0, "keep_fp32_routing": True},
+            "router_scale": 1.0, "keep_fp32_routing": True, "receiver": "auto"},
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
+                 "(auto: vLLM where it imports, else the workbench's stand-in)")
 PER_RANK = SCENARIO.fix(
     "per-rank-metadata",
     "Each rank gathers its own names/dtypes/shapes/sizes with its handle; every worker slices its buffer with "
@@ -67,32 +76,41 @@ def build(ctx) -> None:
 
     from workbench.rank.weightsync import ipc
     from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
 
     p = ctx.params
     sync_dtype = getattr(torch, SYNC_DTYPE)
-    ctx.config = wm.tiny_config(**p)
+    ctx.receiver = vr.resolve(p["receiver"], ctx.device)
+    ctx.config = wm.vllm_config(**p) if ctx.receiver == "vllm" else wm.tiny_config(**p)
     kw = {"router_scale": p["router_scale"]}
     ctx._trainer_model = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.device, **kw)
+    ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
+    if ctx.receiver == "vllm":
+        start_vllm(ctx)  # from the checkpoint of the last sync's policy, before the training step
     wm.training_step(ctx._trainer_model, p["seed"])
     # this trainer rank's tensors as it computes with them (native dtypes): what the sync must deliver
     ctx.trainer = dict(wm.export_hf_weights(ctx._trainer_model, ctx.rank, ctx.world_size, p["layout"]))
-    ctx.tokens = wm.fixed_tokens(ctx.config, p["seq_len"], p["seed"], ctx.device)
     ctx.worker, ctx.worker_device = ipc.worker_device(ctx.device, ctx.rank, ctx.world_size)
     # Each rank holds its own expert shard and hosts a different worker: compare those to what
     # they should hold, never to rank 0's (which has other experts and another worker).
     ctx.local("trainer", "sent", "packs", "written", f"worker{ctx.worker}", f"worker{ctx.worker}_model",
               "logprobs_before", "logprobs", "experts")
-    ctx._inference = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.worker_device, **kw)  # last sync's policy
     ctx.hosted = [n for n, _ in wm.export_hf_weights(ctx._trainer_model, ctx.worker, ctx.world_size, p["layout"])]
     served_elsewhere = {n: t for n, t in wm.hf_state(ctx._trainer_model).items() if n not in set(ctx.hosted)}
-    for name, t in served_elsewhere.items():
-        wm.load_hf_weight(ctx._inference, name, t)
-    expose_worker(ctx, wm.loaded_view(ctx._inference, ctx.hosted))
+    if ctx.receiver == "vllm":  # one engine holds every expert: the others' arrive in the same update
+        ctx._served_elsewhere = served_elsewhere
+        expose_worker(ctx, vllm_view(ctx, ctx.hosted))
+    else:
+        ctx._inference = wm.build_model(ctx.config, p["seed"], sync_dtype, ctx.worker_device, **kw)  # last policy
+        for name, t in served_elsewhere.items():
+            wm.load_hf_weight(ctx._inference, name, t)
+        expose_worker(ctx, wm.loaded_view(ctx._inference, ctx.hosted))
     ctx.reference_lp = wm.token_logprobs(ctx._trainer_model, ctx.tokens)
-    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    lp = worker_logprobs(ctx)
     gap = (lp - ctx.reference_lp).abs()
     ctx.gap_before = float(gap.mean())
-    ctx.output("logprobs_before", lp, worker=ctx.worker, gap_mean=float(gap.mean()), gap_max=float(gap.max()))
+    ctx.output("logprobs_before", lp, worker=ctx.worker, gap_mean=float(gap.mean()), gap_max=float(gap.max()),
+               receiver=ctx.receiver)
     ctx.note(f"trainer rank {ctx.rank} (experts {_experts(ctx, ctx.rank)}); hosts inference worker {ctx.worker} "
              f"on {ctx.worker_device} (experts {_experts(ctx, ctx.worker)}); log-prob gap before the sync "
              f"{ctx.gap_before:.3g}")
@@ -140,15 +158,19 @@ def load(ctx) -> None:
     key = ipc.device_key(ctx.worker_device, ctx.worker)
     written: list[str] = []
     try:
-        for req in ctx.requests:
-            written += receive.update_weights_ipc(req, key, lambda n, t: wm.load_hf_weight(ctx._inference, n, t),
-                                                  ctx.worker_device)
+        if ctx.receiver == "vllm":
+            written = load_vllm(ctx, key)
+        else:
+            for req in ctx.requests:
+                written += receive.update_weights_ipc(req, key, lambda n, t: wm.load_hf_weight(ctx._inference, n, t),
+                                                      ctx.worker_device)
     finally:
         dist.barrier()  # the senders keep their buffers until every worker has loaded (SkyRL: barrier)
     ctx.written = written
-    expose_worker(ctx, wm.loaded_view(ctx._inference, list(dict.fromkeys(ctx.hosted + written))))
+    names = list(dict.fromkeys(ctx.hosted + written))
+    expose_worker(ctx, vllm_view(ctx, names) if ctx.receiver == "vllm" else wm.loaded_view(ctx._inference, names))
     stray = [n for n in written if n not in set(ctx.hosted)]
-    ctx.note(f"worker {ctx.worker} loaded {len(written)} tensors from {key}"
+    ctx.note(f"worker {ctx.worker} ({_receiver_words(ctx)}) loaded {len(written)} tensors from {key}"
              + (f"; {len(stray)} are not its own (e.g. {stray[0]})" if stray else ""))
     for name, t in wm.hf_state(ctx._trainer_model).items():  # what each tensor should hold after a right sync
         ctx.expect(f"worker{ctx.worker}_model.{_module_name(name)}", _fused_expected(ctx._trainer_model, name, t))
@@ -158,20 +180,22 @@ def check(ctx) -> None:
     """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
     from workbench.rank.weightsync import model as wm
 
-    lp = wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+    lp = worker_logprobs(ctx)
     gap = (lp - ctx.reference_lp).abs()
     truth = wm.hf_state(ctx._trainer_model)
     wrong = [n for n in ctx.hosted if not _same(ctx._loaded[n], truth[n])]
     k = ctx.config.num_experts_per_tok
-    scores_t = wm.router_inputs(ctx._trainer_model, ctx.tokens)
-    scores_w = wm.router_inputs(ctx._inference, ctx.tokens.to(ctx.worker_device))
     bias_t = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._trainer_model)}
-    bias_w = {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._inference)}
+    scores_w, bias_w = worker_router(ctx)
+    # the trainer's picks: under vLLM, vLLM's own router scores with the trainer's fp32 bias, so the
+    # difference is the bias's alone (kernel numerics cancel); under the stand-in, the trainer's forward
+    scores_t = scores_w if ctx.receiver == "vllm" else wm.router_inputs(ctx._trainer_model, ctx.tokens)
     sets_t = wm.expert_sets(scores_t, bias_t, k)
     sets_w = wm.expert_sets(scores_w, bias_w, k)
     changed = {r: wm.changed_fraction(sets_t[r], sets_w[r]) for r in sets_t}
     ctx.output("logprobs", lp, ref_max_abs_diff=float(gap.max()), gap_mean=float(gap.mean()),
-               gap_before=ctx.gap_before, worker=ctx.worker, names_wrong=len(wrong), names=len(ctx.hosted))
+               gap_before=ctx.gap_before, worker=ctx.worker, names_wrong=len(wrong), names=len(ctx.hosted),
+               receiver=ctx.receiver, presync_gap=getattr(ctx, "presync_gap", float("nan")))
     for r in sets_t:
         ctx.output(f"experts.{r}", sets_w[r].reshape(-1), worker=ctx.worker, changed_fraction=changed[r],
                    distinct_bias_trainer=wm.distinct_values(bias_t[r]),
@@ -180,10 +204,85 @@ def check(ctx) -> None:
             "worker": ctx.worker, "router": r, "k": k, "trainer": sets_t[r].tolist(), "synced": sets_w[r].tolist(),
             "bias_trainer": bias_t[r].float().cpu().tolist(), "bias_synced": bias_w[r].float().cpu().tolist(),
             "score_spread": float((scores_t[r].max(-1).values - scores_t[r].min(-1).values).mean())}))
-    ctx.note(f"worker {ctx.worker}: {len(ctx.hosted) - len(wrong)}/{len(ctx.hosted)} of its names hold the trainer's "
+    ctx.note(f"worker {ctx.worker} ({_receiver_words(ctx)}): {len(ctx.hosted) - len(wrong)}/{len(ctx.hosted)} of its "
+             f"names hold the trainer's "
              f"bytes; log-prob gap {ctx.gap_before:.3g} before, {float(gap.mean()):.3g} after (max "
              f"{float(gap.max()):.3g}); tokens with another expert set: "
              + ", ".join(f"{v:.0%}" for v in changed.values()))
+
+
+# -- the two receivers -----------------------------------------------------------------------------
+def warm_vllm(cluster, timeout: float = 600.0) -> dict[int, dict]:
+    """Start every rank's vLLM engine before a session (``{rank: {vllm, start_s, started_now}}``).
+
+    An engine start takes seconds (minutes on a loaded box); inside a step it counts against the
+    step's deadline. The sessions after it reuse the engine and reload every weight."""
+    from workbench.rank.weightsync.vllm_role import warm
+
+    return cluster.run(warm, timeout=timeout)
+
+
+def start_vllm(ctx) -> None:
+    """vLLM's engine from the trainer's checkpoint (reused engines reload it); the round trip before any sync."""
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    ctx._llm, took = vr.engine(ctx._trainer_model)
+    if took is None:
+        vr.reload_all(ctx._llm, ctx._trainer_model)
+    lp = vr.prompt_logprobs(ctx._llm, ctx.tokens)
+    gap = (lp - wm.token_logprobs(ctx._trainer_model, ctx.tokens)).abs()
+    ctx.presync_gap = float(gap.mean())
+    ctx.output("logprobs_presync", lp, gap_mean=ctx.presync_gap, gap_max=float(gap.max()), receiver="vllm")
+    how = f"started in {took:.1f} s" if took is not None else "reused, every weight reloaded from this checkpoint"
+    ctx.note(f"vLLM {vr.vllm_version()} engine {how}; round trip before any sync (same weights): mean "
+             f"|log-prob vLLM - trainer| {ctx.presync_gap:.3g}")
+
+
+def load_vllm(ctx, key: str) -> list[str]:
+    """vLLM's update: start, the other workers' experts, this device's slices by the request's metadata, finish."""
+    from workbench.rank.weightsync import receive
+    from workbench.rank.weightsync import vllm_role as vr
+
+    written: list[str] = []
+    with vr.WeightUpdate(ctx._llm) as up:
+        up.update(ctx._served_elsewhere.items())
+        for req in ctx.requests:
+            written += receive.update_weights_ipc(req, key, lambda n, t: vr.update_one(up, n, t), ctx.worker_device)
+    return written
+
+
+def vllm_view(ctx, names: list[str]) -> dict[str, torch.Tensor]:
+    """The worker's tensors under ``names``, read back from vLLM's parameters."""
+    from workbench.rank.weightsync import vllm_role as vr
+
+    state = vr.hf_state(ctx._llm, ctx.config)
+    ctx._inference = vr.as_module(vr.fused_state(state))  # module tensors, what worker<w>_model probes
+    return {n: state[n] for n in names}
+
+
+def worker_logprobs(ctx) -> torch.Tensor:
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    if ctx.receiver == "vllm":
+        return vr.prompt_logprobs(ctx._llm, ctx.tokens)
+    return wm.token_logprobs(ctx._inference, ctx.tokens.to(ctx.worker_device))
+
+
+def worker_router(ctx) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The worker's router scores for the fixed tokens and its router biases (vLLM's own under vLLM)."""
+    from workbench.rank.weightsync import model as wm
+    from workbench.rank.weightsync import vllm_role as vr
+
+    if ctx.receiver == "vllm":
+        return vr.router_scores(ctx._llm, ctx.tokens), vr.router_biases(ctx._llm)
+    return (wm.router_inputs(ctx._inference, ctx.tokens.to(ctx.worker_device)),
+            {n.rsplit(".", 1)[0]: b for n, b in wm.router_biases(ctx._inference)})
+
+
+def _receiver_words(ctx) -> str:
+    return "vLLM's loader" if ctx.receiver == "vllm" else "the workbench's stand-in receiver"
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -89,12 +89,20 @@ def routing_view(source: Any, worker: int | None = None, router: str | None = No
 
 def output_gap_view(*sources: Any, title: str = "Log-prob gap to the trainer, per worker: before and after the sync"
                     ) -> go.Figure:
-    """Grouped bars: per run and worker, mean |log-prob - trainer's| before and after the sync."""
+    """Grouped bars: per run and worker, mean |log-prob - trainer's| before and after the sync.
+
+    Runs through vLLM add a third bar, the round trip before any sync (vLLM serving the trainer's
+    own weights): the level a right sync returns to. A NaN gap (NaN log-probs) shows as a missing
+    bar, named in the hover of the others and in ``ws.output_gap``."""
     g = ws.output_gap(*sources)
     fig = go.Figure()
-    x = [list(g["run"]), [f"worker {w}" for w in g["worker"]]]  # two-level axis: run, then worker
-    for col, color in (("before", "#aec7e8"), ("after", "#d62728")):
-        fig.add_trace(go.Bar(x=x, y=g[col], name=f"{col} the sync", marker_color=color,
+    label = [f"{r} ({v})" if v == "vllm" else str(r) for r, v in zip(g["run"], g["receiver"])]
+    x = [label, [f"worker {w}" for w in g["worker"]]]  # two-level axis: run, then worker
+    bars = [("before", "#aec7e8", "before the sync"), ("after", "#d62728", "after the sync")]
+    if g["presync"].notna().any():
+        bars.insert(0, ("presync", "#2ca02c", "pre-sync round trip (same weights)"))
+    for col, color, name in bars:
+        fig.add_trace(go.Bar(x=x, y=g[col], name=name, marker_color=color,
                              customdata=g["after_max"], hovertemplate="%{y:.3g} (max after %{customdata:.3g})"))
     fig.update_layout(title=title, barmode="group", yaxis_title="mean |Δ log-prob|", height=380)
     return fig

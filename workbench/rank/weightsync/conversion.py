@@ -50,6 +50,7 @@ from workbench.rank.weightsync.pack import dtype_name
 METADATA_MODES = ("raw", "mirrored-local", "one-plan")
 
 toy_config = model_mod.tiny_config
+vllm_config = model_mod.vllm_config
 build_model = model_mod.build_model
 router_biases = model_mod.router_biases
 load_hf_weight = model_mod.load_hf_weight

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync.defaults import TINY
+from workbench.rank.weightsync.defaults import TINY, VLLM_SHAPE
 
 BIAS_SUFFIX = "e_score_correction_bias"
 EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")
@@ -45,6 +45,21 @@ def tiny_config(**shape: Any):
                             attn_implementation="eager", **kw)
 
 
+def vllm_config(**shape: Any):
+    """A tiny ``Glm4MoeConfig`` (``VLLM_SHAPE``): the model vLLM's CPU build serves for ``receiver=vllm``.
+
+    Same routing as DeepseekV3 (``topk(sigmoid(logits) + e_score_correction_bias)``, routed and
+    shared experts, fused ``experts.gate_up_proj`` in transformers); plain attention with head_dim 64.
+    ``shape`` keys other than ``VLLM_SHAPE``'s are ignored (the DeepseekV3 shape of the stand-in)."""
+    from transformers import Glm4MoeConfig
+
+    kw = {**VLLM_SHAPE, **{k: v for k, v in shape.items() if k in VLLM_SHAPE and k in _VLLM_FREE}}
+    return Glm4MoeConfig(n_group=1, topk_group=1, tie_word_embeddings=False, attn_implementation="eager", **kw)
+
+
+_VLLM_FREE = ("vocab_size", "initializer_range")  # shape keys a vLLM run still takes from the user
+
+
 def build_model(config, seed: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 bias_offset: float = 41.0, bias_std: float = 7e-4, router_scale: float = 1.0) -> nn.Module:
     """A seeded model in ``dtype`` with the router bias kept fp32 (as Megatron keeps ``expert_bias``).
@@ -54,10 +69,14 @@ def build_model(config, seed: int, dtype: torch.dtype = torch.bfloat16, device: 
     router weight: small values squeeze ``sigmoid(logits)`` towards 0.5, so per-expert bias
     differences of ~1e-3 decide some top-k picks.
     """
-    from transformers import DeepseekV3ForCausalLM
+    glm = config.model_type != "deepseek_v3"
+    if glm:
+        from transformers import Glm4MoeForCausalLM as cls
+    else:
+        from transformers import DeepseekV3ForCausalLM as cls
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).eval()
+    model = cls(config).eval()
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -65,7 +84,10 @@ def build_model(config, seed: int, dtype: torch.dtype = torch.bfloat16, device: 
                 p += 0.05 * torch.randn(p.shape, generator=g)
             if name.endswith(".gate.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range * router_scale)
+    rope = {n: b.clone() for n, b in model.named_buffers() if glm and "rotary_emb" in n}
     model = model.to(device=device, dtype=dtype)
+    for name, b in rope.items():  # as from_pretrained leaves them (vLLM computes its rope in fp32 too)
+        model.get_buffer(name).data = b.to(device)
     for i, (_, b) in enumerate(router_biases(model)):
         b.data = (bias_offset + 4.0 * i + bias_std * torch.randn(b.shape, generator=g)).to(device, torch.float32)
     return model
