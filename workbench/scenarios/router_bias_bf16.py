@@ -46,6 +46,8 @@ SCENARIO = Scenario(
     probe=None,  # trainer, sent, worker<w> (loaded, by HF name), worker<w>_model
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.mesh("any N >= 2 that divides n_routed_experts (expert parallel over every rank)",
+              lambda n, p: p["n_routed_experts"] % n == 0)
 SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
                  "(auto: vLLM where it imports, else the workbench's stand-in)")
 KEEP_FP32 = SCENARIO.fix(

@@ -55,6 +55,7 @@ SCENARIO = Scenario(
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
 )
+SCENARIO.mesh("N = 2 (rank 0: stage 0; rank 1: stage 1 and the inference worker)", lambda n, p: n == 2)
 SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
                  "(auto: vLLM where it imports, else the workbench's stand-in)")
 REBUILD = SCENARIO.fix(

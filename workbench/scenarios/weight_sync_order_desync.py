@@ -59,6 +59,7 @@ SCENARIO = Scenario(
     probe=["inference"],
     incident="002_79cad179003d2dbf",
 )
+SCENARIO.mesh("N = 2 (rank 0: stage 0 and sender; rank 1: stage 1 and the inference worker)", lambda n, p: n == 2)
 SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
                  "(auto: vLLM where it imports, else the workbench's stand-in)")
 ONE_PLAN = SCENARIO.fix(

@@ -121,18 +121,21 @@ def device_key(device: torch.device | str, rank: int) -> str:
 
 
 def worker_device(ctx_device: torch.device, rank: int, world: int) -> tuple[int, torch.device]:
-    """Inference worker hosted by this engine: worker ``(rank - 1) % world`` on that rank's device.
+    """Inference worker hosted by this engine, on the device of trainer rank ``worker``.
 
-    The worker reading trainer rank ``w``'s buffer must be another process on ``w``'s device.
+    The worker reading trainer rank ``w``'s buffer must be another process on ``w``'s device, and a
+    CUDA IPC handle (a shared-memory segment on CPU) never crosses hosts: ranks pair up, worker
+    ``rank ^ 1`` on rank ``rank``, so partners are neighbours in rank order (one host when each host
+    holds an even number of ranks, as launchers lay them out). An odd world falls back to a ring.
     """
-    w = (rank - 1) % world
-    dev = torch.device("cuda", w) if ctx_device.type == "cuda" else ctx_device
+    w = (rank - 1) % world if world % 2 else rank ^ 1  # the pairing is its own inverse (see host_of)
+    dev = torch.device("cuda", ctx_device.index + (w - rank)) if ctx_device.type == "cuda" else ctx_device
     return w, dev
 
 
 def host_of(worker: int, world: int) -> int:
     """The engine rank hosting inference worker ``worker`` (see ``worker_device``)."""
-    return (worker + 1) % world
+    return (worker + 1) % world if world % 2 else worker ^ 1
 
 
 def gather_handles(entry: dict[str, Any], group: Any = None,
