@@ -158,6 +158,11 @@ def lonely(ctx):
     open(MARKER + str(ctx.rank), "w").close()
     if ctx.rank == 0:
         dist.broadcast(ctx.x, 0)  # rank 1 never joins: rank 0 waits out the collective timeout
+    else:  # in Python, in no collective, while HOLD exists: no ledger can prove the deadlock yet
+        import os
+        import time
+        while os.path.exists(HOLD):
+            time.sleep(0.1)
 
 
 @SCENARIO.step
@@ -177,7 +182,9 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
 
     pdir = str(tmp_path / "profile_att")
     sc = tmp_path / "stuck.py"
-    sc.write_text(STUCK.replace("MARKER", repr(str(tmp_path / "in-step"))))
+    hold = tmp_path / "hold"
+    hold.touch()
+    sc.write_text(STUCK.replace("MARKER", repr(str(tmp_path / "in-step"))).replace("HOLD", repr(str(hold))))
     registry.up(2, pdir, backend="gloo")
     family = [p for pid in registry.processes(pdir) for p in _family(pid)]
     try:
@@ -188,8 +195,10 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
             time.sleep(0.2)
         time.sleep(1.0)  # rank 0 is in its broadcast
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(120) == 130
+        code = proc.wait(120)
+        hold.unlink()  # rank 1 leaves its Python loop (the message says such a rank stays busy until then)
         err = proc.stderr.read()
+        assert code == 130, err
         assert "stay up" in err and "process group was aborted" in err and "engines stopped" not in err, err
         client = ipp.Client(profile_dir=pdir, timeout=30)
         try:  # rank 0 is back long before its 300 s collective timeout

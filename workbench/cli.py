@@ -246,6 +246,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                     raise release_attached(cluster, args.cluster) from None
                 raise
             records = [s.record() for s in runs]
+    except KeyboardInterrupt as exc:
+        if args.cluster and not isinstance(exc, Interrupted):  # between steps: nothing to release, nothing stopped
+            raise Interrupted(f"the ranks of cluster {args.cluster!r} stay up; `workbench down --profile "
+                              f"{args.cluster}` stops them") from None
+        raise
     finally:  # failed or interrupted: the sessions' local temp dirs go too (no call to ranks that may be stuck)
         remove_session_dirs(runs)
     print(f"\ntotal {time.perf_counter() - t0:.1f}s")

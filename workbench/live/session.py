@@ -207,6 +207,10 @@ class Session:
         hang.proof = watch.found.reason
         hang.blocked_at, hang.declared_at = watch.blocked_at, watch.declared_at
         hang.stuck = {r: describe(c) for r, c in sorted(watch.found.waiting.items())}  # where they were stuck
+        hang.finished = [r for r in hang.finished if r not in hang.stuck]  # a released call returned, it did not finish
+        if len(hang.ranks):
+            waits = hang.ranks["rank"].map(hang.stuck)
+            hang.ranks.loc[waits.notna(), "status"] = "inside " + waits[waits.notna()] + " (released: it could never pair)"
         hang.stacks = watch.stacks
         for r, lines in watch.notes().items():
             frame.notes[r] = [*frame.notes.get(r, []), *lines]
