@@ -9,8 +9,9 @@ stream slid by a bucket, NaN where poison was never overwritten).
 
 So two rows of the same (step, rank, tensor) agree "within rounding" when:
 
-- dtype, shape, meta-ness and the written state are the same, and NaN, Inf and poison counts
-  are equal: a poison or NaN pattern is the story, never rounding;
+- dtype, shape, meta-ness and never-written-ness are the same, and NaN, Inf and poison counts
+  are equal: a poison or NaN pattern is the story, never rounding (NaN, Inf and the poison
+  bits at the same places among the kept bytes; a computed NaN's payload is not compared);
 - every value the row keeps (min, max, mean, the first values, the first bytes, which are the
   whole tensor up to 256 B, and the byte windows further in) differs by at most
   ``RTOL[dtype] * scale``, where ``scale`` is the tensor's largest finite magnitude in either
@@ -41,6 +42,8 @@ ULPS = {"float64": 4096, "float32": 128, "float16": 4, "bfloat16": 4}  # RTOL in
 _WIDTH = {"float64": 64, "float32": 32, "float16": 16, "bfloat16": 16}
 _NP = {"float64": "<f8", "float32": "<f4", "float16": "<f2"}
 GARBAGE = ("never written", "partly written")
+# rank/poison.py's fill patterns (NaN payloads no computation produces); repeated here: the client imports no torch
+POISON_BITS = {"float32": 0x7FA5A5A5, "bfloat16": 0x7FA5, "float16": 0x7D5A, "float64": 0x7FF4A5A5A5A5A5A5}
 
 
 @dataclass
@@ -106,14 +109,16 @@ def _values(hex_bytes: Any, dtype: str) -> tuple[np.ndarray, np.ndarray] | None:
     return vals, bits
 
 
-def _same_specials(a: np.ndarray, b: np.ndarray, ba: np.ndarray | None, bb: np.ndarray | None) -> bool:
-    """NaN and Inf at the same places (with the same bits where bits are known)."""
-    sa, sb = ~np.isfinite(a), ~np.isfinite(b)
-    if not np.array_equal(sa, sb):
+def _same_specials(a: np.ndarray, b: np.ndarray, ba: np.ndarray | None, bb: np.ndarray | None,
+                   dtype: str = "") -> bool:
+    """NaN and Inf at the same places, and the poison pattern at the same places where bits are known.
+    A computed NaN's payload is whichever operand's NaN an op propagated: not part of the story."""
+    if not (np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(a[np.isinf(a)], b[np.isinf(b)])):
         return False
-    if ba is not None and bb is not None:
-        return bool(np.array_equal(ba[sa], bb[sb]))
-    return bool(np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(a[np.isinf(a)], b[np.isinf(b)]))
+    bits = POISON_BITS.get(dtype)
+    if ba is not None and bb is not None and bits is not None:
+        return bool(np.array_equal(ba == bits, bb == bits))
+    return True
 
 
 def _max_gap(a: np.ndarray, b: np.ndarray) -> float:
@@ -129,12 +134,15 @@ def _scale(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def compare(a: dict[str, Any], b: dict[str, Any], floor: str = "float32", poison: bool = True) -> Gap:
     """Compare one tensor's row in the recording (``a``) with its row in the rerun (``b``)."""
-    for key, say in (("dtype", "dtype"), ("shape", "shape"), ("is_meta", "meta")):
+    for key in ("dtype", "shape"):
         if str(a.get(key)) != str(b.get(key)):
-            return Gap(story=f"{say} {a.get(key)} then, {b.get(key)} now", same_bytes=False)
+            return Gap(story=f"{key} {a.get(key)} then, {b.get(key)} now", same_bytes=False)
+    if _flag(a.get("is_meta")) != _flag(b.get("is_meta")):
+        return Gap(story=f"{'meta' if _flag(a.get('is_meta')) else 'real'} then, "
+                         f"{'meta' if _flag(b.get('is_meta')) else 'real'} now", same_bytes=False)
     wa, wb = _written(a), _written(b)
     if wa != wb:
-        return Gap(story=f"{wa or 'not tracked'} then, {wb or 'not tracked'} now", same_bytes=False)
+        return Gap(story=f"{wa or 'written'} then, {wb or 'written'} now", same_bytes=False)
     if a.get("fingerprint") == b.get("fingerprint"):
         return Gap()
     if not poison and wa in GARBAGE:
@@ -173,7 +181,7 @@ def _kept_gap(a: dict[str, Any], b: dict[str, Any], dtype: str) -> tuple[float, 
         va, vb = _values(a.get(key), dtype), _values(b.get(key), dtype)
         if va is None or vb is None:
             continue
-        if len(va[0]) != len(vb[0]) or not _same_specials(va[0], vb[0], va[1], vb[1]):
+        if len(va[0]) != len(vb[0]) or not _same_specials(va[0], vb[0], va[1], vb[1], dtype):
             return delta, "NaN/Inf/poison bits at other places among the kept bytes"
         delta = max(delta, _max_gap(va[0], vb[0]))
     return delta, None
@@ -203,8 +211,14 @@ def compare_trace(a: dict[str, Any], b: dict[str, Any], floor: str = "float32") 
 
 
 def _written(row: dict[str, Any]) -> str | None:
+    """'never written' / 'partly written', else None: 'written' and 'not tracked' (a tensor to_empty did not
+    hand out, or whose tracking the allocator's reuse of an address dropped) both hold written values."""
     w = row.get("written")
-    return w if isinstance(w, str) else None
+    return w if w in GARBAGE else None
+
+
+def _flag(v: Any) -> bool:
+    return bool(v) and v == v  # None, NaN (a column pandas widened), False, 0.0: not set
 
 
 def _int(x: float | None) -> str:

@@ -43,7 +43,7 @@ class Rerun:
     first_difference: dict[str, Any] | None  # step, rank, name, what: set when the verdict is "differs"
     changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # setting -> (recorded, now)
     verdict: str = EXACT
-    worst: dict[str, Any] | None = None  # the largest gap within rounding: step, rank, name, delta, tol
+    worst: dict[str, Any] | None = None  # the gap nearest its tolerance: step, rank, name, delta, tol, ratio
     bytes_differ: int = 0  # rows (tensors, outputs, activations) whose bytes differ
     rows: int = 0  # rows compared
     garbage: int = 0  # never-written rows without poison: values not compared
@@ -68,7 +68,7 @@ class Rerun:
                     + (f"changed: {changed}" if changed else "no recorded version changed"))
         d = self.first_difference or {}
         where = f"step `{d.get('step')}`" + (f", rank {d['rank']}" if d.get("rank") is not None else "") + \
-            (f", `{short(d['name'], self._names())}`" if d.get("name") else "")
+            (f", `{short(d['name'], self._names())}`" if d.get("name") else "") + _call_words(d)
         return (f"{label}: differs from the recording from {where}: {d.get('what')}"
                 + (f"; changed since the recording: {changed}" if changed else "; no recorded version changed"))
 
@@ -82,8 +82,8 @@ class Rerun:
         w = self.worst
         at = ""
         if w:
-            at = f" at step `{w['step']}`, rank {w['rank']}, `{short(str(w['name']), self._names())}`"
-        out = f"max |Δ| {w['delta']:.3g}{at}" if w else "max |Δ| 0"
+            at = f" at step `{w['step']}`, rank {w['rank']}, `{short(str(w['name']), self._names())}`{_call_words(w)}"
+        out = f"max |Δ| {w['delta']:.3g} ({100 * w['ratio']:.2g}% of its tolerance){at}" if w else "max |Δ| 0"
         if w and w["delta"] == 0:
             out += " (the bytes that differ are not among the kept values)"
         out += f"; bytes differ in {self.bytes_differ} of {self.rows} rows"
@@ -93,6 +93,10 @@ class Rerun:
 
     def __str__(self) -> str:
         return self.message
+
+
+def _call_words(d: dict[str, Any]) -> str:
+    return f" (traced call {d['call']})" if d.get("call") is not None else ""
 
 
 def _word(v: Any) -> str:
@@ -252,9 +256,10 @@ class _Walk:
         m = ta.merge(tb, on=key, how="outer", suffixes=("_a", "_b"), indicator="side", sort=False)
         m = m.sort_values(["rank"], kind="stable")
         cols = [c[:-2] for c in m.columns if c.endswith("_a")]
-        name_of = (lambda r: r["name"]) if "name" in key else (lambda r: f"{r['module']} (call {r['call']})")
         for r in m.to_dict(orient="records"):
-            where = {"step": step, "rank": int(r["rank"]), "name": name_of(r)}
+            where = {"step": step, "rank": int(r["rank"]), "name": r["name"] if "name" in key else r["module"]}
+            if table == "trace":
+                where["call"] = _call(r["call"])
             if r["side"] != "both":
                 return {**where, "what": f"only {'the recording' if r['side'] == 'left_only' else 'the rerun'} "
                                          f"has it" + (" (a traced call)" if table == "trace" else "")}
@@ -277,8 +282,11 @@ class _Walk:
         self.bytes_differ += 1
         if self.first_bytes is None:
             self.first_bytes = {**where, "what": "different bytes" if table != "outputs" else "different outputs"}
-        if gap.story is None and not gap.garbage and (self.worst is None or gap.delta > self.worst["delta"]):
-            self.worst = {**where, "delta": gap.delta, "tol": gap.tol}
+        if gap.story is not None or gap.garbage:
+            return
+        ratio = gap.delta / gap.tol if gap.tol else 0.0
+        if self.worst is None or (ratio, gap.delta) > (self.worst["ratio"], self.worst["delta"]):
+            self.worst = {**where, "delta": gap.delta, "tol": gap.tol, "ratio": ratio}
 
     def _findings(self, step: str, a: set | None, b: set | None) -> dict[str, Any] | None:
         if a is None or b is None:
@@ -307,6 +315,13 @@ class _Walk:
             d = {**d, "what": d["what"] + f" (rank {d['rank']} held never-written memory without poison from "
                                           f"`{since}`: its values are whatever the allocator left; rerun with poison)"}
         return d
+
+
+def _call(v: Any) -> Any:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v
 
 
 def _at(df: pd.DataFrame | None, step: str) -> pd.DataFrame:
