@@ -154,7 +154,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], floor: str = "float32", poison
     dtype = str(a.get("dtype"))
     tol_r = rtol(dtype, floor)
     if tol_r is None:
-        return Gap(story="different values (exact dtype)", same_bytes=False)
+        return Gap(story=f"different {dtype} values (compared exactly)", same_bytes=False)
     tol = tol_r * _scale(a, b)
     delta, story = _kept_gap(a, b, dtype)
     if story is None and delta > tol:
@@ -197,9 +197,10 @@ def compare_trace(a: dict[str, Any], b: dict[str, Any], floor: str = "float32") 
     for key in ("in_nonfinite", "nan", "inf"):
         if (_num(a.get(key)) or 0) != (_num(b.get(key)) or 0):
             return Gap(story=f"{_int(_num(a.get(key)))} {key} then, {_int(_num(b.get(key)))} now", same_bytes=False)
-    tol_r = rtol(str(a.get("dtype")), floor)
+    dtype = str(a.get("dtype"))
+    tol_r = rtol(dtype, floor)
     if tol_r is None:
-        return Gap(story="different values (exact dtype)", same_bytes=False)
+        return Gap(story=f"different {dtype} values (compared exactly)", same_bytes=False)
     scale = max((abs(v) for v in (_num(a.get("absmax")), _num(b.get("absmax"))) if v is not None
                  and math.isfinite(v)), default=0.0)
     delta = max((abs(x - y) for x, y in ((_num(a.get(k)), _num(b.get(k))) for k in ("absmax", "meanabs"))
