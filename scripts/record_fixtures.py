@@ -21,6 +21,18 @@ OUT = ROOT / "fixtures" / "bundles"
 TIMEOUT_S = 8.0  # tests/conftest.py TEST_TIMEOUT_S: findings quote the timeout
 
 
+def _import_heavy() -> None:
+    import torch.distributed.fsdp  # noqa: F401
+    from transformers import DeepseekV3ForCausalLM, Qwen3ForCausalLM  # noqa: F401  (lazy modules load on use)
+
+
+def warm(cluster) -> None:
+    """Import what the scenarios build from on every rank before a step's deadline counts: on a loaded
+    machine a fresh engine's first transformers import alone can pass it, and the recording would hold a
+    'build' timeout instead of the incident."""
+    cluster.run(_import_heavy, timeout=600)
+
+
 def record(cluster, name: str, out_dir: Path) -> Path:
     from workbench import scenarios
     from workbench.postmortem import bundle
@@ -30,6 +42,7 @@ def record(cluster, name: str, out_dir: Path) -> Path:
     for fix in [None, *sc.fixes]:
         if cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
             cluster.restart()  # a rank the previous run killed or left stuck
+            warm(cluster)
         s = cluster.session(sc, fix=fix)
         s.run()
         rec = s.record()
@@ -56,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with wb.start(ranks=2, backend="gloo", timeout=args.timeout) as cluster:
         print(f"{cluster}: engines {cluster.start_s:.1f}s")
+        warm(cluster)
         for name in names:
             print(f"{name}")
             t = time.perf_counter()
@@ -68,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
             if not cluster.alive or cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
                 cluster.restart()
+                warm(cluster)
     print(f"total {time.perf_counter() - t0:.1f}s; {len(names) - len(failed)} recorded"
           + (f", failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

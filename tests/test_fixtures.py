@@ -1,8 +1,9 @@
 """Recorded CPU bundles (fixtures/bundles/): one per catalogue scenario.
 
 Without engines: every scenario's bundle reloads, holds the bug path and every fix, and
-renders through the same views and report a live session uses. With engines: a fresh run
-of each scenario still finds what its recording found (findings, not timings). When a
+renders through the same views and report a live session uses. With engines: a rerun of
+each recorded run still finds what its recording found (findings, not timings) and reads
+"reproduced" (exactly, or the same story within rounding on a machine other than the recorder's). When a
 scenario changes on purpose, re-record: `.venv/bin/python scripts/record_fixtures.py NAME`.
 """
 
@@ -15,7 +16,7 @@ import pandas as pd
 import pytest
 
 from workbench import scenarios, viz
-from workbench.postmortem import bundle, report
+from workbench.postmortem import bundle, report, rerun
 from workbench.postmortem.record import RunRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,10 +43,8 @@ def finding_keys(found: pd.DataFrame) -> set[tuple]:
 
 
 def failure_keys(rec: RunRecord) -> set[tuple]:
-    """Where ranks failed, and whether they died. How a survivor of a dead peer fails (a reset
-    connection or its own timeout) is a race, so 'error' and 'timeout' count as one kind."""
-    return {(e["step"], int(e["rank"]), "died" if e["kind"] == "died" else "failed")
-            for e in rec.events.to_dict(orient="records")}
+    """Where ranks failed, and whether they died ('error' and 'timeout' are one kind: see rerun.failure_keys)."""
+    return rerun.failure_keys(rec)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -86,18 +85,19 @@ def test_recording_shows_the_bug_and_a_fix_removes_some_of_it(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_fresh_run_matches_recorded_findings(healthy, name):
+def test_fresh_run_matches_recorded_findings_and_reruns_as_reproduced(healthy, name):
+    """Each recorded run, rerun here: the same findings and failures, and the rerun verdict "reproduced"
+    (exactly on the recorder's kind of machine, "same story" within the stated rounding on another:
+    whichever machine recorded the fixture, nothing here compares bytes without a tolerance)."""
     b = _bundle(name)
     cluster = healthy
     for rec, recorded in zip(b, b.recorded_findings):
         if cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
             cluster.restart()
-        fix = rec.manifest.get("fix")
-        s = cluster.session(name, fix=fix, poison=rec.manifest.get("poison", True))
-        s.run()
-        fresh = s.record()
-        s.reset()
+        verdict = rerun.rerun_record(rec, cluster)
+        fresh = verdict.new
         label = f"{name} ({rec.label})"
+        assert verdict.reproduced, verdict.message
         assert fresh.steps == rec.steps, label
         assert failure_keys(fresh) == failure_keys(rec), f"{label}: ranks fail differently than recorded"
         now, then = finding_keys(fresh.findings()), finding_keys(recorded)

@@ -309,7 +309,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
-    """Rerun every run of a bundle as recorded and say, per run, whether it reproduced exactly."""
+    """Rerun every run of a bundle as recorded and say, per run: reproduced exactly, the same story within
+    rounding (another machine's kernels), or where it differs. Exit 1 when any differs."""
     from workbench.postmortem import bundle, rerun
 
     b = bundle.load(args.bundle)
@@ -324,10 +325,10 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     backend = m.get("backend") or "auto" if args.backend == "recorded" else args.backend
     args.ranks, args.backend, args.timeout = ranks, backend, float(m.get("timeout_s") or 60.0)
     with ranks_for(args) as cluster:
-        results = b.rerun(cluster)
+        results = b.rerun(cluster, strict=args.strict)
     for r in results:
         print(r.message)
-    return 0 if all(r.exact for r in results) else 1
+    return 0 if all(r.reproduced for r in results) else 1
 
 
 def ranks_for(args: argparse.Namespace) -> Any:
@@ -450,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
     rr.add_argument("--backend", default="recorded", choices=["recorded", "auto", "gloo", "nccl"])
     rr.add_argument("--max-ranks", type=int, default=None, help="most ranks to start (default: 4 per CPU core)")
+    rr.add_argument("--strict", action="store_true",
+                    help="reproduced only when bit-exact (default: the same story, values within rounding)")
     _add_cluster_args(rr, "--cluster")
     rr.set_defaults(fn=cmd_rerun)
     u = sub.add_parser("up", help="start a cluster in the background and return (warm ranks for --cluster)")

@@ -102,14 +102,15 @@ class Bundle:
 
         return report.write(self.records, path)
 
-    def rerun(self, cluster: Any) -> list[Any]:
+    def rerun(self, cluster: Any, strict: bool = False) -> list[Any]:
         """Run every recorded run again on ``cluster`` (fix, params, seed, poison, world size as recorded) and
-        diff each against its recording: a list of ``workbench.postmortem.rerun.Rerun`` (print them)."""
+        compare each with its recording: a list of ``workbench.postmortem.rerun.Rerun`` (print them).
+        ``strict``: only bit-identical runs reproduce (else the same story within rounding does)."""
         from workbench.postmortem import rerun
 
         for rec in self.records:  # every run checked before the first starts
             rerun.check(rec, getattr(cluster, "world_size", None))
-        return [rerun.rerun_record(rec, cluster) for rec in self.records]
+        return [rerun.rerun_record(rec, cluster, strict=strict) for rec in self.records]
 
     def __repr__(self) -> str:
         runs = ", ".join(r.label for r in self.records)

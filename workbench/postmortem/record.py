@@ -60,6 +60,8 @@ def versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # engines inherit it: torch's float kernels (SIMD width) it picks
+        out["ATEN_CPU_CAPABILITY"] = os.environ["ATEN_CPU_CAPABILITY"]
     return out
 
 
