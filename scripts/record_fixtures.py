@@ -33,6 +33,13 @@ def warm(cluster) -> None:
     cluster.run(_import_heavy, timeout=600)
 
 
+def pinned(sc) -> dict:
+    """The weight-sync scenarios record with the workbench's own receiver: ``auto`` would record vLLM here
+    and the stand-in on a machine without it (the GPU image), and a rerun could not know which it was.
+    vLLM's path has its own tests (tests/test_vllm_weightsync.py)."""
+    return {"receiver": "workbench"} if "receiver" in sc.params else {}
+
+
 def record(cluster, name: str, out_dir: Path) -> Path:
     from workbench import scenarios
     from workbench.postmortem import bundle
@@ -43,7 +50,7 @@ def record(cluster, name: str, out_dir: Path) -> Path:
         if cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
             cluster.restart()  # a rank the previous run killed or left stuck
             warm(cluster)
-        s = cluster.session(sc, fix=fix)
+        s = cluster.session(sc, fix=fix, **pinned(sc))
         s.run()
         rec = s.record()
         s.reset()

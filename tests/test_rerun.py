@@ -184,7 +184,8 @@ def _save(tmp_path, **manifest) -> Path:
 
 @pytest.mark.parametrize("manifest, needle", [
     ({"scenario": "no-such-scenario"}, "the bundle's scenario 'no-such-scenario' is not in this workbench"),
-    ({"ranks": 4096}, "the bundle was recorded on 4096 ranks; this machine starts at most"),
+    ({"ranks": 4096, "devices": {str(r): "cpu" for r in range(4096)}},  # a world its devices back
+     "the bundle was recorded on 4096 ranks; this machine starts at most"),
     ({"fix": "no-such-fix"}, "no-such-fix"),
 ])
 def test_bad_bundles_get_one_line_before_engines_start(tmp_path, capsys, manifest, needle):

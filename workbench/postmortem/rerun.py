@@ -106,9 +106,25 @@ def _word(v: Any) -> str:
 def settings(rec: RunRecord) -> dict[str, Any]:
     """What a rerun must match: scenario, fix, params (seed included), poison, world size, collective timeout."""
     m = rec.manifest
-    return {"scenario": m.get("scenario"), "fix": m.get("fix"), "params": dict(m.get("params") or {}),
+    return {"scenario": m.get("scenario"), "fix": m.get("fix"), "params": _params(rec),
             "poison": bool(m.get("poison", True)), "ranks": int(m.get("ranks") or 0), "timeout_s": m.get("timeout_s"),
             "backend": m.get("backend")}
+
+
+def _params(rec: RunRecord) -> dict[str, Any]:
+    """The recorded parameters, with the receiver the recording actually used: a bundle from before the
+    ``receiver`` parameter ran the stand-in, and ``auto`` means whatever the recorder's ranks had (its
+    outputs say which), not whatever this machine has."""
+    from workbench import scenarios
+
+    params = dict(rec.manifest.get("params") or {})
+    name = rec.manifest.get("scenario")
+    if name not in scenarios.names() or "receiver" not in scenarios.get(name).params:
+        return params
+    if params.get("receiver", "auto") == "auto":
+        used = rec.outputs["receiver"].dropna() if "receiver" in rec.outputs.columns else []
+        params["receiver"] = str(used.iloc[0]) if len(used) else "workbench"
+    return params
 
 
 def check(rec: RunRecord, world_size: int | None = None) -> None:
