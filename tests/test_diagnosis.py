@@ -202,6 +202,7 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
 # Tempting non-fixes: their runs must not read clean. `check-streamed-names` alone is insurance that
 # fails loudly on the permutation, yet cannot stop the stage-2 walk that parts earlier.
 NON_FIXES = {"recompute-after-wrap", "check-streamed-names"}
+SPLIT = "the receiver's plan and the sender's stream part at index 33 of stage 1"
 
 
 def test_a_rank_that_raised_before_anything_went_wrong_leads_the_story():
@@ -250,8 +251,10 @@ def test_catalogue_bug_paths_name_the_cause_and_fixes_are_clean(name):
             assert rec.diagnose().clean, (fix, rec.diagnose().sentence)
         elif fix == "recompute-after-wrap":
             assert rec.diagnose().mechanism == "reinterpreted"
-        elif fix == "check-streamed-names":  # the refused stream leads, not what it left unloaded
-            assert rec.diagnose().sentence.startswith("ranks 0,1 raised StreamPlanMismatch in step `deliver`")
+        elif fix == "check-streamed-names":  # the split leads, then the check that caught it (loud, not fixed)
+            said = rec.diagnose().sentence
+            assert said.startswith(SPLIT) and "; ranks 0,1 raised StreamPlanMismatch in step `deliver`" in said, said
+            assert "nothing raised" not in said
         elif fix:
             assert not rec.diagnose().clean
 
@@ -269,8 +272,8 @@ def test_gpu_bundles_bug_named_fix_clean(path):
         return
     assert not d.clean
     if fix == "check-streamed-names":  # insurance alone: the check fails loudly, the later walk still parts
-        assert d.sentence.startswith("ranks 0,1 raised StreamPlanMismatch in step `deliver`") \
-            and "later, in step" in d.sentence, d.sentence
+        assert d.sentence.startswith(SPLIT) and "; ranks 0,1 raised StreamPlanMismatch in step `deliver`" \
+            in d.sentence and "later, in step" in d.sentence, d.sentence
         return
     if rec.manifest["scenario"] == "fsdp1-rotary-meta-init":
         assert "rank 0 sent an extra fp32 bucket (broadcast #1, 256 B: `inv_freq`, `original_inv_freq`) that rank 1 " \

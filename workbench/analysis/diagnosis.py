@@ -493,7 +493,13 @@ def _permuted(run: _Run) -> Diagnosis | None:
     sentence = (f"the receiver's plan and the sender's stream part at index {sp['index']} of stage {sp['stage']}"
                 f"{types}: the plan lists `{short(str(sp['planned']))}` there, the stream carries "
                 f"`{short(str(sp['streamed']))}`, so {sp['wrong']} of {sp['names']} planned names load other "
-                "tensors' bytes and nothing raised")
+                "tensors' bytes")
+    later = run.steps[run.index(step):] if step is not None else []
+    caught = next((st for st in later if cause.causes(run.events, st)), None)  # an exception, not a collective's
+    if caught is not None:
+        sentence += f"; {_from_error(run, caught).sentence}"  # a check that caught it: loud, yet the same cause
+    else:
+        sentence += " and nothing raised"
     ev = [{"step": step, "rank": None, "what": "plan vs stream",
            "fact": f"index {sp['index']}: plan {sp['planned']!r}, stream {sp['streamed']!r}"}]
     return Diagnosis("permuted", sentence, step, [], sp["planned"], None, _ev(ev))
