@@ -276,8 +276,10 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
         for r in led[led["state"].isin(["timed out", "failed"])].sort_values("t_start").itertuples(index=False):
             if int(r.rank) not in seen:
                 seen.add(int(r.rank))
-                out.append({"rank": int(r.rank), "step": r.step, "how": f"{r.state} in {r.op} #{r.seq}",
-                            "call": r._asdict()})
+                # a call the workbench aborted (a proven deadlock released, a recovery) was hung, not failed
+                released = str(getattr(r, "error", "") or "").startswith("aborted by the workbench")
+                how = f"hung in {r.op} #{r.seq} (released by the workbench)" if released else f"{r.state} in {r.op} #{r.seq}"
+                out.append({"rank": int(r.rank), "step": r.step, "how": how, "call": r._asdict()})
     for h in run.manifest.get("hangs") or []:
         for rank, what in (h.get("stuck") or {}).items():
             if int(rank) not in seen:

@@ -80,6 +80,10 @@ def tolerance_words(dtype: str, floor: str = "float32") -> str:
     return f"{ULPS[d]} {d} ulps of the tensor's scale" if d in ULPS else "exact"
 
 
+def _close(x: float | None, y: float | None) -> bool:
+    return x == y or (x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6))
+
+
 def _num(v: Any) -> float | None:
     if v is None or isinstance(v, (str, bytes)):
         return None
@@ -198,6 +202,14 @@ def compare_trace(a: dict[str, Any], b: dict[str, Any], floor: str = "float32") 
         if (_num(a.get(key)) or 0) != (_num(b.get(key)) or 0):
             return Gap(story=f"{_int(_num(a.get(key)))} {key} then, {_int(_num(b.get(key)))} now", same_bytes=False)
     dtype = str(a.get("dtype"))
+    if dtype.startswith(("int", "uint")) or dtype == "bool":
+        # an index output (top-k experts, argmax): two scores that tie within rounding may swap places in it,
+        # so its bytes move with the kernels while its range and mean stay; a token sent to another expert
+        # moves them, and shows in the experts' own calls (their shapes) right after
+        # (the mean is a float sum of the indices: its last bits move with the reduction's kernel too)
+        if all(_close(_num(a.get(k)), _num(b.get(k))) for k in ("absmax", "meanabs")):
+            return Gap(same_bytes=False)
+        return Gap(story=f"different {dtype} values (other picks, not only another order)", same_bytes=False)
     tol_r = rtol(dtype, floor)
     if tol_r is None:
         return Gap(story=f"different {dtype} values (compared exactly)", same_bytes=False)

@@ -28,7 +28,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(x @ self.weight.t())
-        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        # a stable sort, not topk: over NaN (a never-written bias) or tied scores, topk's picks are each CPU
+        # kernel's own choice, and a colleague's rerun would route elsewhere; here ties go to the lower id
+        ranked = torch.sort(scores + self.expert_bias, dim=-1, descending=True, stable=True).indices
+        chosen = ranked[..., : self.top_k]
         gates = scores.gather(-1, chosen)
         return chosen, gates / gates.sum(-1, keepdim=True)
 

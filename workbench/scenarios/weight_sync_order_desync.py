@@ -71,6 +71,7 @@ CHECK = SCENARIO.fix(
     "check-streamed-names",
     "Insurance: the sender broadcasts each buffer's names before its bytes and both sides compare them with the "
     "plan, failing at the first mismatching index instead of loading (it cannot stop a walk that parts earlier).",
+    non_fix=True,  # loud instead of silent: the sync is still wrong
 )
 BOTH = SCENARIO.fix("one-chunk-plan+check-streamed-names", "Both: the plan is right and the check confirms it.")
 
