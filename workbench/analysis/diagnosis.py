@@ -278,7 +278,8 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
                 seen.add(int(r.rank))
                 # a call the workbench aborted (a proven deadlock released, a recovery) was hung, not failed
                 released = str(getattr(r, "error", "") or "").startswith("aborted by the workbench")
-                how = f"hung in {r.op} #{r.seq} (released by the workbench)" if released else f"{r.state} in {r.op} #{r.seq}"
+                how = (f"hung in {r.op} #{r.seq} (released by the workbench)" if released
+                       else f"{r.state} in {r.op} #{r.seq}")
                 out.append({"rank": int(r.rank), "step": r.step, "how": how, "call": r._asdict()})
     for h in run.manifest.get("hangs") or []:
         for rank, what in (h.get("stuck") or {}).items():

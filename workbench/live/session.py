@@ -210,7 +210,8 @@ class Session:
         hang.finished = [r for r in hang.finished if r not in hang.stuck]  # a released call returned, it did not finish
         if len(hang.ranks):
             waits = hang.ranks["rank"].map(hang.stuck)
-            hang.ranks.loc[waits.notna(), "status"] = "inside " + waits[waits.notna()] + " (released: it could never pair)"
+            held = waits.notna()
+            hang.ranks.loc[held, "status"] = "inside " + waits[held] + " (released: it could never pair)"
         hang.stacks = watch.stacks
         for r, lines in watch.notes().items():
             frame.notes[r] = [*frame.notes.get(r, []), *lines]
