@@ -183,7 +183,8 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
                                                     "`materialize`", "kept it NaN through step `train`",
                                                     "same garbage"]),
     "eval-loop-uneven-batches": ("collective-mismatch", ["call #9", "all_reduce #9", "all_gather_into_tensor #9"]),
-    "weight-sync-rank0-metadata": ("mislabeled", [
+    "weight-sync-rank0-metadata": ("mislabeled", [  # the mechanism first, then what it left
+        "worker 1 sliced trainer rank 1's buffer with rank 0's metadata (names and offsets): "
         "worker 1 `model.layers.0.mlp.experts.0.gate_up_proj` holds trainer rank 1's "
         "`model.layers.0.mlp.experts.4.gate_up_proj`", "nothing raised"]),
     "router-bias-bf16": ("lossy-cast", ["`model.layers.0.mlp.gate.e_score_correction_bias` rounded to bfloat16 "

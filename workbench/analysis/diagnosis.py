@@ -646,6 +646,12 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
             ranks = sorted(set(ref["rank"]))
             sentence = (f"{hits[0]}: {len(hits)} loaded name(s) {what} from step `{step}` on, and nothing raised"
                         + out)
+            via = weightsync.sliced_with(run, step) if status == "mislabel" else None
+            if via is not None:
+                ws = via["workers"]
+                who = (f"worker {ws[0]} sliced trainer rank {ws[0]}'s buffer" if len(ws) == 1 else
+                       f"workers {','.join(map(str, ws))} sliced their own trainer ranks' buffers")
+                sentence = f"{who} with rank {via['rank']}'s metadata (names and offsets): {sentence}"
             ev = [{"step": step, "rank": None, "what": status, "fact": m} for m in hits[:20]] + ev
             return Diagnosis(mechanism, sentence, step, ranks, str(ref["name"].iloc[0]), None, _ev(ev))
     if len(ref):

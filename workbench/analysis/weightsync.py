@@ -99,6 +99,23 @@ def match_matrix(source: Any, step: str | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=MATCH_COLUMNS)
 
 
+def sliced_with(source: Any, step: str | None = None) -> dict[str, Any] | None:
+    """The rank whose metadata the mislabeled workers sliced their own buffers with, when one explains
+    them all: every wrong name a worker loaded is that rank's export, and its bytes are the worker's own
+    trainer rank's (seed 002: one request carried rank 0's names and offsets to every worker)."""
+    m = match_matrix(source, step)
+    bad = m[m["status"] == "mislabel"]
+    if not len(bad) or bad["holds_rank"].isna().any() or not (bad["holds_rank"].astype(int) == bad["worker"]).all():
+        return None
+    trainer = _split(_at(_record(source).tensors, step), "trainer.")
+    exported = {int(r): set(g["hf"]) for r, g in trainer.groupby("rank")}
+    workers = sorted(int(w) for w in set(bad["worker"]))
+    for src in sorted(exported):
+        if src not in workers and all(set(bad[bad["worker"] == w]["name"]) <= exported[src] for w in workers):
+            return {"rank": src, "workers": workers}
+    return None
+
+
 def _same_values(a: Any, b: Any) -> bool:
     ha, hb = list(a.head) if a.head is not None else [], list(b.head) if b.head is not None else []
     return bool(ha) and ha == hb and a.numel == b.numel
