@@ -354,6 +354,15 @@ def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
         # a released call issues its next one steps later)
         timed = [at[r] for r in present if is_number(at[r].get("t_start"))]
         step = (min(timed, key=lambda c: float(c["t_start"])) if timed else ref).get("step")
+        # Every rank runs the same step at once, and a step ends only when every rank returns: one call number
+        # issued in two steps means a rank finished the earlier step without it (a released call's peer goes
+        # on, and its next call takes that number). The parting is in the earlier step.
+        late = [r for r in present if isinstance(at[r].get("step"), str) and at[r].get("step") != step]
+        if late and isinstance(step, str):
+            early = [r for r in present if r not in late]
+            msg = (f"group {group} call #{seq}: rank(s) {early} issued {describe(at[early[0]])} in step {step!r}; "
+                   f"rank(s) {late} issued no call #{seq} in that step (theirs came in step {at[late[0]]['step']!r})")
+            return Divergence("extra", group, seq, early, {**at, **{r: None for r in late}}, msg, step)
         if len(present) < len(ranks):
             absent = [r for r in ranks if at[r] is None]
             msg = (f"group {group} call #{seq}: rank(s) {present} issued {describe(ref)}; "
