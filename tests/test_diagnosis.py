@@ -191,7 +191,8 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
                                         "(float32 on the trainer)"]),
     # the silent stage-1 permutation is the first cause (the plan/stream split, however the bytes then look),
     # the stage-2 parting later
-    "weight-sync-order-desync": ("permuted", ["part at index 33 of stage 1", "nothing raised", "; later, in step `mirror_plan`: rank 0 never issued group 0 call",
+    "weight-sync-order-desync": ("permuted", ["part at index 33 of stage 1", "nothing raised",
+                                              "; later, in step `mirror_plan`: rank 0 never issued group 0 call",
                                               "all_gather_into_tensor"]),
     # the stale cached spec named as the cause, in the issuing code's own words (ledger labels)
     "stale-conversion-cache": ("collective-mismatch", ["in step `sync_2` (different dtypes)",
