@@ -21,6 +21,12 @@ Stage 2 (``mirror_plan`` .. ``score_2``), the mirrored fix that drifted: the met
 builder copies the regrouping but decides it from the dtype of tensors this rank owns.
 The owner of the bias walks the bucket once per dtype, the other rank once: the owner's
 extra walk starts with an expert all-gather nobody joins, and the sync hangs there.
+Where it departs from the report: there the two copies of the regrouping were each right by
+inspection, and the hang came from drift between two separate export passes of a 550B hybrid
+MoE (EP16/PP4) that nobody pinned down; two tiny ranks have no such pass to drift, so the
+drift is planted as one decision taken from rank-local dtypes. What the ranks then do is the
+report's: thousands of good collectives, then one rank's extra expert all-gather that its
+peer never joins (step ``mirror_plan``).
 
 Receiver: ``receiver=vllm`` (the default where vLLM imports) makes rank 1's worker a real vLLM
 engine (a tiny GLM-4.5 MoE from the worker's checkpoint): the consumer hands each sliced tensor to
