@@ -134,6 +134,13 @@ def _signed_log(v: float) -> float:
     return math.copysign(math.log10(1 + abs(v)), v)
 
 
+def _finite(v: object) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
 def buffer_values(history: pd.DataFrame, name: str, *, group: bool | None = None,
                   max_lines: int | None = MAX_LINES) -> go.Figure:
     """The first values of one tensor on every rank, one panel per step.
@@ -171,6 +178,15 @@ def buffer_values(history: pd.DataFrame, name: str, *, group: bool | None = None
                 customdata=[[fmt(v), r.dtype] for v in head],
                 hovertemplate=label + " [%{x}] = %{customdata[0]} (%{customdata[1]})<extra></extra>",
             ), row=1, col=j)
+            bad = [(i, fmt(v)) for i, v in enumerate(head) if not _finite(v)]
+            if bad:  # NaN/Inf have no height: marked on the zero line, or an all-NaN rank would draw nothing
+                fig.add_trace(go.Scatter(
+                    x=[i for i, _ in bad], y=[0.0] * len(bad), mode="markers", name=f"{label}: non-finite",
+                    legendgroup=label, showlegend=False,
+                    marker={"symbol": "x", "size": 9, "color": palette[e["ranks"][0] % len(palette)]},
+                    customdata=[[w, r.dtype] for _, w in bad],
+                    hovertemplate=label + " [%{x}] = %{customdata[0]} (%{customdata[1]})<extra></extra>",
+                ), row=1, col=j)
             shown.add(label)
     fig.update_yaxes(title_text="sign·log10(1+|v|)", col=1)
     fig.update_layout(title=f"{short(name)}: first values per rank", height=360)
