@@ -486,6 +486,10 @@ class Engines:
                     out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
                 if out.failures[r].kind == "died":
                     self._dead.add(r)
+                    if out.failures[r].error == "EngineDied" and not self.is_local(r):
+                        # the hub failed the task before our own check: say why as that check would (a host off
+                        # the network is not a dead engine)
+                        out.failures[r] = RankFailure(r, "died", "EngineDied", self.death_line(r))
         return out
 
 
