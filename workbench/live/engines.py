@@ -566,7 +566,7 @@ def _kill(pids: Any) -> None:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=5)
+    live_lease.wait_gone(procs, timeout=5)
 
 
 def _import_rank_layer() -> None:
