@@ -308,3 +308,11 @@ def test_report_opens_with_what_happened_and_lists_each_finding_once():
     assert "It parts from the bug path at step `cast`" in head
     bug = page[page.index("id='run-0'"):page.index("id='run-1'")]
     assert bug.count("2 tensor(s) with bfloat16 on rank 1, float32 on rank 0") == 1  # was once per step
+
+
+def test_rank_lists_in_sentences_stay_short_at_scale():
+    from workbench.analysis.diagnosis import _ranks
+
+    assert _ranks([1]) == "rank 1" and _ranks([1, 0]) == "ranks 0,1"
+    assert _ranks(range(1, 64)) == "ranks 1-63"
+    assert _ranks([0, 1, 2, 5, 7, 8, 9, 10]) == "ranks 0-2,5,7-10"

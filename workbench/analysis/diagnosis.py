@@ -102,8 +102,17 @@ def _names(names: list[str], among: list[str], n: int = 3) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+    """``rank 3``, ``ranks 0,1``, ``ranks 1-63`` (a run of three or more reads as a range: a sentence about
+    a 64-rank mesh must stay one line)."""
+    ranks = sorted({int(r) for r in ranks})
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
 
 
 def _table(rec: Any, name: str) -> pd.DataFrame:
