@@ -44,6 +44,9 @@ def unavailable() -> str | None:
     """Why namespaces cannot be made here (one line), or None when they can."""
     if os.geteuid() != 0:
         return "network namespaces need root"
+    for path, what in ((REPO, "the checkout"), (BIN, "the virtual environment")):
+        if os.path.realpath(path) == "/tmp" or os.path.realpath(path).startswith("/tmp/"):
+            return f"{what} is under /tmp ({path}), which each simulated host replaces with its own"
     for tool in ("ip", "unshare", "mount", "hostname", "ss"):
         if shutil.which(tool) is None:
             return f"no {tool!r} command"
