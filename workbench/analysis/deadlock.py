@@ -13,7 +13,7 @@ completes anyway (NCCL returns a mis-sized broadcast silently) is a corruption, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,12 +99,18 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
 class Watch:
     """Polls a ledger source during a step and declares a deadlock once it has held for ``hold`` s."""
 
-    def __init__(self, read: Any, ranks: list[int], hold: float = 0.3):
+    def __init__(self, read: Any, ranks: list[int], hold: float = 0.3,
+                 hold_for: Callable[[Deadlock], float] | None = None):
         self.read, self.ranks, self.hold = read, ranks, hold
+        self.hold_for = hold_for  # per picture (a peer that finished without the call needs no hold)
         self._seen: tuple | None = None
         self._since = 0.0
         self.found: Deadlock | None = None
         self.blocked_at: float | None = None  # ledger time the last rank entered its open call
+
+    def forget(self) -> None:
+        """Nothing open now: a picture seen before must be seen anew to count."""
+        self._seen = None
 
     def __call__(self, done: Iterable[int]) -> str | None:
         d = find(self.read(), done, self.ranks)
@@ -115,7 +121,7 @@ class Watch:
         if d.signature != self._seen:
             self._seen, self._since = d.signature, now
             return None
-        if now - self._since < self.hold:
+        if now - self._since < (self.hold_for(d) if self.hold_for is not None else self.hold):
             return None
         self.found = d
         starts = [c.get("t_start") for c in d.waiting.values() if c.get("t_start") is not None]

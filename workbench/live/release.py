@@ -52,10 +52,9 @@ class Release:
 
     def __init__(self, cluster: Engines, read: Callable[[], pd.DataFrame], ranks: list[int],
                  hold: float = HOLD_S, any_open: Callable[[], bool] | None = None):
-        self.cluster, self.read, self.ranks, self.hold = cluster, read, ranks, hold
+        self.cluster, self.ranks = cluster, ranks
         self.any_open = any_open  # cheap check first: no open call, no table built (most polls of most steps)
-        self._seen: tuple | None = None
-        self._since = 0.0
+        self._watch = deadlock.Watch(read, ranks, hold, hold_for=lambda d: 0.0 if certain(d) else hold)
         self.found: deadlock.Deadlock | None = None
         self.blocked_at: float | None = None  # ledger time the last waiting rank entered its call
         self.declared_at: float | None = None  # wall time the deadlock was declared (before any release)
@@ -69,23 +68,16 @@ class Release:
             if time.monotonic() - (self._released_mono or 0) > RELEASE_WAIT_S:
                 return f"{self.found.reason} (the release did not free rank(s) {sorted(self.found.waiting)})"
             return None
-        d = None if self.any_open is not None and not self.any_open() else deadlock.find(self.read(), done, self.ranks)
-        now = time.monotonic()
-        if d is None:
-            self._seen = None
+        if self.any_open is not None and not self.any_open():
+            self._watch.forget()
             return None
-        if d.signature != self._seen:
-            self._seen, self._since = d.signature, now
-            return None
-        if now - self._since < (0.0 if certain(d) else self.hold):
-            return None
-        self._declare(d)
+        if self._watch(done) is not None:
+            self._declare(self._watch.found)
         return None
 
     def _declare(self, d: deadlock.Deadlock) -> None:
         self.found, self.declared_at = d, time.time()
-        starts = [c.get("t_start") for c in d.waiting.values() if c.get("t_start") is not None]
-        self.blocked_at = max(starts) if starts else None
+        self.blocked_at = self._watch.blocked_at
         waiting = sorted(d.waiting)
         self.stacks = self.cluster.stacks(waiting)  # while they still sit in the call
         with ThreadPoolExecutor(max_workers=min(32, len(waiting))) as pool:
