@@ -343,7 +343,8 @@ def group_ranks(part: pd.DataFrame) -> list[int]:
 
 def _group_divergence(group: str, part: pd.DataFrame) -> Divergence | None:
     ranks = group_ranks(part)
-    calls = {r: [dict(row) for _, row in part[part["rank"] == r].sort_values("seq").iterrows()] for r in ranks}
+    ordered = part.sort_values("seq", kind="stable")
+    calls = {r: ordered[ordered["rank"] == r].to_dict("records") for r in ranks}  # records: 10x iterrows
     length = max(len(v) for v in calls.values())
     for k in range(length):
         at = {r: (calls[r][k] if k < len(calls[r]) else None) for r in ranks}
