@@ -70,7 +70,13 @@ def test_a_sigkilled_runs_cluster_is_found_by_down_without_its_id(tmp_path):
         assert status.returncode == 0 and "default:" in status.stdout, status
         down = cli("down", env=env, timeout=120)
         assert down.returncode == 0, down.stderr[-2000:]
-        assert alive(family) == [] and "default:" not in cli("status", env=env, timeout=60).stdout
+        # the killed run's lease reaper may still be finishing its own round when down returns (seen once in
+        # 512 tests under load): it goes within seconds; an engine down failed to end would stay
+        end = time.monotonic() + 10
+        while alive(family) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert alive(family) == [], [(p.pid, p.cmdline()[-3:]) for p in alive(family)]
+        assert "default:" not in cli("status", env=env, timeout=60).stdout
     finally:
         if proc.poll() is None:
             proc.kill()
