@@ -125,10 +125,11 @@ def kill(procs: list[psutil.Process]) -> int:
     return n
 
 
-def wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait until each process has exited: gone, or a zombie. An engine whose nanny was killed with it is
     reparented to PID 1, which in a container may reap late; psutil's own wait polls until the zombie
-    is reaped (measured: 1-2 s of every ``cluster.stop()``), though a zombie holds nothing."""
+    is reaped (measured: 1-2 s of every ``cluster.stop()``), though a zombie holds nothing. Returns the
+    processes still running at the timeout."""
     end = time.monotonic() + timeout
     left = list(procs)
     while left and time.monotonic() < end:
@@ -147,6 +148,7 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> None:
             os.waitpid(p.pid, os.WNOHANG)
         except (ChildProcessError, OSError):
             pass
+    return left
 
 
 def end_tree(token: str, rounds: int = 3) -> int:

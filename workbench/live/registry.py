@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from workbench.errors import ClusterError
+from workbench.live import lease as live_lease
 
 WAIT_S = 5.0  # how long an attach waits for engines still registering before it says so
 UP_TIMEOUT_S = 120.0  # engines registering after `workbench up` (a loaded 2-core box needs ~10 s)
@@ -143,13 +144,13 @@ def reap(pids: Any, timeout: float = 10.0) -> None:
             procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    alive = live_lease.wait_gone(procs, timeout=timeout)  # a zombie has exited: no wait for PID 1 to reap it
     for p in alive:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    live_lease.wait_gone(alive, timeout=5)
 
 
 def processes(profile: str | None, cluster_id: str = "") -> list[int]:
