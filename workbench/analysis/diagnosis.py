@@ -115,6 +115,30 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
 
 
+def _possessive(ranks: list[int]) -> str:
+    """``rank 1's``, ``ranks 1-7's``: whose tensor a sentence is about, as one group."""
+    return _ranks(ranks) + "'s"
+
+
+def _by_value(per_rank: dict[int, Any]) -> dict[Any, list[int]]:
+    """``{rank: value}`` -> ``{value: [ranks]}`` in rank order."""
+    out: dict[Any, list[int]] = {}
+    for r, v in sorted(per_rank.items()):
+        out.setdefault(v, []).append(int(r))
+    return out
+
+
+def _calls_by_group(calls: dict[int, Any]) -> str:
+    """Where ranks part, one clause per distinct call: ``rank 0: all_reduce #9 …; ranks 1-7: all_gather …``.
+
+    At 8 or 64 ranks the ranks on one side issue the same call; listing each would bury the two sides."""
+    groups: dict[str, list[int]] = {}
+    for r, c in sorted(calls.items()):
+        if c:
+            groups.setdefault(collectives.describe(c), []).append(int(r))
+    return "; ".join(f"{_ranks(rs)}: {text}" for text, rs in groups.items())
+
+
 def _table(rec: Any, name: str) -> pd.DataFrame:
     df = getattr(rec, name, None)
     return df if isinstance(df, pd.DataFrame) else pd.DataFrame()
@@ -311,7 +335,11 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
 
 
 def _stuck_clause(stuck: list[dict[str, Any]]) -> str:
-    return "".join(f"; rank {s['rank']} {s['how']}" for s in stuck)
+    """``; rank 0 hung in …; ranks 1-7 …``: ranks stuck the same way read as one group."""
+    groups: dict[str, list[int]] = {}
+    for s in stuck:
+        groups.setdefault(s["how"], []).append(int(s["rank"]))
+    return "".join(f"; {_ranks(rs)} {how}" for how, rs in groups.items())
 
 
 def _split_before(run: _Run, upto: str | None, dtypes: set[str]) -> tuple[str, list[str], dict] | None:
@@ -359,14 +387,16 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
     bucket = _bucket_names(run, sender, call) if call.get("via") else []
     receiver = others[0] if others else sender
     rcall = calls.get(receiver) or {}
+    receivers = [r for r in others if (calls.get(r) or {}).get("dtypes") == rcall.get("dtypes")] or [receiver]
     if div.kind == "extra" and call.get("via"):
         what = (f"rank {sender} sent an extra {dt(call.get('dtypes'))} bucket ({call['op']} #{call['seq']}, "
                 f"{_size(call)}" + (f": {_names(bucket, among)}" if bucket else "") + ")"
-                f" that rank {receiver} received into its {dt(rcall.get('dtypes'))} bucket")
+                f" that {_ranks(receivers)} received into {'its' if len(receivers) == 1 else 'their'} "
+                f"{dt(rcall.get('dtypes'))} bucket")
         how = f"`{call['via']}` bucketed by dtype" + (f" after `{split[0]}` split the dtypes" if split else "")
         mechanism = "mispaired"
     else:
-        what = "; ".join(f"rank {r}: {collectives.describe(c)}" for r, c in sorted(calls.items()) if c)
+        what = _calls_by_group(calls)
         words = {"op": "different collectives", "dtype": "different dtypes", "size": "different sizes",
                  "root": "different roots"}.get(div.kind, "an extra call")
         how = f"the ranks' collectives part at group {div.group} call #{div.seq} in step `{div.step}` ({words})"
@@ -374,19 +404,20 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
     if split:
         evidence.insert(0, {"step": split[0], "rank": None, "what": "dtype split",
                             "fact": f"{_names(split[1], among)}: " + ", ".join(
-                                f"{dt(d)} on rank {r}" for r, d in sorted(split[2].items()))})
+                                f"{dt(d)} on {_ranks(rs)}" for d, rs in _by_value(split[2]).items())})
 
     # what the mispaired transfer left behind on the receiving rank
     t = run.at(run.tensors, div.step)
     re_rows = [m for m in findings.reinterpretations(t) if m["rank"] != sender] if len(t) else []
     st = run.status.get(div.step, pd.DataFrame(columns=["rank", "name", "status"]))
     never = st[(st["rank"] == receiver) & (st["status"] == "poison")]["name"].tolist() if len(st) else []
+    never_on = sorted(set(st[(st["status"] == "poison") & st["name"].isin(never)]["rank"])) if never else []
     for m in re_rows:
         evidence.append({"step": div.step, "rank": m["rank"], "what": m["name"], "fact": m["finding"]})
     if never:
         evidence.append({"step": div.step, "rank": receiver, "what": "never written",
                          "fact": f"{len(never)} tensor(s): {_names(never, among, 5)}"})
-    rest = f"; the rest of rank {receiver}'s tensors were never written" if never else ""
+    rest = f"; the rest of {_possessive(never_on)} tensors were never written" if never else ""
     tail = rest + _stuck_clause(stuck) + _outputs_clause(_bad_outputs(run))
     first_step = split[0] if split else div.step
     if re_rows and mechanism == "mispaired":
@@ -398,7 +429,9 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
         shift = f" from byte {pick['offset']}" if pick["offset"] else ""
         read_as = f" read as {dt(row['dtype'])}" if src["dtype"] != row["dtype"] else ""
         of = "" if same else f" of `{short(pick['source'], among)}`"
-        head = f"rank {pick['rank']}'s `{short(pick['name'], among)}` is rank {sender}'s {dt(src['dtype'])} bytes" \
+        alike_on = sorted({int(m["rank"]) for m in re_rows if (m["name"], m["source"], m["offset"])
+                           == (pick["name"], pick["source"], pick["offset"])})  # the same mispairing on each
+        head = f"{_possessive(alike_on)} `{short(pick['name'], among)}` is rank {sender}'s {dt(src['dtype'])} bytes" \
                f"{of}{shift}{read_as}"
         if pick.get("shift"):
             slid = abs(int(pick["shift"]))
@@ -410,7 +443,7 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
             head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}`{more} hold rank {sender}'s bytes slid by "
                     f"{amount}{why}")
         sentence = f"{head}: {how}, {what}{tail}"
-        return Diagnosis("reinterpreted", sentence, first_step, [pick["rank"]], pick["name"], call, _ev(evidence))
+        return Diagnosis("reinterpreted", sentence, first_step, alike_on, pick["name"], call, _ev(evidence))
     if mechanism == "mispaired":
         sentence = f"{how}, {what}{tail}"
         tensor = bucket[0] if bucket else None
@@ -659,7 +692,7 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
             if via is not None:
                 ws = via["workers"]
                 who = (f"worker {ws[0]} sliced trainer rank {ws[0]}'s buffer" if len(ws) == 1 else
-                       f"workers {','.join(map(str, ws))} sliced their own trainer ranks' buffers")
+                       f"{_ranks(ws).replace('ranks', 'workers', 1)} sliced their own trainer ranks' buffers")
                 sentence = f"{who} with rank {via['rank']}'s metadata (names and offsets): {sentence}"
             ev = [{"step": step, "rank": None, "what": status, "fact": m} for m in hits[:20]] + ev
             return Diagnosis(mechanism, sentence, step, ranks, str(ref["name"].iloc[0]), None, _ev(ev))
@@ -777,7 +810,9 @@ def _head_gap(a: pd.DataFrame, b: pd.DataFrame, key: tuple) -> str:
     """How far apart the first values of one output are: rounding (1e-7) reads differently from a bug."""
     def head(df: pd.DataFrame) -> list[float]:
         row = df[(df["rank"] == key[0]) & (df["name"] == key[1])]
-        return [float(v) for v in list(row["head"].iloc[0])] if len(row) and row["head"].iloc[0] is not None else []
+        if not len(row) or row["head"].iloc[0] is None:
+            return []
+        return [float("nan") if v is None else float(v) for v in list(row["head"].iloc[0])]  # NaN is stored as null
 
     ha, hb = head(a), head(b)
     gaps = [abs(x - y) for x, y in zip(ha, hb) if x == x and y == y]

@@ -9,7 +9,9 @@ The extractor built its conversion tasks (frozen, each holding its mapping) once
 reused them on every sync, so the caches lived across train / offload / reload cycles.
 
 The cycle here, on 2 ranks (rank 0: pipeline stage 0 and the sender; rank 1: stage 1,
-owner of the MoE layer, and the inference worker): sync 1 exports the router bias as
+owner of the MoE layer, and the inference worker; on N >= 4 ranks the workers get ranks of
+their own, as in ``weight-sync-order-desync``, and every stage but the MoE layer's receives
+the bias from a stale spec): sync 1 exports the router bias as
 bf16 (as after the mixed-precision wrapper's cast) and is right; a train step changes
 every value and the owner keeps the bias fp32 again (Megatron-Core's
 ``_maintain_float32_expert_bias``); offload to CPU and reload; sync 2 allocates the
@@ -55,7 +57,9 @@ SCENARIO = Scenario(
     probe=["inference"],
     incident="004_eff6b9a8f1171dcd",
 )
-SCENARIO.mesh("N = 2 (rank 0: stage 0; rank 1: stage 1 and the inference worker)", lambda n, p: n == 2)
+SCENARIO.mesh("N = 2 (rank 0: stage 0; rank 1: stage 1 and the inference worker), or even N >= 4 with N/2 "
+              "dividing n_routed_experts (trainer ranks 0..N/2-1, inference workers N/2..N-1)",
+              lambda n, p: n == 2 or (n % 2 == 0 and p["n_routed_experts"] % (n // 2) == 0))
 SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
                  "(auto: vLLM where it imports, else the workbench's stand-in)")
 REBUILD = SCENARIO.fix(
@@ -71,6 +75,9 @@ def sync(ctx, n: int) -> None:
     from workbench.rank.weightsync import conversion as cv
 
     forget_expectations(ctx)
+    if not ctx.roles.is_trainer(ctx.rank):  # an inference worker on its own rank: the delivery only
+        deliver(ctx, check=False)
+        return
     ex = ctx.extractor
     before = ex.task_builds
     meta = ex.get_weight_metadata()
@@ -92,7 +99,8 @@ def build(ctx) -> None:
     from workbench.rank.weightsync.pack import dtype_of
 
     build_roles(ctx, bias_dtype=dtype_of(ctx.params["bias_dtype_sync1"]))
-    ctx.extractor = extractor(ctx, "one-plan", reuse_tasks=ctx.fix != REBUILD)
+    if ctx.roles.is_trainer(ctx.rank):
+        ctx.extractor = extractor(ctx, "one-plan", reuse_tasks=ctx.fix != REBUILD)
 
 
 @SCENARIO.step

@@ -14,6 +14,12 @@ exporting them all-gathers (see ``workbench.rank.weightsync.conversion``). Becau
 plays both roles, the sender packs its buffers in ``stream`` and broadcasts them in
 ``deliver``: the same bytes and cuts as streaming, in two steps.
 
+On N >= 4 ranks the inference workers get ranks of their own, as in the incident's
+non-colocated setup: ranks ``0 .. N/2-1`` are the trainer (pipeline stages and expert
+ranks folded, T = N/2, with its own process group), ranks ``N/2 .. N-1`` are inference
+workers, and the transfer group is rank 0 plus every worker (each worker receives the
+whole broadcast, as vLLM's workers do). The MoE layer then sits on stage T/2.
+
 Stage 1 (``plan`` .. ``score``), silent: equal byte totals, nothing fails; every tensor
 after the bias's raw position is loaded from the wrong bytes.
 
@@ -42,7 +48,8 @@ parts before anything is streamed), and both together.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
@@ -65,7 +72,9 @@ SCENARIO = Scenario(
     probe=["inference"],
     incident="002_79cad179003d2dbf",
 )
-SCENARIO.mesh("N = 2 (rank 0: stage 0 and sender; rank 1: stage 1 and the inference worker)", lambda n, p: n == 2)
+SCENARIO.mesh("N = 2 (rank 0: stage 0 and sender; rank 1: stage 1 and the inference worker), or even N >= 4 "
+              "with N/2 dividing n_routed_experts (trainer ranks 0..N/2-1, inference workers N/2..N-1)",
+              lambda n, p: n == 2 or (n % 2 == 0 and p["n_routed_experts"] % (n // 2) == 0))
 SCENARIO.require("receiver", lambda v: v in RECEIVERS, f"must be one of {', '.join(RECEIVERS)} "
                  "(auto: vLLM where it imports, else the workbench's stand-in)")
 ONE_PLAN = SCENARIO.fix(
@@ -82,13 +91,49 @@ CHECK = SCENARIO.fix(
 BOTH = SCENARIO.fix("one-chunk-plan+check-streamed-names", "Both: the plan is right and the check confirms it.")
 
 ORDER_NOTE = "order:"  # notes carrying the plan / stream entries as JSON, for the client's order view
-SENDER, WORKER = 0, 1
+SENDER, WORKER = 0, 1  # on 2 ranks; see `Roles` for N >= 4
+_GROUPS: dict[tuple, Any] = {}  # this process's subgroups, made once per world group (new_group is collective)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what at this world size: the trainer ranks, the inference workers, and their groups."""
+
+    trainer: tuple[int, ...]
+    workers: tuple[int, ...]
+    trainer_group: Any = None  # None: the world group (2 ranks: both are trainer ranks)
+    transfer_group: Any = None  # None: the world group (2 ranks: the sender and the worker)
+
+    @classmethod
+    def of(cls, rank: int, world_size: int) -> Roles:
+        if world_size == 2:
+            return cls((0, 1), (WORKER,))
+        half = world_size // 2
+        trainer, workers = tuple(range(half)), tuple(range(half, world_size))
+        return cls(trainer, workers, _subgroup(trainer), _subgroup((SENDER, *workers)))
+
+    def is_trainer(self, rank: int) -> bool:
+        return rank in self.trainer
+
+    def is_worker(self, rank: int) -> bool:
+        return rank in self.workers
+
+
+def _subgroup(ranks: tuple[int, ...]) -> Any:
+    """A process group over ``ranks``, made once per world group and reused by later sessions: every rank
+    calls this in the same order (a build step), so the groups match across ranks."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
 
 
 # -- roles ----------------------------------------------------------------------------------
 def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
-    """Trainer replica on every rank (bf16, router bias in ``bias_dtype``, default fp32); the worker's own model on
-    rank 1."""
+    """Trainer replica on every rank (bf16, router bias in ``bias_dtype``, default fp32; a worker keeps it as the
+    reference a right sync reaches); each worker's own model."""
     import torch
 
     from workbench.rank.weightsync import conversion as cv
@@ -103,17 +148,30 @@ def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
     ctx.trainer = trainer
     # Each rank is its own pipeline stage and only rank 1 hosts the inference copy: role-local.
     ctx.local("trainer", "inference", "buffers", "logprob_gap", "names_wrong")
-    ctx.mesh = cv.Mesh(ctx.rank, ctx.world_size, ctx.config.num_hidden_layers, ctx.device)
+    ctx.roles = Roles.of(ctx.rank, ctx.world_size)
+    if ctx.roles.is_trainer(ctx.rank):
+        ctx.mesh = cv.Mesh(ctx.roles.trainer.index(ctx.rank), len(ctx.roles.trainer),
+                           ctx.config.num_hidden_layers, ctx.device, ctx.roles.trainer_group)
     g = torch.Generator().manual_seed(p["seed"] + 100)
     ctx.tokens = torch.randint(1, ctx.config.vocab_size, (1, p["seq_len"]), generator=g).to(ctx.device)
-    if ctx.rank == WORKER:
+    if ctx.roles.is_worker(ctx.rank):
         # the worker's stale copy; it keeps the routing bias fp32
         ctx.inference = cv.build_model(ctx.config, p["seed"] + 1, dtype=torch.bfloat16, device=ctx.device)
         if ctx.receiver == "vllm":
             start_vllm(ctx, ctx.inference)
-    owner = ctx.mesh.stage_of(cv.router_biases(trainer)[0][0])
-    ctx.note(f"trainer stage {ctx.rank}" + (" (owns the MoE layer and its router bias)" if owner == ctx.rank else "")
-             + ("; sender" if ctx.rank == SENDER else "; inference worker"))
+    ctx.note(_role_words(ctx, cv.router_biases(trainer)[0][0]))
+
+
+def _role_words(ctx, bias: str) -> str:
+    roles, said = ctx.roles, []
+    if roles.is_trainer(ctx.rank):
+        owns = ctx.mesh.stage_of(bias) == ctx.mesh.rank
+        said.append(f"trainer stage {ctx.mesh.rank}" + (" (owns the MoE layer and its router bias)" if owns else ""))
+    if ctx.rank == SENDER:
+        said.append("sender")
+    if roles.is_worker(ctx.rank):
+        said.append("inference worker")
+    return "; ".join(said)
 
 
 def forget_expectations(ctx) -> None:
@@ -135,6 +193,8 @@ def make_plan(ctx, metadata: str, stage: int) -> None:
     from workbench.rank.weightsync import broadcast as bc
 
     forget_expectations(ctx)
+    if not ctx.roles.is_trainer(ctx.rank):
+        return  # an inference worker on its own rank waits for the update
     ctx.extractor = extractor(ctx, metadata)
     meta = ctx.extractor.get_weight_metadata()
     ctx.plan = bc.Plan.from_metadata(meta)
@@ -148,6 +208,8 @@ def stream(ctx, stage: int) -> None:
     from workbench.rank.weightsync import broadcast as bc
 
     forget_expectations(ctx)
+    if not ctx.roles.is_trainer(ctx.rank):
+        return
     threshold = ctx.params["threshold_bytes"]
     chunks = ctx.extractor.extract_weights()
     if ctx.rank == SENDER:
@@ -171,26 +233,29 @@ def deliver(ctx, check: bool) -> None:
     from workbench.rank.weightsync import conversion as cv
 
     forget_expectations(ctx)
-    threshold = ctx.params["threshold_bytes"]
+    roles = ctx.roles
+    if ctx.rank != SENDER and not roles.is_worker(ctx.rank):
+        return  # a trainer rank outside the transfer group
+    threshold, group = ctx.params["threshold_bytes"], roles.transfer_group
     box = [ctx.plan.to_metadata() if ctx.rank == SENDER else None]
-    dist.broadcast_object_list(box, src=SENDER, device=_obj_device(ctx))
+    dist.broadcast_object_list(box, src=SENDER, group=group, device=_obj_device(ctx))
     if ctx.rank == SENDER:
-        sent = bc.send_packed(ctx.buffers, src=SENDER, plan=ctx.plan, check=check, threshold=threshold)
+        sent = bc.send_packed(ctx.buffers, group=group, src=SENDER, plan=ctx.plan, check=check, threshold=threshold)
         ctx.note(f"sent {len(sent.buffers)} buffer(s), {sent.bytes} bytes")
     elif ctx.receiver == "vllm":
         from workbench.rank.weightsync import vllm_role as vr
 
         plan = bc.Plan.from_metadata(box[0])
         with vr.WeightUpdate(ctx._llm) as up:
-            got = bc.consume(plan, lambda n, t: vr.update_one(up, n, t), src=SENDER, threshold=threshold,
+            got = bc.consume(plan, lambda n, t: vr.update_one(up, n, t), group=group, src=SENDER, threshold=threshold,
                              device=ctx.device, check=check)
         ctx.inference = vr.as_module(vr.fused_state(vr.hf_state(ctx._llm, ctx.config)))
         ctx.note(f"vLLM's loader: received {len(got.buffers)} buffer(s), {got.bytes} bytes; loaded {len(got.names)} "
                  "tensors by plan")
     else:
         plan = bc.Plan.from_metadata(box[0])
-        got = bc.consume(plan, lambda n, t: cv.load_hf_weight(ctx.inference, n, t), src=SENDER, threshold=threshold,
-                         device=ctx.device, check=check)
+        got = bc.consume(plan, lambda n, t: cv.load_hf_weight(ctx.inference, n, t), group=group, src=SENDER,
+                         threshold=threshold, device=ctx.device, check=check)
         ctx.note(f"received {len(got.buffers)} buffer(s), {got.bytes} bytes; loaded {len(got.names)} tensors by plan")
 
 
@@ -202,7 +267,7 @@ def score(ctx, sync: int) -> None:
     """
     import torch
 
-    if ctx.rank != WORKER:
+    if not ctx.roles.is_worker(ctx.rank):
         return
     trainer = dict(ctx.trainer.named_parameters()) | dict(ctx.trainer.named_buffers())
     for name, _ in [*ctx.inference.named_parameters(), *ctx.inference.named_buffers()]:

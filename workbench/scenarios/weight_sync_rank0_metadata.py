@@ -32,6 +32,19 @@ stand-in (a second transformers model), for machines without vLLM.
 
 Fix ``per-rank-metadata`` (PR #1816): each rank gathers its metadata with its handle and
 every worker slices with its own device's lists.
+
+Where the report's threshold stands: it says layouts were identical at PP=2 and diverged at
+PP>2 / EP>16. The code it ran on does not show that (SkyRL's PR head 6401ef572 with
+Megatron-Bridge 91a15142a, read for this scenario): the bridge walks one sorted task list on
+every rank, ``broadcast_from_pp_rank`` and ``gather_from_ep_ranks`` hand every rank every
+tensor under the same global names, and the extractor's bucket cuts depend on no rank, so
+every GPU's buffer lists the same names at any PP and EP. The only mesh property that
+separates the report's passing run (EP16/PP2) from its failing ones is expert data
+parallelism (2 vs 1), and nothing in that code reads it. So the workbench does not invent a
+threshold: ``layout=ep`` is the report's own description (each rank packs its shard first),
+broken wherever a rank's list differs from rank 0's, i.e. at every N; ``layout=replicated``
+is the export that code performs, clean at every N. ``workbench sweep
+weight-sync-rank0-metadata --ranks 2,4,8 --set layout=ep,replicated`` shows both.
 """
 
 from __future__ import annotations
