@@ -49,6 +49,16 @@ def test_a_finished_rank_whose_call_was_another_size_leaves_its_peer_waiting():
     assert "its call #1 was broadcast #1 float32 [64]" in d.reason and "cannot pair" in d.reason
 
 
+def test_a_peer_whose_call_of_that_number_was_released_leaves_the_late_caller_waiting():
+    """A mesh after a release: rank 1 waited in #5 and was released; rank 0 issues its #5 a step later."""
+    led = ledger_table([call(0, 4), call(1, 4), call(1, 5, state="failed"), call(0, 5, state=OPEN)])
+    d = find(led, done=[1], ranks=[0, 1])
+    assert d is not None and list(d.waiting) == [0]
+    assert "already failed" in d.reason and "no peer left" in d.reason
+    assert find(ledger_table([call(0, 4), call(1, 4), call(1, 5), call(0, 5, state=OPEN)]), done=[1],
+                ranks=[0, 1]) is None  # a completed #5 on the peer: rank 0's may still be its pair
+
+
 def test_a_rank_still_computing_may_yet_pair():
     led = ledger_table([call(0, 1), call(0, 2, state=OPEN), call(1, 1)])  # rank 1 is between calls, not done
     assert find(led, done=[], ranks=[0, 1]) is None

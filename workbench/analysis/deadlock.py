@@ -40,6 +40,11 @@ class Deadlock:
         return self.reason
 
 
+# A peer's call that ended this way (a release, a timeout) took no part in a later call of the same number:
+# on a mesh, a released waiter's group goes on to the next step, where its peers issue that number late.
+ENDED_UNPAIRED = ("failed", "timed out")
+
+
 def _first_open(part: pd.DataFrame) -> dict[str, Any] | None:
     open_ = part[part["state"] == OPEN]
     if open_.empty:
@@ -80,6 +85,11 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
                                 f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
                                 f"which rank {q} will never issue")
             same = mine[mine["seq"] == seq]
+            if len(same) and same.iloc[0]["state"] in ENDED_UNPAIRED:
+                theirs = dict(same.iloc[0])
+                return Deadlock(str(group), here, {q: last},
+                                f"rank {q} finished the step; its call #{seq} ({describe(theirs)}) already "
+                                f"{theirs['state']}, so rank {r0}'s {describe(c0)} has no peer left to pair with")
             if len(same) and mismatch_kind(dict(same.iloc[0]), c0):
                 theirs = dict(same.iloc[0])
                 return Deadlock(str(group), here, {q: last},

@@ -116,6 +116,17 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
             "stacks_file": stacks.install(), "control": where}
 
 
+def new_group(ranks: list[int]) -> Any:
+    """``dist.new_group`` whose gloo pairs the control thread knows, so a call stuck on the subgroup can be
+    released like one on the world group (every rank of the world calls it, in the same order)."""
+    import torch.distributed as dist
+
+    before = control.socket_fds()
+    group = dist.new_group(list(ranks))
+    control.remember_group_sockets(before, add=True)
+    return group
+
+
 def gloo_interface(rendezvous: str, own_addr: str) -> None:
     """Across hosts, make gloo use the interface this rank reaches rank 0 through.
 

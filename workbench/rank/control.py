@@ -216,12 +216,15 @@ def socket_fds() -> dict[int, str]:
     return out
 
 
-def remember_group_sockets(before: dict[int, str], store_port: int) -> int:
+def remember_group_sockets(before: dict[int, str], store_port: int | None = None, add: bool = False) -> int:
     """Keep the connected sockets that appeared while the group formed, but not the store's:
     those are gloo's pairs. (Cutting the store's connections kills the process: its server
-    thread does not survive a reset peer.)"""
+    thread does not survive a reset peer.) ``add``: a subgroup of the current group formed
+    (``dist.new_group``): its pairs join the ones an abort cuts, or a call stuck on it could not be released."""
+    store_port = _STATE.get("store_port") if store_port is None else store_port
+    _STATE["store_port"] = store_port
     after = socket_fds()
-    group = {}
+    group = dict(_STATE.get("group_sockets", {})) if add else {}
     for fd, ino in after.items():
         if before.get(fd) == ino:
             continue
@@ -229,7 +232,8 @@ def remember_group_sockets(before: dict[int, str], store_port: int) -> int:
         if ends is not None and store_port not in ends and _STATE.get("port") not in ends:
             group[fd] = ino
     _STATE["group_sockets"] = group
-    _STATE["aborted"] = False  # a fresh group: nothing of it was aborted
+    if not add:
+        _STATE["aborted"] = False  # a fresh group: nothing of it was aborted
     return len(group)
 
 

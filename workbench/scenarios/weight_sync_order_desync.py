@@ -124,9 +124,11 @@ def _subgroup(ranks: tuple[int, ...]) -> Any:
     calls this in the same order (a build step), so the groups match across ranks."""
     import torch.distributed as dist
 
+    from workbench.rank.context import new_group
+
     key = (id(dist.group.WORLD), ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks))
+        _GROUPS[key] = new_group(list(ranks))
     return _GROUPS[key]
 
 
