@@ -151,8 +151,8 @@ d = s.diagnose()
 result = (d.mechanism, d.step, d.ranks, d.tensor, sorted(set(s.ledger["rank"])))
 s.close()
 """, timeout=300)
-    # What 4 ranks on one host give (measured): rank 1 reads rank 0's fp32 bytes as bf16.
-    assert got[:4] == ("reinterpreted", "cast", [1], "model.model.rotary_emb.inv_freq")
+    # What 4 ranks on one host give (tests/test_meshes.py): ranks 1-3 read rank 0's fp32 bytes as bf16.
+    assert got[:4] == ("reinterpreted", "cast", [1, 2, 3], "model.model.rotary_emb.inv_freq")
     assert got[4] == [0, 1, 2, 3]  # hostb's ranks write their ledgers in hostb's /tmp: mirrored to the client
 
 
@@ -163,11 +163,11 @@ s.run()
 if cluster.needs_recovery:
     cluster.recover()
 d = s.diagnose()
-result = (d.mechanism, d.step, d.ranks, d.tensor)
+result = (d.mechanism, d.step, d.ranks, d.tensor, [f.rank_errors for f in s.frames if not f.ok][:1])
 s.close()
 """, timeout=300)
     # the one-host story (fixtures/bundles/weight-sync-order-desync.wbundle): the plan/stream split comes first
-    assert got == ("permuted", "stream", [], "model.layers.1.mlp.gate.e_score_correction_bias"), got
+    assert got[:4] == ("permuted", "stream", [], "model.layers.1.mlp.gate.e_score_correction_bias"), got
 
 
 def test_eval_loop_hang_is_declared_from_the_ledgers_and_recovered_on_the_same_engines(client):

@@ -65,7 +65,7 @@ def test_rank0_metadata_bug_and_fix_through_vllm(vllm_cluster):
     assert set(ws.output_gap(bug)["receiver"]) == {"vllm"}
     # worker 1 (hosted by rank 0) sliced rank 1's buffer with rank 0's metadata: vLLM's log-probs break
     assert not g[1]["after"] < 10 * g[1]["presync"]  # NaN (experts never written) or far off
-    assert g[0]["after"] <= LEVEL * g[0]["presync"]
+    assert not g[1]["after"] < 5 * g[0]["after"]  # against the rightly sliced worker of the same run
     m = ws.match_matrix(bug)
     w1 = m[m["worker"] == 1].set_index("name")
     for e in range(4):  # read back from vLLM: its expert e holds trainer rank 1's expert e + 4
@@ -75,8 +75,11 @@ def test_rank0_metadata_bug_and_fix_through_vllm(vllm_cluster):
 
     fix = run(vllm_cluster, "weight-sync-rank0-metadata", "per-rank-metadata")
     assert (ws.match_matrix(fix)["status"] == "match").all()
+    # A right sync: every tensor read back exact (above), the gap at the rightly sliced worker's level and far
+    # below the stale copy's. Not "at the pre-sync level": on a CPU where vLLM packs its linear layers for oneDNN's
+    # bf16 path (AVX512-BF16), exact weights read 0.024 after the sync against 0.013 at the engine's start.
     for w in gaps(fix).values():
-        assert w["after"] <= LEVEL * w["presync"] and w["before"] > 2 * w["presync"], w
+        assert w["after"] <= LEVEL * g[0]["after"] and w["before"] > 2 * w["after"], w
 
 
 def test_bf16_router_bias_reaches_vllms_fp32_parameter_and_changes_its_routing(vllm_cluster):

@@ -299,15 +299,20 @@ def _unpack_experts(packed: torch.Tensor, isa: str) -> torch.Tensor:
     return flat.view(packed.shape)
 
 
-def _gate_weight(gate: torch.nn.Module, hidden: int) -> torch.Tensor:
-    """The router weight behind vLLM's packed CPU GEMM: ``gate(I) = W^T`` exactly (one product per output)."""
-    w = getattr(gate, "weight", None)
+def _linear_weight(mod: torch.nn.Module) -> torch.Tensor:
+    """The weight behind vLLM's packed CPU GEMM. Where the CPU has a oneDNN bf16 path (AVX512-BF16, AMX), vLLM
+    repacks every linear layer at load and leaves ``weight`` empty; ``mod(I) = W^T`` then reads it back
+    exactly (one product per output). A layer with a bias would need ``mod(0)`` subtracted, which rounds:
+    refused rather than approximated."""
+    w = getattr(mod, "weight", None)
     if w is not None and w.numel():
         return w.detach().cpu()
-    eye = torch.eye(hidden, dtype=torch.bfloat16)
-    out = gate(eye)
+    if getattr(mod, "bias", None) is not None:
+        raise RuntimeError(f"{type(mod).__name__}: a packed layer with a bias cannot be read back exactly")
+    n_in = int(getattr(mod, "input_size_per_partition", 0) or mod.input_size)
+    out = mod(torch.eye(n_in, dtype=torch.bfloat16))
     out = out[0] if isinstance(out, tuple) else out
-    return out.detach().float().t().contiguous().cpu()
+    return out.detach().t().contiguous().to(torch.bfloat16).cpu()
 
 
 def hf_state(llm, config) -> dict[str, torch.Tensor]:
@@ -318,7 +323,8 @@ def hf_state(llm, config) -> dict[str, torch.Tensor]:
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     out: dict[str, torch.Tensor] = {}
     for name, p in params.items():
-        t = p.detach().cpu()
+        packed_linear = name.endswith(".weight") and not p.numel() and ".experts." not in name
+        t = _linear_weight(model.get_submodule(name[: -len(".weight")])) if packed_linear else p.detach().cpu()
         if name.endswith("qkv_proj.weight"):
             pre = name[: -len("qkv_proj.weight")]
             for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
@@ -330,8 +336,7 @@ def hf_state(llm, config) -> dict[str, torch.Tensor]:
         elif ".experts." in name:
             _experts(model, name, p, out)
         elif name.endswith(".gate.weight"):  # fp32 inside vLLM, loaded from the bf16 the sync sends: exact
-            out[name] = _gate_weight(model.get_submodule(name[: -len(".weight")]), config.hidden_size).to(
-                torch.bfloat16)
+            out[name] = t.to(torch.bfloat16)
         else:
             out[name] = t
     return out
