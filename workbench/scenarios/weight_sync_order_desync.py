@@ -92,7 +92,7 @@ BOTH = SCENARIO.fix("one-chunk-plan+check-streamed-names", "Both: the plan is ri
 
 ORDER_NOTE = "order:"  # notes carrying the plan / stream entries as JSON, for the client's order view
 SENDER, WORKER = 0, 1  # on 2 ranks; see `Roles` for N >= 4
-_GROUPS: dict[tuple, Any] = {}  # this process's subgroups, made once per world group (new_group is collective)
+_GROUPS: dict[Any, Any] = {}  # "world" -> the world group they belong to; ranks -> this process's subgroup
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,13 @@ def _subgroup(ranks: tuple[int, ...]) -> Any:
 
     from workbench.rank.context import new_group
 
-    key = (id(dist.group.WORLD), ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = new_group(list(ranks))
-    return _GROUPS[key]
+    world = dist.group.WORLD
+    if _GROUPS.get("world") is not world:  # a re-formed world destroyed every subgroup of the one before
+        _GROUPS.clear()
+        _GROUPS["world"] = world
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = new_group(list(ranks))
+    return _GROUPS[ranks]
 
 
 # -- roles ----------------------------------------------------------------------------------
