@@ -24,6 +24,7 @@ marker of this client: they outlive it, as they should.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -151,12 +152,13 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proces
     return left
 
 
-def end_tree(token: str, rounds: int = 3) -> int:
-    """Kill the marked tree, a few rounds: a process forking while the first round ran is caught next."""
-    total = 0
-    for _ in range(rounds):
+def end_tree(token: str, rounds: int = 3, within: float = 8.0) -> int:
+    """Kill the marked tree, round after round until a look finds none (at least ``rounds`` looks, and more
+    for ``within`` seconds): a process forking while a round ran is caught by the next."""
+    total, end = 0, time.monotonic() + within
+    for n in itertools.count():
         procs = members(token)
-        if not procs:
+        if not procs or (n >= rounds and time.monotonic() > end):
             break
         total += kill(procs)
     return total
