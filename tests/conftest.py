@@ -26,9 +26,15 @@ def cluster():
     c.stop()
 
 
-@pytest.fixture()
-def healthy(cluster):
-    """The shared cluster, restarted first if an earlier test left a rank dead or stuck."""
+def ready(cluster):
+    """``cluster``, restarted first if an earlier test left it stopped or a rank dead or stuck (shared by the
+    modules that keep a cluster of their own: ``from conftest import ready``)."""
     if not cluster.alive or cluster.dead_ranks() or not cluster.wait_idle(cluster.timeout + 15):
         cluster.restart()
     return cluster
+
+
+@pytest.fixture()
+def healthy(cluster):
+    """The shared cluster, restarted first if an earlier test left a rank dead or stuck."""
+    return ready(cluster)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import ready
 
 import workbench as wb
 from workbench.errors import ClusterError
@@ -52,9 +53,7 @@ def wbc():
 
 @pytest.fixture()
 def fresh(wbc):
-    if not wbc.alive or wbc.dead_ranks() or not wbc.wait_idle(wbc.timeout + 15):
-        wbc.restart()
-    return wbc
+    return ready(wbc)
 
 
 def _kill(cluster, rank: int) -> None:

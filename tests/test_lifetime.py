@@ -58,18 +58,11 @@ def _gone_after_kill(pid: int, token: str) -> float:
     os.kill(pid, signal.SIGKILL)
     while lease.members(token) and time.monotonic() - t0 < GONE_WITHIN_S:
         time.sleep(0.1)
-    left = [p for p in lease.members(token) if _running(p)]  # one that died as the bound passed is gone
+    left = [p for p in lease.members(token) if lease.running(p)]  # one that died as the bound passed is gone
     described = [_describe(p) for p in left]
     lease.kill(left)  # a failing run must not leak what it tests for
     assert left == [], described
     return time.monotonic() - t0
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _describe(p: psutil.Process) -> str:

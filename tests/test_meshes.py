@@ -10,6 +10,7 @@ two engine starts and the runs. The diagnosis must name rank groups, not list ra
 from __future__ import annotations
 
 import pytest
+from conftest import ready
 
 import workbench as wb
 from workbench.analysis import diagnosis
@@ -31,9 +32,7 @@ def mesh(request):
 
 @pytest.fixture()
 def live(mesh):
-    if not mesh.alive or mesh.dead_ranks() or not mesh.wait_idle(mesh.timeout + 15):
-        mesh.restart()
-    return mesh
+    return ready(mesh)
 
 
 def run(cluster, name: str, fix: str | None = None, **params):

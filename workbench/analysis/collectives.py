@@ -320,24 +320,26 @@ def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
     if ledger is None or ledger.empty:
         return None
     found: list[tuple[float, Divergence]] = []
+    open_calls = ledger[ledger["state"] == OPEN]
     for (session, attempt, group), part in ledger.groupby(["session", "attempt", "group"], sort=False):
         div = _group_divergence(str(group), part)
         if div is not None:
             times = [c.get("t_start") for c in div.calls.values() if c is not None and is_number(c.get("t_start"))]
             t = min(times) if times else float(div.seq)
-            run = ledger[(ledger["session"] == session) & (ledger["attempt"] == attempt)]
-            found.append((max([t, *_held_elsewhere(run, div)]), div))
+            held = open_calls[(open_calls["session"] == session) & (open_calls["attempt"] == attempt)]
+            found.append((max([t, *_held_elsewhere(held, div)]), div))
     if not found:
         return None
     return min(found, key=lambda x: x[0])[1]
 
 
-def _held_elsewhere(run: pd.DataFrame, div: Divergence) -> list[float]:
-    """When each rank missing from ``div`` entered a call it never left on another group: until then it could
-    not have issued this one, so the parting dates from there (on a mesh, workers wait for the sender long
-    before the sender dies in a trainer collective: that death comes first, not their wait)."""
+def _held_elsewhere(open_calls: pd.DataFrame, div: Divergence) -> list[float]:
+    """When each rank missing from ``div`` entered a call it never left on another group (``open_calls``: the
+    run's calls still open): until then it could not have issued this one, so the parting dates from there (on
+    a mesh, workers wait for the sender long before the sender dies in a trainer collective: that death comes
+    first, not their wait)."""
     absent = [r for r, c in div.calls.items() if c is None]
-    held = run[run["rank"].isin(absent) & (run["state"] == OPEN) & (run["group"].astype(str) != div.group)]
+    held = open_calls[open_calls["rank"].isin(absent) & (open_calls["group"].astype(str) != div.group)]
     return [float(t) for t in held["t_start"] if is_number(t)]
 
 

@@ -85,13 +85,12 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
                                 f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
                                 f"which rank {q} will never issue")
             same = mine[mine["seq"] == seq]
-            if len(same) and same.iloc[0]["state"] in ENDED_UNPAIRED:
-                theirs = dict(same.iloc[0])
+            theirs = dict(same.iloc[0]) if len(same) else None
+            if theirs is not None and theirs["state"] in ENDED_UNPAIRED:
                 return Deadlock(str(group), here, {q: last},
                                 f"rank {q} finished the step; its call #{seq} ({describe(theirs)}) already "
                                 f"{theirs['state']}, so rank {r0}'s {describe(c0)} has no peer left to pair with")
-            if len(same) and mismatch_kind(dict(same.iloc[0]), c0):
-                theirs = dict(same.iloc[0])
+            if theirs is not None and mismatch_kind(theirs, c0):
                 return Deadlock(str(group), here, {q: last},
                                 f"rank {q} finished the step; its call #{seq} was {describe(theirs)}, while rank "
                                 f"{r0} waits in {describe(c0)}: they cannot pair, and rank {q} issues nothing more")

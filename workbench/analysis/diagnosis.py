@@ -24,6 +24,7 @@ this module stays below the postmortem layer). The figure is built by
 from __future__ import annotations
 
 import html
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +121,10 @@ def _possessive(ranks: list[int]) -> str:
     return _ranks(ranks) + "'s"
 
 
-def _by_value(per_rank: dict[int, Any]) -> dict[Any, list[int]]:
-    """``{rank: value}`` -> ``{value: [ranks]}`` in rank order."""
+def _by_value(pairs: Iterable[tuple[int, Any]]) -> dict[Any, list[int]]:
+    """``(rank, value)`` pairs -> ``{value: [ranks]}``, values in the order they first come."""
     out: dict[Any, list[int]] = {}
-    for r, v in sorted(per_rank.items()):
+    for r, v in pairs:
         out.setdefault(v, []).append(int(r))
     return out
 
@@ -132,10 +133,7 @@ def _calls_by_group(calls: dict[int, Any]) -> str:
     """Where ranks part, one clause per distinct call: ``rank 0: all_reduce #9 …; ranks 1-7: all_gather …``.
 
     At 8 or 64 ranks the ranks on one side issue the same call; listing each would bury the two sides."""
-    groups: dict[str, list[int]] = {}
-    for r, c in sorted(calls.items()):
-        if c:
-            groups.setdefault(collectives.describe(c), []).append(int(r))
+    groups = _by_value((r, collectives.describe(c)) for r, c in sorted(calls.items()) if c)
     return "; ".join(f"{_ranks(rs)}: {text}" for text, rs in groups.items())
 
 
@@ -336,10 +334,7 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
 
 def _stuck_clause(stuck: list[dict[str, Any]]) -> str:
     """``; rank 0 hung in …; ranks 1-7 …``: ranks stuck the same way read as one group."""
-    groups: dict[str, list[int]] = {}
-    for s in stuck:
-        groups.setdefault(s["how"], []).append(int(s["rank"]))
-    return "".join(f"; {_ranks(rs)} {how}" for how, rs in groups.items())
+    return "".join(f"; {_ranks(rs)} {how}" for how, rs in _by_value((s["rank"], s["how"]) for s in stuck).items())
 
 
 def _split_before(run: _Run, upto: str | None, dtypes: set[str]) -> tuple[str, list[str], dict] | None:
@@ -404,7 +399,7 @@ def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
     if split:
         evidence.insert(0, {"step": split[0], "rank": None, "what": "dtype split",
                             "fact": f"{_names(split[1], among)}: " + ", ".join(
-                                f"{dt(d)} on {_ranks(rs)}" for d, rs in _by_value(split[2]).items())})
+                                f"{dt(d)} on {_ranks(rs)}" for d, rs in _by_value(sorted(split[2].items())).items())})
 
     # what the mispaired transfer left behind on the receiving rank
     t = run.at(run.tensors, div.step)

@@ -126,6 +126,14 @@ def kill(procs: list[psutil.Process]) -> int:
     return n
 
 
+def running(p: psutil.Process) -> bool:
+    """Whether ``p`` still runs: a zombie has exited (it waits only for its parent to read its status)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait until each process has exited: gone, or a zombie. An engine whose nanny was killed with it is
     reparented to PID 1, which in a container may reap late; psutil's own wait polls until the zombie
@@ -134,14 +142,7 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proces
     end = time.monotonic() + timeout
     left = list(procs)
     while left and time.monotonic() < end:
-        alive = []
-        for p in left:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.Error:
-                pass
-        left = alive
+        left = [p for p in left if running(p)]
         if left:
             time.sleep(0.005)
     for p in list(procs):  # our own children: reap them, or they stay zombies for this process's life
