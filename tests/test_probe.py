@@ -137,3 +137,70 @@ def test_cpu_shortcuts_give_the_general_paths_values():
              ("c", "tensor", torch.randn(900))]
     together = probe_tensors(mixed, 0)
     assert [r["windows"] for r in together] == [probe_tensors([m], 0)[0]["windows"] for m in mixed]
+
+
+def _cpu_mix() -> list[tuple[str, str, torch.Tensor]]:
+    """Tensors every way the CPU pass must read as the plain path does: each float dtype, sizes around the
+    head, the raw and window lengths and the batch size, odd byte counts and offsets, values that are not
+    finite, and poison."""
+    g = torch.Generator().manual_seed(7)
+    items = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (1, 2, 3, 7, 8, 9, 64, 65, 129, 1000, 1025, 70_001):
+            items.append((f"{dtype}-{n}", "tensor", (torch.randn(n, generator=g) * 3).to(dtype)))
+    flat = torch.randn(4099, generator=g).to(torch.bfloat16)
+    items += [("view-odd-offset", "tensor", flat[1:2001]), ("view-even-offset", "tensor", flat[2:2002]),
+              ("strided", "tensor", torch.randn(40, 30, generator=g).t()),
+              ("large", "tensor", torch.randn(300_000, generator=g)),  # over BATCH_BYTES: goes alone
+              ("zeros", "tensor", torch.zeros(513)), ("ints", "buffer", torch.arange(100))]
+    bad = torch.randn(600, generator=g)
+    bad[[3, 70]] = float("nan")
+    bad[500] = float("-inf")
+    items.append(("non-finite", "tensor", bad))
+    with poisoned():
+        half = poison_(torch.empty(300))
+    half[:150] = 1.0
+    items.append(("half-poisoned", "tensor", half))
+    return items
+
+
+def test_cpu_batched_pass_gives_the_plain_paths_rows_bit_for_bit(monkeypatch):
+    from workbench.rank import probe_cpu
+
+    items = _cpu_mix()
+    fast = probe_tensors(items, rank=0)
+    calls = []
+    monkeypatch.setattr(probe_cpu, "fill", lambda members: calls.append(len(members)) or members)
+    plain = probe_tensors(items, rank=0)
+    assert calls and calls[0] > 30  # the batched pass was what the first probe used
+    assert repr(fast) == repr(plain)  # every column of every row (repr: a NaN in a head is equal to a NaN)
+    bad = next(r for r in fast if r["name"] == "non-finite")
+    assert (bad["nan"], bad["inf"], bad["poisoned"]) == (2, 1, 0)
+    assert next(r for r in fast if r["name"] == "half-poisoned")["poisoned"] == 150
+
+
+def test_cpu_pass_reuses_its_buffers_without_mixing_probes():
+    a, b = torch.randn(5000), torch.randn(5000)
+    first = probe_tensors([("a", "tensor", a), ("x", "tensor", torch.ones(10))], rank=0)
+    second = probe_tensors([("b", "tensor", b), ("x", "tensor", torch.ones(10))], rank=0)
+    again = probe_tensors([("a", "tensor", a), ("x", "tensor", torch.ones(10))], rank=0)
+    assert first == again and first[0]["fingerprint"] != second[0]["fingerprint"]
+    assert second[0]["max"] == float(b.max())
+
+
+def test_a_tensor_two_objects_hold_is_read_once(monkeypatch):
+    from workbench.rank import probe_cpu
+    from workbench.rank.probe import probe_objects
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    wrapper = nn.ModuleDict({"inner": model})
+    seen = []
+    fill = probe_cpu.fill
+    monkeypatch.setattr(probe_cpu, "fill", lambda members: seen.append(len(members)) or fill(members))
+    rows = probe_objects({"model": model, "wrapped": wrapper}, rank=0)
+    assert seen == [4]  # the wrapper's 4 tensors came from the model's rows, not a second pass
+    by_name = {r["name"]: r for r in rows}
+    for name in ("0.weight", "1.bias"):
+        a, b = by_name[f"model.{name}"], by_name[f"wrapped.inner.{name}"]
+        assert {k: a[k] for k in COLUMNS[8:]} == {k: b[k] for k in COLUMNS[8:]}
+        assert a["head"] is not b["head"]

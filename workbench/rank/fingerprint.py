@@ -7,6 +7,7 @@ the other for it. ``_probe_triton`` must stay bit-identical to ``_fingerprint_la
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -42,3 +43,35 @@ def _fingerprint(flat: torch.Tensor) -> torch.Tensor:
     """Position-sensitive hash of the bytes as a 0-d int64: lane 1 in the high word."""
     h1, h2 = _fingerprint_lanes(flat)
     return (h1 << 32) | h2
+
+
+def lanes_u32(words: np.ndarray, starts: np.ndarray, positions: tuple[np.ndarray, np.ndarray],
+              scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """``_fingerprint_lanes`` of many tensors at once, on the host: ``words`` (uint32) are their words laid end
+    to end, tensor i's from ``starts[i]``; ``positions`` is ``position_terms`` of the same layout; ``scratch``,
+    three uint32 arrays at least as long as ``words``, takes the temporaries. Returns [T, 2] lanes.
+
+    The same function as the torch one, in uint32 arithmetic: numpy's uint32 wraps modulo 2**32 by itself,
+    so the masks the int64 version needs after each product are gone, and every pass moves half the bytes
+    (the CPU probe's cost is this arithmetic's memory traffic). A lane's terms are summed per tensor in
+    uint64; the low 32 bits of a sum do not depend on its order."""
+    n = len(words)
+    a, c, t = (np.empty(n, np.uint32) for _ in range(3)) if scratch is None else (b[:n] for b in scratch)
+    pk1, pk3 = positions
+    np.bitwise_xor(words, pk1, out=a)
+    np.multiply(a, np.uint32(_K2), out=a)
+    np.bitwise_xor(a, np.right_shift(a, np.uint32(15), out=t), out=a)
+    np.add(words, pk3, out=c)
+    np.multiply(c, np.uint32(_K4), out=c)
+    np.bitwise_xor(c, np.right_shift(c, np.uint32(13), out=t), out=c)
+    return np.stack([np.add.reduceat(a, starts, dtype=np.uint64), np.add.reduceat(c, starts, dtype=np.uint64)],
+                    axis=1) & np.uint64(_M32)
+
+
+def position_terms(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(idx * K1, idx * K3) mod 2**32 for word positions idx restarting at 1 in each of tensors of ``counts``
+    words: what ``lanes_u32`` needs besides the words. Fixed for a given layout, so callers keep them."""
+    idx = np.arange(1, sum(counts) + 1, dtype=np.uint32)
+    if len(counts) > 1:
+        idx -= np.repeat(np.cumsum((0, *counts[:-1]), dtype=np.uint32), counts)
+    return idx * np.uint32(_K1), idx * np.uint32(_K3)

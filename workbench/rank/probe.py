@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank import probe_cpu as _pc
 from workbench.rank import probe_fused as _pf
 from workbench.rank.columns import COLUMNS, WINDOW, WINDOW_OFFSETS
 from workbench.rank.fingerprint import _fingerprint_lanes
@@ -180,9 +181,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> list[dict[str, Any]]:
-    """Summaries of (name, kind, tensor) triples; one host sync for all of them."""
+def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int,
+                  memo: dict | None = None) -> list[dict[str, Any]]:
+    """Summaries of (name, kind, tensor) triples; one host sync for all of them. ``memo``, shared by calls: a
+    tensor already summarised there (the same memory read as the same dtype and shape: a wrapper and the
+    module it wraps, both in a step's objects) takes that row's values instead of a second pass."""
     rows: list[dict[str, Any]] = []
+    copies: list[tuple[dict[str, Any], dict[str, Any]]] = []
     plain: list[tuple[dict[str, Any], torch.Tensor]] = []
     fused: dict[torch.device, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     use_fused = None
@@ -203,6 +208,12 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
         if meta or row["numel"] == 0 or t.is_complex():
             row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="")
             continue
+        if memo is not None and t.data_ptr():
+            key = (t.data_ptr(), t.dtype, t.shape, t.stride(), dev)
+            if key in memo:
+                copies.append((row, memo[key]))
+                continue
+            memo[key] = row
         if dev.type in _pf.FUSED_DEVICES:
             if use_fused is None:
                 use_fused = fused_enabled()
@@ -214,12 +225,17 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int) -> 
     for _, plan in plans:
         plan.launch()  # the kernels run while the plain path below queues its own work
     if plain:
+        batched = list(map(_pc.batchable, (flat for _, flat in plain)))
+        plain = _pc.fill([m for m, b in zip(plain, batched) if b]) + [m for m, b in zip(plain, batched) if not b]
+    if plain:
         _probe_plain(plain)
     for members, plan in plans:
         cols = plan.columns()
         for i, (row, _) in enumerate(members):
             for key in _STAT_COLUMNS:
                 row[key] = cols[key][i]
+    for row, src in copies:
+        row.update({key: src[key] for key in _STAT_COLUMNS}, head=list(src["head"]))
     return rows
 
 
@@ -294,14 +310,14 @@ _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
 
-def probe_module(module: nn.Module, rank: int, prefix: str = "") -> list[dict[str, Any]]:
+def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | None = None) -> list[dict[str, Any]]:
     """``probe_tensors`` over ``named_tensors(module)``; when every tensor takes the fused pass, through a
     plan cached for this module (one launch, one copy back, rows from arrays)."""
     if "cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized():
         rows = _packed(module, rank, prefix)
         if rows is not None:
             return rows
-    return probe_tensors(named_tensors(module, prefix), rank)
+    return probe_tensors(named_tensors(module, prefix), rank, memo)
 
 
 def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] | None:
@@ -408,18 +424,20 @@ def _walk(module: nn.Module) -> tuple[list, list[torch.Tensor]]:
 
 
 def probe_dict(tensors: Mapping[str, torch.Tensor], rank: int, prefix: str = "",
-               kind: str = "tensor") -> list[dict[str, Any]]:
-    return probe_tensors(((prefix + k, kind, v) for k, v in tensors.items() if isinstance(v, torch.Tensor)), rank)
+               kind: str = "tensor", memo: dict | None = None) -> list[dict[str, Any]]:
+    return probe_tensors(((prefix + k, kind, v) for k, v in tensors.items() if isinstance(v, torch.Tensor)), rank,
+                         memo)
 
 
 def probe_objects(objects: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
     """Probe every nn.Module and dict of tensors among ``objects``, names prefixed by key."""
     rows: list[dict[str, Any]] = []
+    memo: dict = {}  # a tensor two objects hold (a model and its FSDP wrapper) is read once
     for key, obj in objects.items():
         if isinstance(obj, nn.Module):
-            rows += probe_module(obj, rank, prefix=f"{key}.")
+            rows += probe_module(obj, rank, prefix=f"{key}.", memo=memo)
         elif isinstance(obj, Mapping) and any(isinstance(v, torch.Tensor) for v in obj.values()):
-            rows += probe_dict(obj, rank, prefix=f"{key}.")
+            rows += probe_dict(obj, rank, prefix=f"{key}.", memo=memo)
         elif isinstance(obj, torch.Tensor):
-            rows += probe_tensors([(key, "tensor", obj)], rank)
+            rows += probe_tensors([(key, "tensor", obj)], rank, memo)
     return rows
