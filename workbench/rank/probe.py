@@ -181,11 +181,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int,
-                  memo: dict | None = None) -> list[dict[str, Any]]:
+def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, memo: dict | None = None,
+                  held: list[tuple[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
     """Summaries of (name, kind, tensor) triples; one host sync for all of them. ``memo``, shared by calls: a
     tensor already summarised there (the same memory read as the same dtype and shape: a wrapper and the
-    module it wraps, both in a step's objects) takes that row's values instead of a second pass."""
+    module it wraps, both in a step's objects) takes that row's values instead of a second pass. ``held``
+    gets each (name, tensor) as given, for whoever reads the same tensors after (``remote._annotate``)."""
     rows: list[dict[str, Any]] = []
     copies: list[tuple[dict[str, Any], dict[str, Any]]] = []
     plain: list[tuple[dict[str, Any], torch.Tensor]] = []
@@ -193,6 +194,8 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int,
     use_fused = None
     dev_names = _DEVICE_NAMES
     for name, kind, t in items:
+        if held is not None:
+            held.append((name, t))
         t = _local(t)
         meta = t.is_meta
         dev = t.device
@@ -310,14 +313,15 @@ _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
 
-def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | None = None) -> list[dict[str, Any]]:
+def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | None = None,
+                 held: list[tuple[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
     """``probe_tensors`` over ``named_tensors(module)``; when every tensor takes the fused pass, through a
     plan cached for this module (one launch, one copy back, rows from arrays)."""
     if "cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized():
         rows = _packed(module, rank, prefix)
         if rows is not None:
             return rows
-    return probe_tensors(named_tensors(module, prefix), rank, memo)
+    return probe_tensors(named_tensors(module, prefix), rank, memo, held)
 
 
 def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] | None:
@@ -429,13 +433,19 @@ def probe_dict(tensors: Mapping[str, torch.Tensor], rank: int, prefix: str = "",
                          memo)
 
 
-def probe_objects(objects: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
-    """Probe every nn.Module and dict of tensors among ``objects``, names prefixed by key."""
+def probe_objects(objects: Mapping[str, Any], rank: int,
+                  held: dict[str, list[tuple[str, torch.Tensor]]] | None = None) -> list[dict[str, Any]]:
+    """Probe every nn.Module and dict of tensors among ``objects``, names prefixed by key. ``held``: per
+    module key, its (name, tensor) pairs as ``named_tensors`` gave them, where the probe walked the module
+    (the packed GPU path does not: its plan already knows the rows)."""
     rows: list[dict[str, Any]] = []
     memo: dict = {}  # a tensor two objects hold (a model and its FSDP wrapper) is read once
     for key, obj in objects.items():
         if isinstance(obj, nn.Module):
-            rows += probe_module(obj, rank, prefix=f"{key}.", memo=memo)
+            pairs: list[tuple[str, torch.Tensor]] | None = [] if held is not None else None
+            rows += probe_module(obj, rank, prefix=f"{key}.", memo=memo, held=pairs)
+            if pairs:
+                held[key] = pairs
         elif isinstance(obj, Mapping) and any(isinstance(v, torch.Tensor) for v in obj.values()):
             rows += probe_dict(obj, rank, prefix=f"{key}.", memo=memo)
         elif isinstance(obj, torch.Tensor):

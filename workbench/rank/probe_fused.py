@@ -30,6 +30,7 @@ RAW_LARGE = 64  # bytes kept from the start of larger tensors
 WORDS_PER_ITER = 2048  # words one program reads per loop iteration
 ITERS = 16  # iterations per program: 128 KiB of tensor per program (best of a sweep on an H200)
 NUM_WARPS = 8
+MAXNREG: int | None = None  # a cap on registers per thread (Triton's maxnreg); None: the compiler's choice
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 FUSED_DEVICES = ("cuda",)  # the tests add "cpu" and run the kernel through Triton's interpreter
 _ACC = 8  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
@@ -128,10 +129,11 @@ class Plan:
 
     def _kernel(self, hint: bool) -> None:
         w = [o // 4 for o in WINDOW_OFFSETS]
+        cap = {"maxnreg": MAXNREG} if MAXNREG else {}
         try:
             _TRITON["last"] = _TRITON["kernel"][(self.programs,)](
                 self.desc, self.blk, self.acc, self.accf, self.words, self.hexs, BLOCK=WORDS_PER_ITER, ITERS=ITERS,
-                HINT=hint, W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS)
+                HINT=hint, W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS, **cap)
         except Exception:
             if not hint:
                 raise

@@ -77,8 +77,9 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     if probe_names is not None:
         objects = {k: objects[k] for k in probe_names if k in objects}
     t1 = time.perf_counter()
-    tensors = probe.probe_objects(objects, ctx.rank)
-    _annotate(tensors, objects, ctx)
+    held: dict[str, list] = {}
+    tensors = probe.probe_objects(objects, ctx.rank, held)
+    _annotate(tensors, objects, ctx, held)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
     for row in outputs:
         row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
@@ -100,15 +101,20 @@ def _incident_error(exc: BaseException) -> bool:
                for f in traceback.extract_tb(exc.__traceback__))
 
 
-def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.RankContext) -> None:
-    """Per row: ``written`` since materialisation, and ``ref_diff`` against a computable value."""
+def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.RankContext,
+              held: dict[str, list] | None = None) -> None:
+    """Per row: ``written`` since materialisation, and ``ref_diff`` against a computable value. ``held``: the
+    modules' (name, tensor) pairs the probe already walked; a module missing there is walked here."""
     by_name: dict[str, Any] = {}
     sharded: set[str] = set()
     for key, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
-            for n, _, t in probe.named_tensors(obj, f"{key}."):
+            pairs = (held or {}).get(key)
+            if pairs is None:
+                pairs = [(n, t) for n, _, t in probe.named_tensors(obj, f"{key}.")]
+            for n, t in pairs:
                 by_name[n] = probe._local(t)
-                if by_name[n] is not t.detach() and type(t).__name__ == "DTensor":
+                if type(t).__name__ == "DTensor":
                     sharded.add(n)  # a DTensor: this rank holds a shard, not the whole tensor
     for row in rows:
         t = by_name.get(row["name"])
