@@ -185,3 +185,34 @@ def test_on_cpu_the_first_bit_different_output_after_identical_ones_departs_from
     drift = [("embed", 0, 1.0, 0.50001), *near[1:]]
     trace = table(_on(rows(drift, 1), "cpu") + _on(rows(HEALTHY, 1, "reference"), "cpu"), TRACE_COLUMNS)
     assert [f["name"] for f in forward_trace("forward", None, None, None, trace=trace)] == ["embed"]
+
+
+def _outputs() -> list[list[torch.Tensor]]:
+    """Module outputs every way the CPU host path must read as the torch path does."""
+    g = torch.Generator().manual_seed(3)
+    bad = torch.randn(40, generator=g)
+    bad[[1, 7]] = float("nan")
+    bad[9] = float("-inf")
+    out = [[(torch.randn(n, generator=g) * 5).to(dt)] for dt in (torch.float32, torch.bfloat16, torch.float16,
+                                                                torch.float64) for n in (2, 8, 130, 4096)]
+    out += [[bad], [torch.full((6,), float("inf"))], [torch.randn(3, generator=g).to(torch.bfloat16)],  # odd bytes
+            [torch.randn(5, 4, generator=g).t()],  # not contiguous
+            [torch.randn(300_000, generator=g)],  # over the host path's size
+            [torch.randn(2, 16, generator=g), torch.arange(5), torch.empty(0), torch.randn(3, 4, generator=g)],
+            [torch.empty(4, device="meta"), torch.randn(8, generator=g)]]
+    return out
+
+
+def test_cpu_host_statistics_equal_the_torch_paths_bit_for_bit(monkeypatch):
+    outs = _outputs()
+    host = [(rank_trace._nonfinite(ts, torch.device("cpu")), rank_trace._out_stats(ts, torch.device("cpu")))
+            for ts in outs]
+    taken = sum(rank_trace._out_stats_host(ts) is not None for ts in outs)
+    monkeypatch.setattr(rank_trace, "_out_stats_host", lambda ts: None)
+    monkeypatch.setattr(rank_trace, "_nonfinite_host", lambda ts: None)
+    plain = [(rank_trace._nonfinite(ts, torch.device("cpu")), rank_trace._out_stats(ts, torch.device("cpu")))
+             for ts in outs]
+    assert taken >= 18  # most went the host way; the odd ones the torch way
+    for (n1, s1), (n2, s2), ts in zip(host, plain, outs):
+        assert repr(n1.tolist()) == repr(n2.tolist()) and repr(s1.tolist()) == repr(s2.tolist()), ts
+    assert host[16][1][:2].tolist() == [2.0, 1.0]  # the NaN and -inf tensor

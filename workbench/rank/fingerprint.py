@@ -70,8 +70,29 @@ def lanes_u32(words: np.ndarray, starts: np.ndarray, positions: tuple[np.ndarray
 
 def position_terms(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """(idx * K1, idx * K3) mod 2**32 for word positions idx restarting at 1 in each of tensors of ``counts``
-    words: what ``lanes_u32`` needs besides the words. Fixed for a given layout, so callers keep them."""
-    idx = np.arange(1, sum(counts) + 1, dtype=np.uint32)
-    if len(counts) > 1:
-        idx -= np.repeat(np.cumsum((0, *counts[:-1]), dtype=np.uint32), counts)
-    return idx * np.uint32(_K1), idx * np.uint32(_K3)
+    words: what ``lanes_u32`` needs besides the words. Fixed for a layout, and a model's layouts (the probe's
+    batches, the trace's output shapes) recur step after step: the most recent are kept, up to
+    ``_KEPT_BYTES`` (read-only arrays, 8 bytes a word)."""
+    terms = _TERMS.pop(counts, None)
+    if terms is None:
+        idx = np.arange(1, sum(counts) + 1, dtype=np.uint32)
+        if len(counts) > 1:
+            idx -= np.repeat(np.cumsum((0, *counts[:-1]), dtype=np.uint32), counts)
+        terms = idx * np.uint32(_K1), idx * np.uint32(_K3)
+        for t in terms:
+            t.flags.writeable = False
+    _TERMS[counts] = terms  # most recent last
+    while sum(8 * len(k1) for k1, _ in _TERMS.values()) > _KEPT_BYTES and len(_TERMS) > 1:
+        del _TERMS[next(iter(_TERMS))]
+    return terms
+
+
+_TERMS: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+_KEPT_BYTES = 16 << 20
+_ORIGIN = np.zeros(1, dtype=np.int64)
+
+
+def fingerprint_host(words: np.ndarray) -> int:
+    """``_fingerprint`` of one tensor whose bytes are ``words`` (uint32, on the host), as an unsigned 64-bit int."""
+    (h1, h2), = lanes_u32(words, _ORIGIN, position_terms((len(words),))).tolist()
+    return (h1 << 32) | h2

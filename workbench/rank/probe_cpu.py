@@ -108,12 +108,7 @@ def _fingerprints(whole: torch.Tensor, numels: list[int]) -> list[str]:
     """Every tensor's fingerprint: the batch's words mixed in one pass, positions restarting at each tensor."""
     es = whole.element_size()
     counts = tuple(n * es // 4 for n in numels)
-    positions = _POSITIONS.pop(counts, None)
-    if positions is None:
-        positions = position_terms(counts)
-    _POSITIONS[counts] = positions  # most recently used last
-    while len(_POSITIONS) > _KEEP:
-        del _POSITIONS[next(iter(_POSITIONS))]
+    positions = position_terms(counts)
     starts = np.fromiter(accumulate(counts[:-1], initial=0), dtype=np.int64, count=len(counts))
     w = sum(counts)
     scratch = tuple(_scratch(name, torch.int32, w).numpy().view(np.uint32) for name in ("a", "c", "t"))
@@ -133,7 +128,3 @@ def _scratch(name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}
-# A model's batches have the same layout step after step: their position terms are kept (4 bytes a word each,
-# two arrays; at most _KEEP layouts, the least recently used dropped).
-_POSITIONS: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
-_KEEP = 8
