@@ -81,17 +81,19 @@ def status_summary(tensors: Any) -> Any:
     return pd.DataFrame(rows, columns=["rank", "status", "tensors", "names"])
 
 
-def print_summary(session: Any) -> None:
+def print_summary(session: Any, record: Any = None) -> None:
     """The diagnosis first, then one line per step, then what is wrong per rank, grouped (not one row per
-    tensor), then the outputs."""
+    tensor), then the outputs. ``record``: the session's record when the caller already took it (its tables
+    are the run's slowest thing to build after the steps)."""
     import pandas as pd
 
+    from workbench.analysis import diagnosis
     from workbench.analysis.frames import last_step
 
     label = f"fix {session.fix}" if session.fix else "bug path"
     print(f"\n== {session.scenario.name} · {label} · {session.cluster.world_size} ranks "
           f"· {session.cluster.backend} · poison {'on' if session.poison else 'off'}")
-    d = session.diagnose()
+    d = session.diagnose() if record is None else diagnosis.diagnose(record)
     print(f"\n  diagnosis ({d.mechanism}): {d.sentence}\n")
     for f in session.frames:
         errs = "; ".join(f"rank {r}: {m[:110]}" for r, m in f.rank_errors.items())
@@ -230,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     fixes = list(sc.fixes) if args.compare else []
     t0 = time.perf_counter()
     runs: list[Any] = []
+    records: list[Any] = []
     try:
         with ranks_for(args) as cluster:
             cluster.progress = not args.no_progress  # a long step's status line on stderr (rewritten on a terminal)
@@ -239,13 +242,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 for fix in [args.fix, *(f for f in fixes if f != args.fix)]:
                     runs.append(cluster.session(sc, fix=fix, poison=not args.no_poison, **params))
                     runs[-1].run()
-                    print_summary(runs[-1])
+                    records.append(runs[-1].record())
+                    print_summary(runs[-1], records[-1])
                     runs[-1].close()  # free the ranks' models before the next run; the frames stay
             except KeyboardInterrupt:
                 if args.cluster:
                     raise release_attached(cluster, args.cluster) from None
                 raise
-            records = [s.record() for s in runs]
     except KeyboardInterrupt as exc:
         if args.cluster and not isinstance(exc, Interrupted):  # between steps: nothing to release, nothing stopped
             raise Interrupted(f"the ranks of cluster {args.cluster!r} stay up; `workbench down --profile "
