@@ -59,10 +59,19 @@ def _gone_after_kill(pid: int, token: str) -> float:
     while lease.members(token) and time.monotonic() - t0 < GONE_WITHIN_S:
         time.sleep(0.1)
     left = [p for p in lease.members(token) if lease.running(p)]  # one that died as the bound passed is gone
-    described = [_describe(p) for p in left]
+    described = [_describe(p) for p in left] + _reaper(token) if left else []
     lease.kill(left)  # a failing run must not leak what it tests for
     assert left == [], described
     return time.monotonic() - t0
+
+
+def _reaper(token: str) -> list[str]:
+    """The tree's reaper as a failure names it (it carries the token in its arguments, not its marker)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if token in (p.info["cmdline"] or []):
+            found.append("reaper " + _describe(p))
+    return found or ["no reaper process"]
 
 
 def _describe(p: psutil.Process) -> str:

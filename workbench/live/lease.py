@@ -187,7 +187,19 @@ def _parent_death_signal(sig: int) -> None:
 
 
 def reap(client: int, token: str, lease_file: str, lease_s: float) -> str:
-    """Wait until the client dies or lets its lease lapse, then end the tree; why it ended."""
+    """Wait until the client dies or lets its lease lapse, then end the tree; why it ended. A watch that
+    fails (an error reading the client's state) ends the tree too: a reaper that dies quietly leaves it."""
+    try:
+        why = _watch(client, lease_file, lease_s)
+    except BaseException as exc:  # whatever stopped the watch, the tree must not outlive it
+        why = f"the watch failed: {type(exc).__name__}: {exc}"
+    if why != "stopped":
+        end_tree(token)
+        shutil.rmtree(os.path.dirname(lease_file), ignore_errors=True)
+    return why
+
+
+def _watch(client: int, lease_file: str, lease_s: float) -> str:
     woke = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: woke.set())
     _parent_death_signal(signal.SIGUSR1)
@@ -203,17 +215,12 @@ def reap(client: int, token: str, lease_file: str, lease_s: float) -> str:
         if not os.path.exists(lease_file):
             return "stopped"  # the client ended the tree itself
         if _client_gone(client, born):
-            why = "client died"
-            break
+            return "client died"
         try:
             if time.time() - os.path.getmtime(lease_file) > lease_s:
-                why = f"client silent for {lease_s:g}s"
-                break
+                return f"client silent for {lease_s:g}s"
         except OSError:
             return "stopped"
-    end_tree(token)
-    shutil.rmtree(os.path.dirname(lease_file), ignore_errors=True)
-    return why
 
 
 if __name__ == "__main__":
