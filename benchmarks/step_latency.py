@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from run import _timed_n  # benchmarks/run.py: `make bench`'s timer (this script runs from benchmarks/)
+
 import workbench as wb
 from workbench.live.engines import Engines
 
@@ -87,7 +89,7 @@ def main(runs: int = 8) -> None:
     try:
         with wb.start(ranks=2, backend="gloo", timeout=8, progress=False) as cluster:
             view = cluster._client[cluster._ids]
-            floor = statistics.median(_round_trips(lambda: view.apply_sync(_noop), 40))
+            floor = statistics.median(_timed_n(lambda: view.apply_sync(_noop), 40))
             cluster.run(_stamp_ranks)
             cluster.session(SCENARIO, fix=FIX).run()  # warm
             calls.clear()
@@ -117,15 +119,6 @@ def main(runs: int = 8) -> None:
         v = statistics.median(row[key] for row in rows)
         print(f"  {key:28s} {v:8.2f} KB" if key.endswith("KB") else f"  {key:28s} {v * 1e3:8.2f} ms")
     print(f"  {'ipyparallel apply_sync':28s} {floor * 1e3:8.2f} ms  (a no-op on both engines, same run)")
-
-
-def _round_trips(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 if __name__ == "__main__":
