@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from workbench.rank import probe_cpu
 from workbench.rank.columns import TRACE_COLUMNS  # noqa: F401  (re-exported: the row vocabulary)
 from workbench.rank.fingerprint import _fingerprint, fingerprint_host
 from workbench.rank.probe import _local
@@ -99,19 +100,13 @@ def _out_stats(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 # -- on CPU: the same values by numpy, a few calls a tensor instead of twenty torch ops (a hook runs per module
 # call; on the headline model the torch path tripled a forward's time) ----------------------------------------
-_HOST_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_HOST_BYTES = 1 << 20  # larger outputs cost their bytes, not their dispatch: the torch path reads them as fast
 _U64 = (1 << 64) - 1
 
 
 def _host_view(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` (a readable local tensor) flattened, when the host path reads it as the torch path does; None
-    sends the call there."""
-    es = t.element_size()
-    if (t.device.type != "cpu" or t.dtype not in _HOST_DTYPES or not t.is_contiguous() or t.numel() * es % 4
-            or t.numel() * es > _HOST_BYTES or t.storage_offset() * es % 4):
-        return None
-    return t.detach().reshape(-1)
+    """``t`` (a readable local tensor) flattened, when the host path reads it as the torch path does (what the
+    CPU probe batches: whole words, aligned, up to a batch in size); None sends the call there."""
+    return t.detach().reshape(-1) if probe_cpu.batchable(t) else None
 
 
 def _as_float(flat: torch.Tensor) -> np.ndarray:
