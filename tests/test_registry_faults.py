@@ -223,3 +223,23 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
         except ClusterError:
             pass
         _kill_all(family)
+
+
+def test_down_after_the_hub_died_ends_its_schedulers(tmp_path):
+    """Issue 40: `up`, then the controller's hub is SIGKILLed, then `down`: its scheduler processes (reparented
+    to PID 1, no longer anyone's child) used to run on for ever while `down` said "stopped" with rc 0."""
+    pdir = str(tmp_path / "profile_hub")
+    registry.up(1, pdir, backend="gloo")
+    hub = psutil.Process(registry.load(pdir).controller.pid)
+    family = [p for pid in registry.processes(pdir) for p in _family(pid)]
+    schedulers = hub.children(recursive=True)
+    try:
+        assert len(schedulers) >= 2, [p.cmdline() for p in family]
+        hub.kill()
+        psutil.wait_procs([hub], timeout=10)
+        assert alive(schedulers)  # orphans now: no live tree leads to them
+        down = cli("down", "--profile", pdir, timeout=120)
+        assert down.returncode == 0 and "stopped" in down.stdout, down.stderr[-2000:]
+        assert alive(family) == [], [(p.pid, p.cmdline()[-3:]) for p in alive(family)]
+    finally:
+        _kill_all(family)

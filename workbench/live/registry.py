@@ -15,6 +15,7 @@ import os
 import stat
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import psutil
@@ -107,11 +108,13 @@ def expected_engines(ipc: Any) -> int | None:
     return sum(counts) if sets and all(isinstance(n, int) and n > 0 for n in counts) else None
 
 
-def stop_cluster(ipc: Any, engine_pids: Any = ()) -> int:
+def stop_cluster(ipc: Any, engine_pids: Any = (), token: str | None = None) -> int:
     """Stop a recorded cluster through ipyparallel and make sure no local process of it is left.
 
     Engines hold nothing worth a graceful exit (as in ``Engines.stop``): the local ones are
-    killed first, which spares ipyparallel's SIGTERM-and-wait (~15 s measured on 2 cores)."""
+    killed first, which spares ipyparallel's SIGTERM-and-wait (~15 s measured on 2 cores).
+    ``token``: the marker ``up`` gave every process of the cluster (``lease.MARK``); whatever the
+    live parent tree no longer leads to (a dead hub's schedulers, reparented to PID 1) is found by it."""
     engines = [p for es in ipc.engines.values() for p in
                [getattr(la, "pid", -1) for la in getattr(es, "launchers", {}).values()] + [getattr(es, "pid", -1)]]
     engines = [p for p in [*engines, *engine_pids] if isinstance(p, int) and p > 0]
@@ -133,7 +136,9 @@ def stop_cluster(ipc: Any, engine_pids: Any = ()) -> int:
         pass
     reap(controller)
     ipc.remove_cluster_file()
-    return len(engines) + len(controller)
+    seen = set(engines) | set(controller)
+    orphans = [p for p in live_lease.members(token) if p.pid not in seen] if token else []
+    return len(seen) + live_lease.kill(orphans) + (live_lease.end_tree(token, rounds=1, within=0) if token else 0)
 
 
 def reap(pids: Any, timeout: float = 10.0) -> None:
@@ -161,18 +166,29 @@ def processes(profile: str | None, cluster_id: str = "") -> list[int]:
         return []
     roots = [ipc.controller.pid] if ipc.controller is not None else []
     roots += [la.pid for es in ipc.engines.values() for la in getattr(es, "launchers", {}).values()]
-    out = []
+    token = tree_token(ipc.profile_dir, ipc.cluster_id)
+    out = [p.pid for p in live_lease.members(token)] if token else []  # what no live parent leads to too
     for pid in roots:
         try:
             p = psutil.Process(pid)
             out += [pid, *(c.pid for c in p.children(recursive=True))]
         except psutil.NoSuchProcess:
             continue
-    return out
+    return list(dict.fromkeys(out))
 
 
 def sidecar(pdir: str, cluster_id: str = "") -> str:
     return os.path.join(pdir, "security", f"workbench-{cluster_id}.json")
+
+
+def tree_token(pdir: str, cluster_id: str = "") -> str | None:
+    """The marker every process of a cluster ``up`` started carries (None: not started by ``up``, or an older one)."""
+    try:
+        with open(sidecar(pdir, cluster_id)) as f:
+            token = json.load(f).get("tree")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return token if isinstance(token, str) and len(token) == 32 else None
 
 
 def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: str = "auto") -> dict[str, Any]:
@@ -202,11 +218,19 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     except OSError as exc:
         raise ClusterError(f"cannot create the profile directory {pdir}: {exc.strerror or exc}") from None
     t0 = time.time()
+    # Every process of the cluster carries a marker (the controller's schedulers, the engines' nannies): `down`
+    # finds them by it whichever died first. Recorded before any process starts: a killed `up` leaves it too.
+    token = uuid.uuid4().hex
+    with open(sidecar(pdir, cluster_id), "w") as f:
+        json.dump({"tree": token, "started": t0, "profile": name, "cluster_id": cluster_id}, f)
+    saved = os.environ.get(live_lease.MARK)
+    os.environ[live_lease.MARK] = token
     ipc = ipp.Cluster(profile_dir=pdir, cluster_id=cluster_id, n=ranks, controller_args=CONTROLLER_ARGS,
                       shutdown_atexit=False, log_level=logging.WARNING)
     client = None
     try:
         client = ipc.start_and_connect_sync()
+        _restore(live_lease.MARK, saved)  # started: the marker is in their environments now
         client.wait_for_engines(ranks, timeout=UP_TIMEOUT_S)
         view = client[sorted(client.ids)]
         view.use_cloudpickle()
@@ -218,18 +242,30 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
     except BaseException as exc:
+        _restore(live_lease.MARK, saved)
         if client is not None:
             client.close()
-        stop_cluster(ipc)
+        stop_cluster(ipc, token=token)
+        try:
+            os.remove(sidecar(pdir, cluster_id))
+        except FileNotFoundError:
+            pass
         if isinstance(exc, (ClusterError, KeyboardInterrupt)):  # Ctrl-C/SIGTERM: main says "interrupted", rc 130
             raise
         raise ClusterError(f"could not start {ranks} engines in profile {name!r}: {exc}") from None
     client.close()
     doc = {"ranks": ranks, "backend": resolved, "started": t0, "profile": name, "cluster_id": cluster_id,
-           "pdir": pdir, "seconds": time.time() - t0}
+           "pdir": pdir, "seconds": time.time() - t0, "tree": token}
     with open(sidecar(pdir, cluster_id), "w") as f:
         json.dump(doc, f)
     return doc
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def leave_queued(client: Any, ar: Any, targets: list[int], wait: float = 5.0) -> bool:
@@ -251,7 +287,7 @@ def down(profile: str | None = None, cluster_id: str = "") -> int:
     profile, cluster_id = split_key(profile, cluster_id)
     cluster_id = cluster_id or _only_orphan(profile)
     ipc = load(profile, cluster_id, strict=False)
-    n = stop_cluster(ipc)
+    n = stop_cluster(ipc, token=tree_token(ipc.profile_dir, cluster_id))
     try:
         os.remove(sidecar(ipc.profile_dir, cluster_id))
     except FileNotFoundError:
