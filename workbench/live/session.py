@@ -179,6 +179,8 @@ class Session:
                 if line is not None:
                     line.close()
             values, failures = outcome.values, outcome.failures
+            if watch is not None and watch.released:
+                values = _released_failed(values, watch)
         frame = Frame.build(name, index, self.scenario.name, self.fix, values, failures)
         frame.replayed = replay
         frame.halted = {r for r, v in values.items() if v.get("halted")}  # raised where later steps cannot go on
@@ -196,8 +198,8 @@ class Session:
             else:
                 stuck = sorted(frame.hang.stuck)
                 frame.hang.stacks = self.cluster.stacks(stuck) if stuck else {}
-        if not frame.ok:
-            self.cluster.dirty = True
+        if not frame.ok or declared:
+            self.cluster.dirty = True  # a failed collective (or an aborted communicator) leaves the group unusable
         return frame
 
     def _note_release(self, frame: Frame, watch: Release) -> None:
@@ -389,7 +391,7 @@ class Session:
         (how long ranks still blocked after the abort get before a restart).
         """
         info = self.cluster.recover(wait=wait)
-        failed = next((i for i, f in enumerate(self.frames) if not f.ok), None)
+        failed = next((i for i, f in enumerate(self.frames) if not f.ok or f.hang is not None), None)
         if failed is not None:
             self.cursor = failed
             self.frames = self.frames[:failed + 1]
@@ -485,6 +487,31 @@ def _goes_on(frame: Frame) -> bool:
     an error the rank layer stops its later steps for (``halted``: anything but an error inside torch.distributed,
     such as a released deadlock or a collective timeout, or a check's ``WorkbenchError``)."""
     return not frame.kinds & {"died", "timeout"} and not getattr(frame, "halted", set())
+
+
+def _released_failed(values: dict[int, dict[str, Any]], watch: Release) -> dict[int, dict[str, Any]]:
+    """Every rank the deadlock watch released failed this step, also when its step's code never saw it.
+
+    On NCCL a collective is queued on the GPU and the call returns at once: a rank whose peer never posts
+    waits afterwards, on the GPU (a stream sync, the probe reading a tensor), outside any torch.distributed
+    call. The abort ends that wait without an exception, and the rank returns a clean value. Which way it
+    goes depends on where the rank sat (NCCL's first use of a connection blocks inside the call, a warm one
+    does not): without this the same hang gave a failed frame or an ``ok`` one with ``hang`` set. Decided
+    here, from what the client already knows when the frame is built: nothing arrives for it later.
+    """
+    out = dict(values)
+    for r, call in watch.released.items():
+        v = out.get(r)
+        if v is None or v.get("error"):  # a failure of its own (deadline, death), or the call raised
+            continue
+        reason = watch.found.reason if watch.found is not None else "a deadlock declared from the ledgers"
+        out[r] = {**v, "error": {
+            "error": "DeadlockReleased",
+            "message": (f"{call} was aborted by the workbench: it could never complete ({reason}). The step's code "
+                        "had moved past the call (the backend queued it and returned), so no exception reached "
+                        "it; the communicator is aborted and what the call was to write cannot be trusted"),
+            "traceback": ""}}
+    return out
 
 
 def _note_all(frame: Frame, world_size: int, note: str) -> None:
