@@ -567,6 +567,7 @@ def _kill(pids: Any) -> None:
         except psutil.NoSuchProcess:
             pass
     live_lease.wait_gone(procs, timeout=5)
+    live_lease.clear_leftovers([p.pid for p in procs])  # what they left in the temp dir and /dev/shm
 
 
 def _import_rank_layer() -> None:

@@ -123,7 +123,22 @@ def kill(procs: list[psutil.Process]) -> int:
         except psutil.Error:
             pass
     wait_gone(procs, timeout=5)
+    clear_leftovers([p.pid for p in procs])
     return n
+
+
+def clear_leftovers(pids: list[int]) -> int:
+    """What killed processes could not remove themselves, on this host: their stacks files and work dirs,
+    their torch shared-memory managers' dirs and segments (``rank/stacks.sweep_stale``, ``rank/leftovers``).
+    Stdlib only, so the reaper can run it too; a failure here never stops an ending."""
+    if not pids:
+        return 0
+    try:
+        from workbench.rank import stacks
+
+        return stacks.sweep_stale(pids=pids)
+    except Exception:
+        return 0
 
 
 def running(p: psutil.Process) -> bool:

@@ -138,7 +138,9 @@ def stop_cluster(ipc: Any, engine_pids: Any = (), token: str | None = None) -> i
     ipc.remove_cluster_file()
     seen = set(engines) | set(controller)
     orphans = [p for p in live_lease.members(token) if p.pid not in seen] if token else []
-    return len(seen) + live_lease.kill(orphans) + (live_lease.end_tree(token, rounds=1, within=0) if token else 0)
+    n = len(seen) + live_lease.kill(orphans) + (live_lease.end_tree(token, rounds=1, within=0) if token else 0)
+    live_lease.clear_leftovers(sorted(seen))  # what its engines left in the temp dir and /dev/shm
+    return n
 
 
 def reap(pids: Any, timeout: float = 10.0) -> None:

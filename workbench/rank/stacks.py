@@ -40,7 +40,8 @@ def _remove(path: str) -> None:
 
 
 # Temp files and dirs named after the engine process that made them: <pid> is the group.
-STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"))
+STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"),
+         re.compile(r"wb-vllm-p(\d+)-\w{8}"))  # a rank's vLLM checkpoint (weightsync/vllm_role.save_checkpoint)
 
 
 def _gone(pid: int) -> bool:
@@ -53,15 +54,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def sweep_stale(directory: str | None = None) -> int:
+def sweep_stale(directory: str | None = None, pids: Any = None) -> int:
     """Remove the stacks files and session work dirs of engine processes that no longer exist (engines are
-    killed, not asked to exit, so they cannot clean up themselves). A live or foreign pid's are kept."""
+    killed, not asked to exit, so they cannot clean up themselves), and what their torch shared-memory
+    managers left (``leftovers``). A live or foreign pid's are kept. ``pids``: processes the caller has
+    just killed (their shared-memory segments go at once; others' only once old)."""
+    from workbench.rank import leftovers
+
     directory = directory or tempfile.gettempdir()
-    n = 0
+    killed = {int(p) for p in pids or ()}  # gone, though one may be a zombie PID 1 has not reaped yet
+    n = leftovers.sweep(directory, pids) + (leftovers.sweep_segments() if pids is not None else 0)
     for path in glob.glob(os.path.join(directory, "wb-*")):
         name = os.path.basename(path)
         m = next((m for rx in STALE if (m := rx.fullmatch(name))), None)
-        if m is None or not _gone(int(m.group(1))) or os.path.islink(path):
+        if m is None or not (int(m.group(1)) in killed or _gone(int(m.group(1)))) or os.path.islink(path):
             continue
         try:
             if os.path.isdir(path):

@@ -1,0 +1,109 @@
+"""A run leaves nothing in the temp dir or /dev/shm that it did not say it keeps (issue 40).
+
+Engines are killed, never asked to exit, and so are the ``torch_shm_manager`` processes torch starts beside
+them for ``file_system`` sharing (the weight-sync scenarios' CPU IPC handles): each killed engine left
+``$TMPDIR/torch-shm-dir-*``, its segments in ``/dev/shm`` and its ``wb-stacks-*.txt``. Each test runs a real
+client in a subprocess with a temp dir of its own, so the test sees exactly what the run left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from workbench.live import lease
+
+SHM = "/dev/shm"
+
+CLIENT = textwrap.dedent('''
+    import os
+    import sys
+    import time
+
+    import workbench as wb
+
+
+    def share():
+        """What the weight-sync IPC does on CPU: a tensor pickled to a shared-memory name."""
+        import io
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch
+        import torch.multiprocessing as tmp
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        tmp.set_sharing_strategy("file_system")
+        t = torch.ones(4096)
+        ForkingPickler(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(reduce_tensor(t))
+        globals()["_kept"] = t  # alive on the rank, as a handle's tensor is until the receiver is done
+        return os.getpid()
+
+
+    c = wb.start(ranks=2, backend="gloo", timeout=8, progress=False)
+    pids = c.run(share)
+    print(c._lease.token, *pids.values(), flush=True)
+    if sys.argv[1] == "stop":
+        c.stop()
+    else:
+        time.sleep(600)  # killed by the test
+''')
+
+
+def _segments(pids) -> list[str]:
+    return sorted(n for n in os.listdir(SHM) for p in pids if n.startswith(f"torch_{p}_"))
+
+
+def _start(tmp_path, how: str) -> tuple[subprocess.Popen, str, list[int], str]:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    line = proc.stdout.readline().split()
+    if not line:
+        proc.kill()
+        pytest.fail(proc.stderr.read()[-3000:])
+    return proc, line[0], [int(p) for p in line[1:]], str(tmp)
+
+
+def _during(tmp: str, pids: list[int]) -> None:
+    """What the run holds while it runs: the test checks what it looks for."""
+    names = os.listdir(tmp)
+    assert any(n.startswith("torch-shm-dir-") for n in names), names
+    assert any(n.startswith("wb-stacks-") for n in names), names
+    assert _segments(pids), os.listdir(SHM)
+
+
+def test_a_stopped_cluster_leaves_nothing_in_the_temp_dir_or_dev_shm(tmp_path):
+    proc, token, pids, tmp = _start(tmp_path, "stop")
+    try:
+        assert proc.wait(120) == 0, proc.stderr.read()[-3000:]
+        assert sorted(os.listdir(tmp)) == [] and _segments(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lease.end_tree(token, within=0)
+
+
+def test_a_killed_clients_leftovers_go_with_its_ranks(tmp_path):
+    proc, token, pids, tmp = _start(tmp_path, "sleep")
+    try:
+        _during(tmp, pids)
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup of the client runs: its reaper ends the tree
+        proc.wait(30)
+        end = time.monotonic() + 15
+        while (os.listdir(tmp) or _segments(pids)) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert sorted(os.listdir(tmp)) == [] and _segments(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lease.end_tree(token, within=0)

@@ -1,0 +1,150 @@
+"""What a killed process of torch leaves behind, and how to clear it once its owner is gone (stdlib only).
+
+torch's ``file_system`` sharing (CPU tensors handed between processes by shared-memory name: the weight-sync
+scenarios' IPC handles) starts a ``torch_shm_manager`` beside the process. The manager makes
+``$TMPDIR/torch-shm-dir-XXXXXX/manager.sock`` and unlinks the segments (``/dev/shm/torch_<pid>_<n>_<i>``,
+``<pid>`` the process that made them) when its last client is gone: a clean exit leaves nothing. Engines are
+killed, and their managers with them (they carry the tree's marker), so each killed engine left a directory
+in the temp dir and its segments in ``/dev/shm`` (RAM), for good. Here: who still owns them, and clearing
+what no live process does.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+
+SHM = "/dev/shm"
+SEGMENT = re.compile(r"torch_(\d+)_\d+_\d+")
+MANAGER_DIR = "torch-shm-dir-"
+MANAGER_COMM = "torch_shm_manag"  # /proc/<pid>/comm keeps 15 characters
+UNBOUND_GRACE_S = 10.0  # a manager's dir with no socket yet: one starting (mkdtemp, then bind), or one that died
+SEGMENT_AGE_S = 60.0  # a segment of a dead pid that no process maps, left by someone else: how old before it goes
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()] if os.path.isdir("/proc") else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
+
+
+def _bound_socket_paths() -> set[str]:
+    """Unix socket paths a live shm manager has bound, as each manager's own network namespace lists them
+    (engines of the simulated hosts in tests/netns.py live in other namespaces but the same temp dir)."""
+    paths: set[str] = set()
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != MANAGER_COMM:
+                    continue
+            with open(f"/proc/{pid}/net/unix") as f:
+                for line in f.readlines()[1:]:
+                    parts = line.split()
+                    if len(parts) >= 8:
+                        paths.add(parts[7])
+        except OSError:
+            continue
+    return paths
+
+
+def _mine(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid()
+
+
+def sweep_manager_dirs(directory: str) -> int:
+    """Remove this user's ``torch-shm-dir-*`` in ``directory`` whose manager is gone; a live one's stay."""
+    found = [d for d in glob.glob(os.path.join(glob.escape(directory), MANAGER_DIR + "*"))
+             if os.path.isdir(d) and not os.path.islink(d) and _mine(d)]
+    if not found:
+        return 0
+    bound = _bound_socket_paths()
+    n = 0
+    for d in found:
+        sock = os.path.join(d, "manager.sock")
+        if sock in bound or os.path.realpath(sock) in bound:
+            continue
+        try:
+            if not os.path.exists(sock) and time.time() - os.lstat(d).st_mtime < UNBOUND_GRACE_S:
+                continue  # a manager between making its dir and binding its socket
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        n += not os.path.exists(d)
+    return n
+
+
+def _mapped_segments() -> set[str]:
+    """Names of the ``/dev/shm`` segments some live process maps (a receiver keeps a tensor its maker shared)."""
+    names: set[str] = set()
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(SHM + "/torch_")
+                    if i >= 0:
+                        names.add(os.path.basename(line[i:].split()[0]))
+        except OSError:
+            continue
+    return names
+
+
+def sweep_segments(pids: Iterable[int] | None = None, min_age: float = SEGMENT_AGE_S) -> int:
+    """Unlink this user's torch segments in ``/dev/shm`` made by a process now gone that no live process maps.
+    ``pids``: only those processes' (just killed by the caller: no age asked); None: any dead pid's, older
+    than ``min_age`` seconds."""
+    wanted = None if pids is None else {int(p) for p in pids}
+    try:
+        names = os.listdir(SHM)
+    except OSError:
+        return 0
+    now = time.time()
+    candidates = []
+    for name in names:
+        m = SEGMENT.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if (pid not in wanted) if wanted is not None else alive(pid):  # the caller's own: killed (a zombie, maybe)
+            continue
+        path = os.path.join(SHM, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or (wanted is None and now - st.st_mtime < min_age):
+            continue
+        candidates.append(path)
+    if not candidates:
+        return 0
+    mapped = _mapped_segments()
+    n = 0
+    for path in candidates:
+        if os.path.basename(path) in mapped:
+            continue
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def sweep(directory: str, pids: Iterable[int] | None = None) -> int:
+    """Both: dead managers' dirs in ``directory`` and dead processes' segments (see ``sweep_segments``)."""
+    return sweep_manager_dirs(directory) + sweep_segments(pids)
