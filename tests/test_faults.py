@@ -455,6 +455,10 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
         "stale_dir": tmp_path / f"wb-tiny-1234abcd-r1-p{dead.pid}-xyz12345",
         "live_dir": tmp_path / f"wb-tiny-9-r0-p{mine}-xyz12345",
         "other": tmp_path / f"wb-ledger-x-r1-p{dead.pid}-xyz12345",  # a client's ledger dir: not an engine's
+        "stale_ledger": tmp_path / f"wb-ledger-x-1234abcd-c{dead.pid}-xyz12345",  # of a client that is gone
+        "live_ledger": tmp_path / f"wb-ledger-x-1234abcd-c{mine}-xyz12345",
+        "stale_vllm": tmp_path / f"wb-vllm-p{dead.pid}-xyz12345",  # a rank's vLLM checkpoint
+        "live_vllm": tmp_path / f"wb-vllm-p{mine}-xyz12345",
     }
     for key, p in made.items():
         if key.endswith("file"):
@@ -468,7 +472,7 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        made[k].name for k in ("live_file", "live_dir", "other"))  # its own file went at exit too
+        made[k].name for k in ("live_file", "live_dir", "other", "live_ledger", "live_vllm"))  # its own file went too
     assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-"))
 
 

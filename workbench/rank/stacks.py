@@ -39,9 +39,11 @@ def _remove(path: str) -> None:
         pass
 
 
-# Temp files and dirs named after the engine process that made them: <pid> is the group.
+# Temp files and dirs named after the process that made them (an engine; a client for a ledger dir): <pid> is
+# the group. A dir of a process that is gone is nobody's.
 STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"),
-         re.compile(r"wb-vllm-p(\d+)-\w{8}"))  # a rank's vLLM checkpoint (weightsync/vllm_role.save_checkpoint)
+         re.compile(r"wb-vllm-p(\d+)-\w{8}"),  # a rank's vLLM checkpoint (weightsync/vllm_role.save_checkpoint)
+         re.compile(r"wb-ledger-.+-c(\d+)-\w{8}"))  # a session's ledger dir, named after its client's pid
 
 
 def _gone(pid: int) -> bool:
