@@ -146,6 +146,30 @@ def test_outputs_depart_while_every_tensor_agrees():
     assert "the cause is outside what was probed" in d.sentence
 
 
+@pytest.mark.parametrize("engine_floor", [0.02, 0.066])  # vLLM's floor on an AMD EPYC and on a Xeon with AMX
+def test_an_engines_outputs_are_judged_against_its_own_floor(engine_floor):
+    """The same right sync on two CPUs: the gap is the floor the same engine showed in the run, so it reads clean
+    on both, and says both numbers; a wrong sync reads broken by its distance from that floor, not a constant."""
+    ok = [[("x", torch.ones(4))], [("x", torch.ones(4))]]
+    lp = [torch.ones(8), torch.ones(8)]
+    right = record(steps(("check", ok)), outputs("check", 0, lp, ref_max_abs_diff=[engine_floor] * 2,
+                                                 ref_floor=[engine_floor] * 2))
+    d = right.diagnose()
+    assert d.mechanism == "clean", d.sentence
+    assert f"`logits` {engine_floor:.3g} from the reference, the engine's own floor {engine_floor:.3g} in this run: " \
+           "within it" in d.sentence, d.sentence
+    assert right.findings().query("detector == 'reference'").empty
+    wrong = record(steps(("check", ok)), outputs("check", 0, lp, ref_max_abs_diff=[engine_floor, 5 * engine_floor],
+                                                 ref_floor=[engine_floor] * 2))
+    d = wrong.diagnose()
+    assert d.mechanism == "outputs-only" and d.ranks == [1], d.sentence
+    assert f"departs from the reference by {5 * engine_floor:.3g}, the engine's own floor {engine_floor:.3g}" \
+           in d.sentence, d.sentence
+    # without a floor (outputs computed like their reference) the rounding tolerance stands
+    plain = record(steps(("check", ok)), outputs("check", 0, lp, ref_max_abs_diff=[0.0, engine_floor]))
+    assert plain.diagnose().mechanism == "outputs-only"
+
+
 def test_clean_run_and_comparison_parting_step():
     ok = [[("x", torch.ones(4))], [("x", torch.ones(4))]]
     fixed = record(steps(("a", ok), ("b", ok)), outputs("b", 1, [torch.ones(8), torch.ones(8)]))

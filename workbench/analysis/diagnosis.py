@@ -30,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis import cause, collectives, findings, weightsync
+from workbench.analysis import cause, collectives, findings, floor, weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.frames import fmt
 
@@ -259,9 +259,9 @@ def _bad_outputs(run: _Run) -> list[dict[str, Any]]:
         nan = int(r.nan) if is_number(r.nan) else 0
         if nan:
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": f"{nan} of {r.numel} values NaN"})
-        elif is_number(diff) and float(diff) > 1e-3:
+        elif floor.departs(diff, getattr(r, "ref_floor", None)):
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name,
-                        "how": f"departs from the reference by {fmt(float(diff))}"})
+                        "how": floor.words(diff, getattr(r, "ref_floor", None))})
         elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint \
                 and not _true(getattr(r, "sharded", None)):  # a rank-local output (ctx.local) differs by design
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": "differs from rank 0"})
@@ -611,9 +611,25 @@ def _diagnose_state(run: _Run) -> Diagnosis:
     planned = len(run.manifest.get("steps") or run.steps)
     if len(run.steps) < planned:
         return Diagnosis("clean", f"clean so far: {len(run.steps)} of {planned} steps ran on every rank, the ranks "
-                         "agree and no detector fired on the latest state", None)
+                         "agree and no detector fired on the latest state" + _floor_clause(run), None)
     return Diagnosis("clean", f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
-                     "detector fired on the final state", None)
+                     "detector fired on the final state" + _floor_clause(run), None)
+
+
+def _floor_clause(run: _Run) -> str:
+    """For outputs judged against an engine's own floor: both numbers, so a reader on another CPU sees why
+    0.066 reads clean (``; output `logprobs` 0.066 from the reference, the engine's own floor 0.066 ...``)."""
+    o = run.outputs
+    if o.empty or "ref_floor" not in o:
+        return ""
+    o = o[o["ref_floor"].map(floor.floor_of).notna()]
+    if "step_index" in o and len(o):
+        o = o[o["step_index"] == o["step_index"].max()]
+    parts = []
+    for name, g in o.groupby("name", sort=False):
+        worst = g.loc[g["ref_max_abs_diff"].map(lambda v: floor.number(v) or 0.0).idxmax()]
+        parts.append(floor.within_words(name, worst["ref_max_abs_diff"], worst["ref_floor"]))
+    return "; output " + "; ".join(parts[:2]) if parts else ""
 
 
 def _last_call(run: _Run, rank: int) -> dict[str, Any] | None:

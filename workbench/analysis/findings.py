@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from workbench.analysis import floor
+
 STATUSES = ["ok", "sharded", "meta", "differs", "dtype", "reference", "inf", "nan", "poison", "missing"]
 FINDING_COLUMNS = ["step", "severity", "rank", "name", "detector", "finding"]
 
@@ -119,10 +121,11 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
         if _count(o.nan) > 0:
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "outputs",
                          "finding": f"{o.nan} of {o.numel} values NaN"})
-        diff = getattr(o, "ref_max_abs_diff", None)
-        if diff is not None and diff == diff and diff > 1e-3:
+        diff, fl = getattr(o, "ref_max_abs_diff", None), getattr(o, "ref_floor", None)
+        if floor.departs(diff, fl):
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "reference",
-                         "finding": f"max |output - reference| = {diff:.3g}"})
+                         "finding": f"max |output - reference| = {diff:.3g}"
+                         + (f" (the engine's own floor in this run: {fl:.3g})" if floor.floor_of(fl) else "")})
         elif o.rank != 0 and o.name in ref.index and ref.loc[o.name]["fingerprint"] != o.fingerprint \
                 and not _flag(getattr(o, "sharded", None)):
             rows.append({"severity": "warning", "rank": int(o.rank), "name": o.name, "detector": "outputs",

@@ -280,8 +280,8 @@ def score(ctx, sync: int) -> None:
             ctx.expect(f"inference.{name}", trainer[name].detach().clone())
     gap, wrong, total = compare_vllm(ctx) if ctx.receiver == "vllm" else compare(ctx.inference, ctx.trainer, ctx.tokens)
     floor = kernel_floor(ctx) if ctx.receiver == "vllm" else float("nan")
-    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap, receiver=ctx.receiver,
-               presync_gap=getattr(ctx, "presync_gap", float("nan")), floor_gap=floor)
+    ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap, ref_floor=floor,
+               receiver=ctx.receiver, presync_gap=getattr(ctx, "presync_gap", float("nan")), floor_gap=floor)
     ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
     who = "vLLM" if ctx.receiver == "vllm" else "stand-in"
     ctx.note(f"sync {sync} ({who}): {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap "
@@ -329,12 +329,8 @@ def kernel_floor(ctx) -> float:
     from workbench.rank.weightsync import model as wm
     from workbench.rank.weightsync import vllm_role as vr
 
-    held = vr.hf_state(ctx._llm, ctx.config)
-    vr.reload_all(ctx._llm, ctx.trainer)
-    floor = float((vr.prompt_logprobs(ctx._llm, ctx.tokens) - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
-    with vr.WeightUpdate(ctx._llm) as up:  # what the sync left, byte for byte
-        up.update(held.items())
-    return floor
+    lp = vr.floor_logprobs(ctx._llm, ctx.trainer, ctx.tokens, ctx.config)
+    return float((lp - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
 
 
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:

@@ -208,9 +208,11 @@ def check(ctx) -> None:
     sets_t = wm.expert_sets(scores_t, bias_t, k)
     sets_w = wm.expert_sets(scores_w, bias_w, k)
     changed = {r: wm.changed_fraction(sets_t[r], sets_w[r]) for r in sets_t}
-    ctx.output("logprobs", lp, ref_max_abs_diff=float(gap.max()), gap_mean=float(gap.mean()),
-               gap_before=ctx.gap_before, worker=ctx.worker, names_wrong=len(wrong), names=len(ctx.hosted),
-               receiver=ctx.receiver, presync_gap=getattr(ctx, "presync_gap", float("nan")))
+    floor = engine_floor(ctx)
+    ctx.output("logprobs", lp, ref_max_abs_diff=float(gap.max()), ref_floor=float(floor.max()),
+               gap_mean=float(gap.mean()), floor_mean=float(floor.mean()), gap_before=ctx.gap_before,
+               worker=ctx.worker, names_wrong=len(wrong), names=len(ctx.hosted), receiver=ctx.receiver,
+               presync_gap=getattr(ctx, "presync_gap", float("nan")))
     for r in sets_t:
         ctx.output(f"experts.{r}", sets_w[r].reshape(-1), worker=ctx.worker, changed_fraction=changed[r],
                    distinct_bias_trainer=wm.distinct_values(bias_t[r]),
@@ -222,8 +224,26 @@ def check(ctx) -> None:
     ctx.note(f"worker {ctx.worker} ({_receiver_words(ctx)}): {len(ctx.hosted) - len(wrong)}/{len(ctx.hosted)} of its "
              f"names hold the trainer's "
              f"bytes; log-prob gap {ctx.gap_before:.3g} before, {float(gap.mean()):.3g} after (max "
-             f"{float(gap.max()):.3g}); tokens with another expert set: "
+             f"{float(gap.max()):.3g}"
+             + (f"; vLLM serving the trainer's own weights: {float(floor.mean()):.3g} (max {float(floor.max()):.3g})"
+                if ctx.receiver == "vllm" else "")
+             + "); tokens with another expert set: "
              + ", ".join(f"{v:.0%}" for v in changed.values()))
+
+
+def engine_floor(ctx) -> torch.Tensor:
+    """Per token, how far the worker's engine is from the trainer with exactly the trainer's weights.
+
+    vLLM's CPU kernels are not the trainer's: this is the gap they alone leave, on this CPU, measured in
+    this run after the sync (what the sync left is put back). The stand-in computes like the trainer:
+    no floor (NaN), the fixed rounding tolerance applies."""
+    import torch
+
+    from workbench.rank.weightsync import vllm_role as vr
+
+    if ctx.receiver != "vllm":
+        return torch.full((1,), float("nan"))
+    return (vr.floor_logprobs(ctx._llm, ctx._trainer_model, ctx.tokens, ctx.config) - ctx.reference_lp).abs()
 
 
 # -- the two receivers -----------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +18,9 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import diagnosis as diag
-from workbench.analysis import findings
+from workbench.analysis import findings, floor
 from workbench.errors import WorkbenchError
 from workbench.teach.exercises import FIXED, NOT_FIXED, SLOT_STEP, SYMPTOM_ONLY, Exercise, get, warm
-
-TOLERANCE = 1e-3  # outputs "match" their reference within this (bf16 round-trips included)
 
 
 @dataclass
@@ -128,8 +125,8 @@ def problems(s: Any) -> list[str]:
     last = out.sort_values("step_index").groupby(["rank", "name"], as_index=False).last()
     found = []
     if "ref_max_abs_diff" in last:
-        off = last[pd.to_numeric(last["ref_max_abs_diff"], errors="coerce").fillna(0).map(
-            lambda v: not math.isfinite(v) or v > TOLERANCE)]
+        fl = last["ref_floor"] if "ref_floor" in last else pd.Series(None, index=last.index)
+        off = last[[floor.departs(d, f) for d, f in zip(last["ref_max_abs_diff"], fl)]]  # the engine's own floor
         found += [f"rank {r.rank} `{r.name}` is {float(r.ref_max_abs_diff):.3g} off its reference"
                   for r in off.itertuples(index=False)]
     for name, col in (("names_wrong", None), ("logprobs", "names_wrong")):

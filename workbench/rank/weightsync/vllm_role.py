@@ -227,6 +227,21 @@ def reload_all(llm, model: torch.nn.Module) -> None:
         up.update(wm.hf_state(model).items())
 
 
+def floor_logprobs(llm, model: torch.nn.Module, tokens: torch.Tensor, config) -> torch.Tensor:
+    """vLLM's prompt log-probs with exactly ``model``'s weights, then what the engine held put back byte for byte.
+
+    Against the trainer's own log-probs this is the engine's floor: where its kernels alone put it,
+    on this CPU, in this run. A right sync returns to it by construction (the same bytes, the same
+    kernels), so a verdict reads "within the floor" on any machine; a constant tuned on one CPU
+    does not (0.02 on an AMD EPYC, 0.066 on a Xeon with AMX, for the same weights)."""
+    held = {n: t.detach().clone() for n, t in hf_state(llm, config).items()}  # copies: some are the live parameters
+    reload_all(llm, model)
+    lp = prompt_logprobs(llm, tokens)
+    with WeightUpdate(llm) as up:
+        up.update(held.items())
+    return lp
+
+
 # -- what the engine says ----------------------------------------------------------------------------
 def _generate(llm, tokens: torch.Tensor):
     from vllm import SamplingParams
