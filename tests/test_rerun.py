@@ -201,14 +201,18 @@ def test_rerun_reproduces_a_fixture_and_names_a_changed_parameter(healthy):
     # exactly on the recorder's kind of machine, the same story on another: never "differs"
     assert all(r.reproduced for r in results), [r.message for r in results]
     assert [r.message.split(":")[0] for r in results] == ["bug path", "fix"]
-    # the recording says seed 1 where it ran with 0, and an older torch: the rerun (seed 1) parts at the first
-    # step that holds data (`build` is all meta)
+    # the recording says seed 1 where it ran with 0, an older torch and another CPU (the recorder's identity is an
+    # input here, so this reads the same on the recorder's CPU and any other): the rerun (seed 1) parts at the
+    # first step that holds data (`build` is all meta)
     old = doctored(b.bug, params={**b.bug.manifest["params"], "seed": 1},
-                   versions={**b.bug.manifest["versions"], "torch": "2.0.0"})
+                   versions={**b.bug.manifest["versions"], "torch": "2.0.0", "cpu": "A CPU no one has"})
     r = rerun.rerun_record(old, healthy)
     assert r.message.startswith("bug path: differs from the recording from step `materialize`, rank 0, "
                                 "`embed.weight`: values off by up to "), r.message
-    assert "changed since the recording: torch 2.0.0 -> " in r.message
+    assert r.changed["torch"][0] == "2.0.0" and r.changed["cpu"][0] == "A CPU no one has", r.changed
+    changed = r.message.split("; changed since the recording: ", 1)[1].split("; ")  # in any order
+    assert any(c.startswith("torch 2.0.0 -> ") for c in changed) and any(
+        c.startswith("cpu A CPU no one has -> ") for c in changed), r.message
     with pytest.raises(Exception, match="recorded on 4 ranks; only 2 can run here"):
         rerun.rerun_record(doctored(b.bug, ranks=4), healthy)
 
@@ -220,14 +224,23 @@ def test_a_run_recorded_under_other_float_kernels_reads_same_story(healthy, monk
     import workbench as wb
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     with wb.start(ranks=2, backend="gloo", timeout=healthy.timeout) as other:
         s = other.session("to-empty-clobbers-buffers")
         s.run()
         then = s.record()
         s.close()
+        # the committed fixtures, recorded on another machine, rerun on this "other CPU": reproduced, never
+        # "differs" (exactly, or the same story within rounding)
+        for r in bundle.load(FIXTURE).rerun(other):
+            assert r.reproduced, r.message
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert then.manifest["versions"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert then.manifest["versions"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     r = rerun.rerun_record(then, healthy)
     assert r.verdict == rerun.SAME_STORY, r.message
-    assert r.bytes_differ > 0 and "changed: ATEN_CPU_CAPABILITY default -> unset" in r.message, r.message
+    assert r.bytes_differ > 0 and r.changed["ATEN_CPU_CAPABILITY"] == ("default", None), r.changed
+    assert r.changed["ONEDNN_MAX_CPU_ISA"] == ("AVX2", None), r.changed
+    assert "ATEN_CPU_CAPABILITY default -> unset" in r.message, r.message
     assert not rerun.rerun_record(then, healthy, strict=True).reproduced

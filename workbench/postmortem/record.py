@@ -60,9 +60,13 @@ def versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    if os.environ.get("ATEN_CPU_CAPABILITY"):  # engines inherit it: torch's float kernels (SIMD width) it picks
-        out["ATEN_CPU_CAPABILITY"] = os.environ["ATEN_CPU_CAPABILITY"]
+    for knob in KERNEL_KNOBS:  # engines inherit them: the float kernels (SIMD width, oneDNN's ISA) torch picks
+        if os.environ.get(knob):
+            out[knob] = os.environ[knob]
     return out
+
+
+KERNEL_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # what lets one CPU run another's kernels
 
 
 def _cpu() -> str:
