@@ -2,7 +2,7 @@
 
 Layers, bottom up: the public face and declarations (``workbench``, ``errors``,
 ``scenario``), ``rank`` (inside a rank), ``scenarios``, ``analysis``, ``viz``,
-``postmortem``, ``live``, ``teach``, ``cli``. A module may import its own layer or lower ones;
+``postmortem``, ``job``, ``live``, ``teach``, ``cli``. A module may import its own layer or lower ones;
 ``rank`` only itself and the declarations; nothing imports ``teach`` (``workbench/__init__``
 reaches it lazily, by name); no import cycle anywhere.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "workbench"
-LAYERS = ["", "rank", "scenarios", "analysis", "viz", "postmortem", "live", "teach", "cli"]
+LAYERS = ["", "rank", "scenarios", "analysis", "viz", "postmortem", "job", "live", "teach", "cli"]
 BASE = {"workbench", "workbench.errors", "workbench.scenario"}
 
 
@@ -93,6 +93,16 @@ def test_postmortem_never_imports_live_and_engines_never_import_sessions():
     assert "workbench.live.session" not in GRAPH["workbench.live.engines"]
 
 
+def test_job_never_imports_live_and_postmortem_never_imports_job():
+    """The capture runs inside the user's training process: rank-side code and the shard format
+    (``postmortem.shards``), never the engines; the reader of shards is postmortem's own."""
+    assert not [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.job") for t in ts
+                if t.startswith("workbench.live")]
+    assert not [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.postmortem") for t in ts
+                if t.startswith("workbench.job")]
+    assert "workbench.postmortem.shards" in GRAPH["workbench.job.capture"]
+
+
 def _cycle() -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -125,7 +135,7 @@ def test_nothing_imports_teach():
     assert not bad, f"teach/ is the top of the client: {bad}"
 
 
-@pytest.mark.parametrize("folder", ["rank", "live", "analysis", "postmortem", "viz", "scenarios", "teach"])
+@pytest.mark.parametrize("folder", ["rank", "live", "analysis", "postmortem", "viz", "scenarios", "teach", "job"])
 def test_each_folder_says_what_lives_there(folder):
     doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
     assert doc and len(doc.split()) >= 15, f"workbench/{folder}/__init__.py needs a docstring"

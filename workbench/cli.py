@@ -307,7 +307,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     src, dst = os.path.realpath(args.bundle), os.path.realpath(out)
     if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
         raise WorkbenchError(f"-o {out}: that is the bundle itself; the report would overwrite it")
-    print(f"report: {report_from_bundle(args.bundle, out)}")
+    from workbench.postmortem import shards
+
+    if not shards.is_shard_dir(args.bundle):
+        if args.merge:
+            raise WorkbenchError(f"--bundle {args.merge}: {args.bundle} is a bundle already; --bundle merges a "
+                                 "directory of per-rank shards")
+        print(f"report: {report_from_bundle(args.bundle, out)}")
+        return 0
+    # A directory of per-rank shards (workbench.job.capture): what did not fit, the story, the page.
+    from workbench.postmortem import bundle, report
+
+    if args.merge:
+        check_output(args.merge, "--bundle")
+    b = bundle.load(args.bundle)
+    for line in b.problems:
+        print(f"shards: {line}", file=sys.stderr)
+    print(f"diagnosis: {b.bug.diagnose().sentence}")
+    print(f"report: {report.write(b, out)}")
+    if args.merge:
+        print(f"bundle: {bundle.save(b, args.merge)}")
     return 0
 
 
@@ -447,8 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(r, "--cluster")
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("report", help="a self-contained HTML report from a saved bundle (no engines needed)")
-    rp.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")
+    rp.add_argument("bundle", help="a .wbundle file, an unpacked bundle directory, or a directory of per-rank "
+                    "shards a job wrote (workbench.job.capture)")
     rp.add_argument("-o", "--output", default=None, metavar="FILE", help="HTML file (default: BUNDLE-name.html)")
+    rp.add_argument("--bundle", dest="merge", default=None, metavar="FILE",
+                    help="a directory of shards (workbench.job.capture): also merge it into this .wbundle")
     rp.set_defaults(fn=cmd_report)
     rr = sub.add_parser("rerun", help="rerun a bundle's runs as recorded and diff them against the recording")
     rr.add_argument("bundle", help="a .wbundle file (or an unpacked bundle directory)")

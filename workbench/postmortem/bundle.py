@@ -544,8 +544,17 @@ def _load(path: Path) -> Bundle:
 
 
 def load(path: str | os.PathLike) -> Bundle:
-    """Open a bundle file (or an unpacked bundle directory); one ``BundleError`` line if it is bad."""
+    """Open a bundle file (or an unpacked bundle directory, or a directory of per-rank shards that
+    ``workbench.job.capture`` wrote); one ``BundleError`` line if it is bad."""
     path = Path(path)
+    from workbench.postmortem import shards
+
+    if shards.is_shard_dir(path):
+        rec, problems = shards.read_checked(path)
+        b = Bundle([rec], {"format": FORMAT, "source": "shards", "scenario": rec.manifest["scenario"],
+                           "problems": problems, "runs": []}, source=path.name)
+        b.problems = problems  # a missing rank, another job's shard: lines, and the rest opens
+        return b
     try:
         return _load(path)
     except BundleError:

@@ -1,0 +1,272 @@
+"""Capture inside the user's own job (``workbench.job``): real scripts under real torchrun (gloo, CPU).
+
+The FSDP2 non-persistent-buffer job must read, from its shards, exactly what the live session of
+the same code says (the recorded catalogue bundle's diagnosis); the uneven eval loop must hang in
+a mismatched pair of collectives, and its shards, read while it hangs and after the test kills it,
+must name both calls and who waits in which. Problems with the shards (a missing rank, another
+job's shard, ranks that disagree on a point's name) are one line each and the rest still opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import workbench as wb
+from workbench.postmortem import shards
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+FIXTURE = ROOT / "fixtures" / "bundles" / "fsdp2-nonpersistent-buffer-sync.wbundle"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_CAPTURE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def torchrun(script: str, out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    run = subprocess.run([*TORCHRUN, str(EXAMPLES / script), str(out), *args], capture_output=True, text=True,
+                         timeout=timeout, env=_env(), cwd=out.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("job") / "fsdp2"
+    torchrun("fsdp2_buffers_job.py", out)
+    return out
+
+
+def test_fsdp2_job_reads_as_the_live_session_of_the_same_code(fsdp2_run, tmp_path):
+    live = wb.load(FIXTURE).bug.diagnose()
+    b = wb.load(fsdp2_run)  # the directory of shards, as any bundle
+    assert b.problems == []
+    rec = b.bug
+    assert rec.steps == ["load", "shard", "materialize", "load_state_dict", "sync_buffers", "forward"]
+    assert rec.manifest["ranks"] == 2 and rec.manifest["backend"] == "gloo"
+    assert rec.manifest["job"]["launcher"] == "torchrun"
+    d = rec.diagnose()
+    assert (d.mechanism, d.sentence) == (live.mechanism, live.sentence)
+    assert "`inv_freq`, `original_inv_freq` on ranks 0,1 were never written after materialisation" in d.sentence
+    # the ledger holds the job's own calls, at the script's own lines, under the points they led to
+    led = rec.ledger
+    assert set(led["state"]) == {"completed"}
+    sync = led[led["step"] == "sync_buffers"]
+    assert len(sync) == 2 * 2 and set(sync["op"]) == {"broadcast"}  # inv_freq, original_inv_freq on 2 ranks
+    assert sync["user_frame"].str.contains("fsdp2_buffers_job.py").all()
+
+    # the command line: the story, the page, and a merged bundle that opens to the same story
+    html, merged = tmp_path / "job.html", tmp_path / "job.wbundle"
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(fsdp2_run), "-o", str(html),
+                          "--bundle", str(merged)], capture_output=True, text=True, timeout=120, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert f"diagnosis: {live.sentence}" in out.stdout
+    assert "never written after materialisation" in html.read_text()
+    again = wb.load(merged).bug
+    assert again.diagnose().sentence == live.sentence
+    assert str(fsdp2_run) not in merged.read_bytes().decode("latin-1")  # machine paths scrubbed
+
+
+def test_the_fixed_job_is_clean(tmp_path):
+    out = tmp_path / "fixed"
+    torchrun("fsdp2_buffers_job.py", out, "--fix")
+    d = wb.load(out).bug.diagnose()
+    assert d.clean, d.sentence
+
+
+def _open_calls(out: Path) -> dict[int, str]:
+    try:
+        rec, _ = shards.read(out)
+    except Exception:
+        return {}
+    led = rec.ledger
+    if not len(led):
+        return {}
+    open_ = led[led["state"] == "started"]
+    return {int(r.rank): str(r.op) for r in open_.itertuples()}
+
+
+def _wait(cond, proc, what: str, limit: float = 240.0) -> None:
+    """Wait for a state the job reaches (not for a time): the limit only bounds a broken run."""
+    t0 = time.monotonic()
+    while not cond():
+        assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() - t0 < limit, f"no {what} after {limit:.0f} s"
+        time.sleep(0.2)
+
+
+def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
+    out = tmp_path / "eval"
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out)], stdout=log,
+                            stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path, start_new_session=True)
+    pids: list[int] = []
+    try:
+        # both ranks inside a call that can never pair: rank 0 all-gathers its third batch's
+        # parameters, rank 1 (two batches) all-reduces the loss
+        _wait(lambda: _open_calls(out) == {0: "all_gather_into_tensor", 1: "all_reduce"}, proc,
+              "stuck call in both ranks' shards")
+        pids = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text())["pid"] for r in (0, 1)]
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)  # faulthandler: every thread's stack into the rank's stacks.txt
+        _wait(lambda: all("uneven_eval_job.py" in (shards.rank_dir(out, r) / shards.STACKS).read_text()
+                          for r in (0, 1)), proc, "stacks from both ranks")
+        live = wb.load(out).bug.diagnose()  # read while the job hangs
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        log.close()
+    b = wb.load(out)  # and after the kill: the same story
+    rec = b.bug
+    d = rec.diagnose()
+    assert d.sentence == live.sentence
+    assert d.mechanism == "collective-mismatch", d.sentence
+    s = d.sentence
+    assert "rank 0: all_gather_into_tensor" in s and "rank 1: all_reduce" in s and "float32 [2] 8 B" in s
+    assert "uneven_eval_job.py:" in s  # the script's own lines, not the library's
+    assert f"rank 0 hung in all_gather_into_tensor #{d.call['seq']}" in s or "rank 0 hung in all_gather" in s
+    assert "rank 1 hung in all_reduce" in s and shards.STILL_INSIDE in s
+    hang = rec.manifest["hangs"][0]
+    assert set(hang["stuck"]) == {"0", "1"} and "all_reduce" in hang["stuck"]["1"]
+    assert all("uneven_eval_job.py" in hang["stacks"][r] for r in ("0", "1"))
+    # everything the ranks reached before the hang is there
+    assert rec.steps[:2] == ["build", "shard"] and set(rec.tensors["rank"]) == {0, 1}
+
+
+def test_a_balanced_eval_job_ends_clean(tmp_path):
+    out = tmp_path / "balanced"
+    torchrun("uneven_eval_job.py", out, "--balanced")
+    rec = wb.load(out).bug
+    assert rec.steps == ["build", "shard", "evaluate"] and rec.manifest["hangs"] == []
+    assert rec.diagnose().clean
+    assert {d["status"] for d in [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text())
+                                  for r in (0, 1)]} == {"finished"}
+
+
+# -- shards that do not fit: one line each, the rest opens ------------------------------------
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_missing_rank_is_one_line(fsdp2_run, tmp_path):
+    out = _copy(fsdp2_run, tmp_path / "missing")
+    shutil.rmtree(out / "rank1")
+    b = wb.load(out)
+    assert b.problems == ["rank 1 of 2 left no shard of job " + b.bug.manifest["job"]["id"]
+                          + ": no rows for them (the rank never reached capture, or wrote elsewhere)"]
+    assert set(b.bug.tensors["rank"]) == {0} and b.bug.manifest["devices"]["1"] == "no shard"
+    assert "never written after materialisation" in b.bug.diagnose().sentence
+
+
+def test_a_shard_of_another_job_is_left_out(fsdp2_run, tmp_path):
+    out = _copy(fsdp2_run, tmp_path / "other")
+    stale = out / "rank2"
+    shutil.copytree(out / "rank1", stale)  # a leftover of an earlier 3-rank run in the same directory
+    doc = json.loads((stale / shards.MANIFEST).read_text())
+    doc.update(rank=2, world_size=3, job="torchrun-earlier")
+    (stale / shards.MANIFEST).write_text(json.dumps(doc))
+    b = wb.load(out)
+    assert len(b.problems) == 1 and b.problems[0].startswith("rank2 is a shard of another job (torchrun-earlier;")
+    assert b.bug.manifest["ranks"] == 2 and set(b.bug.tensors["rank"]) == {0, 1}
+
+
+def test_ranks_that_disagree_on_a_point_name(fsdp2_run, tmp_path):
+    out = _copy(fsdp2_run, tmp_path / "names")
+    pts = out / "rank1" / shards.POINTS
+    lines = [json.loads(x) for x in pts.read_text().splitlines()]
+    for x in lines:
+        if x.get("point") == "sync_buffers":
+            x["point"] = "sync"
+    pts.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"kind": "point", "poi')  # and a cut line
+    b = wb.load(out)
+    assert b.problems == ["rank1/points.jsonl: 1 line(s) unreadable (cut by a kill?): skipped",
+                          "the ranks disagree on point 4's name: rank 0 'sync_buffers'; rank 1 'sync' "
+                          "(read as 'sync_buffers'; the rows are kept by position)"]
+    assert b.bug.steps[4] == "sync_buffers" and b.bug.diagnose().mechanism == wb.load(FIXTURE).bug.diagnose().mechanism
+
+
+def test_no_shard_at_all_is_one_error(tmp_path):
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / shards.MANIFEST).write_text("{not json")
+    with pytest.raises(wb.BundleError, match="no readable shard"):
+        wb.load(tmp_path)
+
+
+# -- in this process: durability per point, exceptions, the off switch ----------------------------
+def test_a_point_is_on_disk_when_it_returns_and_an_exception_is_a_line(tmp_path, monkeypatch):
+    import torch
+
+    import workbench.job as wj
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORKBENCH_JOB_ID", "test-job")
+    cap = wj.capture(tmp_path / "one")
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Linear(16, 8)
+        model.to_empty(device="cpu")
+        info = cap.point("materialize", model=model, loss=torch.tensor(1.5))
+        assert info["rows"] == 3 and info["bytes"] > 0
+        # still open, nothing closed or flushed by us: the line is on disk already
+        line = json.loads((tmp_path / "one" / "rank0" / shards.POINTS).read_text().splitlines()[0])
+        assert line["point"] == "materialize" and len(line["tensors"]) == 2 and len(line["outputs"]) == 1
+        try:
+            raise ValueError("boom in the job")
+        except ValueError as exc:
+            cap._excepthook(ValueError, exc, exc.__traceback__)
+    finally:
+        cap.close()
+    rec = wb.load(tmp_path / "one").bug
+    t = rec.tensors
+    assert (t["poisoned"] == t["numel"]).all() and set(t["written"]) == {"never written"}
+    ev = rec.events
+    assert list(ev["step"]) == ["after materialize"] and ev["error"].iloc[0] == "ValueError"
+    assert rec.manifest["job"]["id"] == "test-job"
+    assert json.loads((tmp_path / "one" / "rank0" / shards.MANIFEST).read_text())["status"] == "raised"
+    # the capture gave back what it patched
+    assert torch.nn.Module.to_empty.__name__ == "to_empty"
+
+
+def test_capture_off_is_a_no_op(tmp_path, monkeypatch):
+    import torch
+
+    import workbench.job as wj
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE", "0")
+    cap = wj.capture(tmp_path / "off")
+    assert not cap.enabled and cap.point("x", model=torch.nn.Linear(2, 2)) is None
+    monkeypatch.delenv("WORKBENCH_CAPTURE")
+    assert not wj.capture(tmp_path / "off", enabled=False).enabled
+    assert not (tmp_path / "off").exists()
+
+
+def test_importing_the_job_side_pulls_no_client():
+    code = ("import sys, workbench.job as wj; import torch; c = wj.capture(sys.argv[1], enabled=True); "
+            "c.point('p', model=torch.nn.Linear(2, 2)); c.close(); "
+            "print(sorted(m for m in ('pandas', 'ipyparallel', 'plotly', 'workbench.live') if m in sys.modules))")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True, timeout=120,
+                             env={**_env(), "WORKBENCH_JOB_ID": "x"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

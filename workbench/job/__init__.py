@@ -1,0 +1,38 @@
+"""Inside the user's own job: capture under torchrun or srun, no ipyparallel, no notebook.
+
+    import workbench.job as wj
+    cap = wj.capture("runs/init")           # every rank: RANK/WORLD_SIZE from torchrun, or srun's SLURM_*
+    cap.point("materialize", model=model)    # this rank's tensor rows now, the ledger since the last point
+    cap.point("forward", model=model, logits=out)
+
+Each rank writes its own shard (``runs/init/rank<r>/``) flushed at every point, so a job that
+hangs or is killed still leaves everything it reached; the collective ledger's start line of a
+call is on disk before the call runs, so the stuck call is named. The directory of shards opens
+like any bundle (``workbench report runs/init``, ``wb.load``), through ``postmortem.shards``.
+
+Layer: above ``postmortem`` (whose shard format it writes) and below ``live``, which it never
+imports; what runs in the job is rank-side code (``rank/``), and importing this package pulls
+neither pandas nor ipyparallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workbench.job.capture import ENV_OFF, Capture, NoCapture, capture
+
+__all__ = ["ENV_OFF", "Capture", "NoCapture", "capture", "load", "merge"]
+
+
+def load(path: Any) -> Any:
+    """A directory of shards as a ``Bundle`` (what ``wb.load`` gives for it too)."""
+    from workbench.postmortem import bundle
+
+    return bundle.load(path)
+
+
+def merge(path: Any, out: Any) -> Any:
+    """A directory of shards written into one ``.wbundle`` file; returns its path."""
+    from workbench.postmortem import bundle
+
+    return bundle.save(bundle.load(path), out)

@@ -1,0 +1,349 @@
+"""``capture(dir)``: one rank of the user's own job writing its shard, point by point.
+
+The rank-side parts are the live ranks' own: the probe (``rank/probe.py``) and the row
+annotations a live step gets (``remote._annotate``: written since materialisation, the
+reference value), poison of what ``to_empty`` and the Python allocators hand out
+(``rank/poison.py``), the collectives ledger (``rank/ledger.py``) and the forward trace
+(``rank/trace.py``). A ``RankContext`` holds what a point knows (expectations, outputs,
+notes), so a point's rows are a live step's rows.
+
+Durability: each point is one JSON line appended to ``points.jsonl`` and flushed before
+``point`` returns; the ledger writes a call's start line (flushed) before the call runs and its
+end line when the backend says it ended. A job that hangs in a collective, or is killed in
+one, leaves that start line with no end: the reader names it as the stuck call. Nothing runs
+in the background. An exception that ends the job is one more line (``sys.excepthook``), and
+``kill -USR1`` writes every thread's Python stacks into ``stacks.txt`` (faulthandler; left
+alone where the job has its own SIGUSR1 handler).
+
+Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
+returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from workbench.postmortem import shards
+
+ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op
+ENV_JOB = "WORKBENCH_JOB_ID"
+
+
+def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool = True, ledger: bool = True,
+            name: str | None = None, job: str | None = None) -> Capture | NoCapture:
+    """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
+
+    Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, else the process group).
+    ``poison``: fill what ``to_empty`` and ``torch.empty``-like calls hand out with a NaN pattern that
+    only unwritten memory keeps. ``ledger``: record every collective this thread issues. ``name``: the
+    run's title (default: the directory's name). ``job``: the job id every shard carries (default: the
+    launcher's job or run id, else one the ranks agree on through the process group's store).
+    """
+    if enabled is None:
+        enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
+    if not enabled:
+        return NoCapture()
+    return Capture(path, poison=poison, ledger=ledger, name=name, job=job)
+
+
+class NoCapture:
+    """Capture switched off: every call returns at once."""
+
+    enabled = False
+
+    def point(self, name: str, **objects: Any) -> None:
+        return None
+
+    def output(self, name: str, tensor: Any, **extra: Any) -> None:
+        return None
+
+    def expect(self, name: str, value: Any) -> None:
+        return None
+
+    def local(self, *keys: str) -> None:
+        return None
+
+    def note(self, message: str) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def trace(self, model: Any, run: str = "model") -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> NoCapture:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def launcher_env() -> dict[str, Any]:
+    """Rank, world size, local rank and the launcher that set them (None where none did)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {"launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env", "rank": int(env["RANK"]),
+                "world_size": int(env["WORLD_SIZE"]), "local_rank": int(env.get("LOCAL_RANK", 0))}
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return {"launcher": "srun", "rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
+                "local_rank": int(env.get("SLURM_LOCALID", 0))}
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return {"launcher": None, "rank": dist.get_rank(), "world_size": dist.get_world_size(), "local_rank": 0}
+    return {"launcher": None, "rank": 0, "world_size": 1, "local_rank": 0}
+
+
+def _launcher_job() -> str | None:
+    env = os.environ
+    if env.get(ENV_JOB):
+        return env[ENV_JOB]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}" + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else "")
+    run = env.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":  # torchrun's default static rendezvous calls every run "none"
+        return f"torchrun-{run}"
+    return None
+
+
+def _store_job() -> str | None:
+    """An id every rank of this process group reads the same: the first rank to ask writes it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        got = store.compare_set("workbench/job", "", f"job-{uuid.uuid4().hex[:12]}")
+        return got.decode() if isinstance(got, bytes) else str(got)
+    except Exception:
+        return None
+
+
+class Capture:
+    """This rank's capture: ``point`` probes and appends, ``close`` (or exit) marks the shard finished."""
+
+    enabled = True
+
+    def __init__(self, path: str | os.PathLike, *, poison: bool = True, ledger: bool = True,
+                 name: str | None = None, job: str | None = None):
+        import torch
+
+        from workbench.rank import context
+        from workbench.rank import ledger as ledger_mod
+        from workbench.rank import poison as poison_mod
+
+        where = launcher_env()
+        self.rank, self.world_size = where["rank"], where["world_size"]
+        self.root = Path(path)
+        self.dir = shards.rank_dir(self.root, self.rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in (shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{self.rank}.jsonl"):
+            (self.dir / old).unlink(missing_ok=True)  # this rank's shard of an earlier run
+        self._job_given = job or _launcher_job()
+        self.job = self._job_given or _store_job()
+        self.points: list[str] = []
+        self._t_last = time.time()
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+        self.ctx = context.RankContext(rank=self.rank, world_size=self.world_size, device=torch.device("cpu"),
+                                       backend="", poison=poison, workdir=str(self.dir))
+        self.doc: dict[str, Any] = {
+            "format": shards.FORMAT, "schema": shards.SCHEMA, "job": self.job, "name": name or self.root.name,
+            "rank": self.rank, "world_size": self.world_size, "local_rank": where["local_rank"],
+            "launcher": where["launcher"], "attempt": attempt, "host": shards.host(), "pid": os.getpid(),
+            "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else [],
+            "poison": poison, "ledger": ledger, "backend": "", "device": "cpu",
+            "started_at": self._t_last, "updated_at": self._t_last, "status": "running", "points": [],
+            "versions": _versions(),
+        }
+        self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)
+        self._stack = contextlib.ExitStack()
+        poison_mod.reset_tracking()
+        poison_mod.set_poison(poison)  # to_empty tracked either way (without poison: by fingerprint)
+        self._poison = poison_mod
+        self._stack.callback(poison_mod.uninstall)
+        if poison:
+            self._stack.enter_context(poison_mod.allocations())
+        self._ledger = None
+        if ledger:
+            self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
+            self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
+            self._stack.enter_context(ledger_mod.recording(self._ledger, "0"))
+            self._stack.callback(self._ledger.close)
+        self._stacks_file = None
+        if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            self._stacks_file = open(self.dir / shards.STACKS, "w")
+            faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True, chain=False)
+        self._hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self.close)
+        self._closed = False
+        self._write_manifest()
+
+    # -- what a point records -------------------------------------------------------------
+    def output(self, name: str, tensor: Any, **extra: Any) -> None:
+        """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
+        self.ctx.output(name, tensor, **extra)
+
+    def expect(self, name: str, value: Any) -> None:
+        """What tensor ``name`` (as probed, e.g. ``model.model.rotary_emb.inv_freq``) should hold."""
+        self.ctx.expect(name, value)
+
+    def local(self, *keys: str) -> None:
+        """Objects (by the point's keyword) that are this rank's own, never compared with rank 0's."""
+        self.ctx.local(*keys)
+
+    def note(self, message: str) -> None:
+        """A line for the next point: what this rank did that the tables cannot show."""
+        self.ctx.note(message)
+
+    def trace(self, model: Any, run: str = "model") -> Any:
+        """Trace one forward of ``model`` (a row per module call); the rows go with the next point."""
+        from workbench.rank.trace import trace_forward
+
+        return trace_forward(self.ctx, model, run=run)
+
+    def point(self, name: str, **objects: Any) -> dict[str, Any]:
+        """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
+
+        Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
+        tensor is an output (``logits=out``), as ``output(name, t)`` records it. Returns the point's
+        size: rows, bytes written, seconds spent.
+        """
+        import torch
+
+        from workbench.rank import probe, remote, trace
+
+        if self._closed:
+            raise RuntimeError("this capture is closed")
+        t0 = time.perf_counter()
+        now = time.time()
+        if self.job is None:
+            self.job = _store_job() or f"local-{shards.host()}-{os.getppid()}"
+            if self._ledger is not None:
+                self._ledger.session = self.job
+        self._where()
+        objects = dict(objects)
+        for key, value in list(objects.items()):
+            if isinstance(value, torch.Tensor):
+                self.ctx.output(key, value)
+                del objects[key]
+        with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
+            held: dict[str, list] = {}
+            rows = probe.probe_objects(objects, self.rank, held)
+            remote._annotate(rows, objects, self.ctx, held)
+            outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
+        for row in outputs:
+            row["sharded"] = row["name"].split(".", 1)[0] in self.ctx.rank_local
+            row.update(self.ctx.output_extras.get(row["name"], {}))
+        record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
+                  "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
+                  "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
+        line = json.dumps(record, default=_plain) + "\n"
+        self._points_file.write(line)
+        self._points_file.flush()
+        self.ctx.outputs.clear()
+        self.ctx.output_extras.clear()
+        self.ctx.notes.clear()
+        self.points.append(name)
+        if self._ledger is not None:
+            self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
+        self._t_last = time.time()
+        self._write_manifest()
+        return {"point": name, "rows": len(rows) + len(outputs), "bytes": len(line),
+                "seconds": time.perf_counter() - t0}
+
+    # -- the shard's own state --------------------------------------------------------------
+    def _where(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.doc["backend"] = dist.get_backend()
+            self.ctx.backend = self.doc["backend"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            dev = torch.device("cuda", torch.cuda.current_device())
+            self.ctx.device = dev
+            self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
+
+    def _write_manifest(self) -> None:
+        self.doc.update(job=self.job, points=list(self.points), updated_at=time.time())
+        shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
+
+    def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        try:
+            from workbench.rank.ledger import traceback_text
+
+            text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
+            self._points_file.write(json.dumps({
+                "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
+                "message": str(exc)[:2000], "traceback": text[-6000:]}) + "\n")
+            self._points_file.flush()
+            self.doc["status"] = "raised"
+            self._write_manifest()
+        except Exception:
+            pass
+        self._hook(kind, exc, tb)
+
+    def close(self) -> None:
+        """Stop recording and poisoning; the shard says the rank finished (unless it raised)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._stack.close()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._hook
+        if self.doc["status"] == "running":
+            self.doc["status"] = "finished"
+        with contextlib.suppress(Exception):
+            self._write_manifest()
+        self._points_file.close()
+        if self._stacks_file is not None:
+            with contextlib.suppress(Exception):
+                faulthandler.unregister(signal.SIGUSR1)
+            self._stacks_file.close()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "workbench"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out

@@ -1,0 +1,322 @@
+"""A directory of per-rank shards (what ``workbench.job.capture`` writes) read as one run.
+
+Layout, one folder per rank, each written by its own rank only::
+
+    <dir>/rank<r>/shard.json      job id, rank, world size, launcher, versions, the points so far
+    <dir>/rank<r>/points.jsonl    one line per point (probe rows, outputs, trace, notes) and per
+                                  exception, appended and flushed as they happen
+    <dir>/rank<r>/rank<r>.jsonl   the collectives ledger (``workbench.rank.ledger``)
+    <dir>/rank<r>/stacks.txt      Python stacks, where faulthandler wrote them (SIGUSR1)
+
+The reader builds the same ``RunRecord`` a live session gives (frames built by
+``Frame.build``, the ledger by ``collectives.ledger_table``), so the views, the report and
+the diagnosis read it unchanged. Ranks that disagree on a point's name, a rank with no shard,
+a shard of another job, an unreadable line: one line each in ``problems`` (and the log), the
+rest still opens. A call still open in a ledger when the shards are read (a hung or killed
+job) becomes the run's hang: who is inside which call, and who waits.
+
+Nothing here imports pandas or the analysis layer at module level: the job's writer imports
+the layout from this module inside a training process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+FORMAT = "workbench-shard"
+SCHEMA = 1
+MANIFEST = "shard.json"
+POINTS = "points.jsonl"
+STACKS = "stacks.txt"
+STILL_INSIDE = "still inside when the shards were read"
+
+
+def rank_dir(root: str | os.PathLike, rank: int) -> Path:
+    return Path(root) / f"rank{rank}"
+
+
+def ledger_file(root: str | os.PathLike, rank: int) -> Path:
+    """The ledger's own name (``rank.ledger.ledger_path``) inside the rank's folder."""
+    return rank_dir(root, rank) / f"rank{rank}.jsonl"
+
+
+def is_shard_dir(path: str | os.PathLike) -> bool:
+    """A directory holding at least one rank's shard (and no bundle manifest of its own)."""
+    p = Path(path)
+    if not p.is_dir() or (p / "manifest.json").exists():
+        return False
+    return any((d / MANIFEST).is_file() for d in p.glob("rank*"))
+
+
+def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    """Write a small JSON file by rename: a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, default=str)
+    os.replace(tmp, path)
+
+
+# -- reading -----------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"not a workbench shard (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+    if not isinstance(doc.get("schema"), int) or doc["schema"] > SCHEMA:
+        raise ValueError(f"shard schema {doc.get('schema')!r}; this workbench reads up to {SCHEMA}")
+    for key in ("rank", "world_size"):
+        if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool) or doc[key] < 0:
+            raise ValueError(f"{key!r} is not a whole number")
+    return doc
+
+
+def _lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON lines of ``path`` and how many could not be read (a line cut by a kill, a flipped byte)."""
+    out, bad = [], 0
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return [], 0
+    end = data.rfind(b"\n") + 1  # a last line still being written (or cut by a kill) is not a record
+    for line in data[:end].splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+        else:
+            bad += 1
+    return out, bad + (1 if data[end:].strip() else 0)
+
+
+def _ranks(rs: list[int]) -> str:
+    rs = sorted(rs)
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
+
+
+class Shards:
+    """What ``read`` found: the chosen job's shards per rank, and a line per problem."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.problems: list[str] = []
+        self.shards: dict[int, dict[str, Any]] = {}  # rank -> shard.json
+        self.points: dict[int, list[dict[str, Any]]] = {}  # rank -> its points, in order
+        self.errors: dict[int, list[dict[str, Any]]] = {}  # rank -> its exceptions
+        self.job: str | None = None
+        self.world_size = 0
+
+    def problem(self, line: str) -> None:
+        self.problems.append(line)
+        logging.getLogger("workbench").warning("workbench: %s: %s", self.path, line)
+
+
+def scan(path: str | os.PathLike) -> Shards:
+    """Read every rank folder under ``path``; keep the shards of one job (the one most ranks wrote)."""
+    path = Path(path)
+    found = Shards(path)
+    docs: dict[str, dict[str, Any]] = {}
+    for d in sorted(path.glob("rank*"), key=lambda p: (len(p.name), p.name)):
+        if not (d / MANIFEST).is_file():
+            continue
+        try:
+            doc = _read_json(d / MANIFEST)
+        except (OSError, ValueError) as exc:
+            found.problem(f"{d.name}/{MANIFEST} is unreadable ({' '.join(str(exc).split())[:160]}): left out")
+            continue
+        if d.name != f"rank{doc['rank']}":
+            found.problem(f"{d.name}/{MANIFEST} says it is rank {doc['rank']}: left out")
+            continue
+        docs[d.name] = doc
+    if not docs:
+        from workbench.errors import BundleError
+
+        raise BundleError(f"{path}: no readable shard (rank<r>/{MANIFEST}) in this directory")
+    jobs = Counter(str(doc.get("job")) for doc in docs.values())
+    latest = {j: max(float(doc.get("started_at") or 0) for doc in docs.values() if str(doc.get("job")) == j)
+              for j in jobs}
+    found.job = max(jobs, key=lambda j: (jobs[j], latest[j]))
+    for name, doc in docs.items():
+        if str(doc.get("job")) != found.job:
+            found.problem(f"{name} is a shard of another job ({doc.get('job')}; the others are job {found.job}): "
+                          "left out")
+            continue
+        found.shards[doc["rank"]] = doc
+    sizes = Counter(doc["world_size"] for doc in found.shards.values())
+    found.world_size = max(max(sizes), max(found.shards) + 1)
+    if len(sizes) > 1:
+        found.problem("the shards disagree on the world size (" + ", ".join(
+            f"{_ranks([r for r, d in found.shards.items() if d['world_size'] == n])}: {n}" for n in sorted(sizes))
+            + f"); read as {found.world_size}")
+    missing = [r for r in range(found.world_size) if r not in found.shards]
+    if missing:
+        found.problem(f"{_ranks(missing)} of {found.world_size} left no shard of job {found.job}: "
+                      "no rows for them (the rank never reached capture, or wrote elsewhere)")
+    for r in sorted(found.shards):
+        lines, bad = _lines(rank_dir(path, r) / POINTS)
+        if bad:
+            found.problem(f"rank{r}/{POINTS}: {bad} line(s) unreadable (cut by a kill?): skipped")
+        found.points[r] = [x for x in lines if x.get("kind") == "point"]
+        found.errors[r] = [x for x in lines if x.get("kind") == "error"]
+    return found
+
+
+def _step_names(found: Shards) -> list[str]:
+    """One name per point index: the name most ranks gave it (the lowest rank's on a tie)."""
+    names: list[str] = []
+    depth = max((len(p) for p in found.points.values()), default=0)
+    for k in range(depth):
+        said = {r: str(p[k].get("point")) for r, p in found.points.items() if len(p) > k}
+        count = Counter(said.values())
+        name = max(count, key=lambda n: (count[n], -min(r for r, x in said.items() if x == n)))
+        if len(count) > 1:
+            found.problem(f"the ranks disagree on point {k}'s name: " + "; ".join(
+                f"{_ranks([r for r, x in said.items() if x == n])} {n!r}" for n in count)
+                + f" (read as {name!r}; the rows are kept by position)")
+        while name in names:  # a name reused (a point per iteration): the views key steps by name
+            name = f"{name}'"
+        names.append(name)
+    return names
+
+
+def _step_of(token: Any, names: list[str]) -> str:
+    """A ledger row's or error's point index (what the capture writes while on the way to point k)."""
+    try:
+        k = int(token)
+    except (TypeError, ValueError):
+        return str(token)
+    if k < len(names):
+        return names[k]
+    return f"after {names[-1]}" if names else "before the first point"
+
+
+def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
+    """The run the shards hold as a ``RunRecord``, and the problems found on the way."""
+    import pandas as pd
+
+    from workbench.analysis import collectives
+    from workbench.analysis.frames import Frame
+    from workbench.errors import RankFailure
+    from workbench.postmortem.record import SCHEMA_VERSION, RunRecord
+
+    found = scan(path)
+    path = Path(path)
+    names = _step_names(found)
+    ranks = list(range(found.world_size))
+    first = found.shards[min(found.shards)]
+    scenario = str(first.get("name") or path.name)
+    reader = collectives.LedgerReader([str(ledger_file(path, r)) for r in sorted(found.shards)])
+    reader.poll()
+    calls = [dict(c) for c in reader.calls()]  # each rank's ledger starts empty at its capture: this job's
+    for c in calls:
+        c["step"] = _step_of(c.get("step"), names)
+    ledger = collectives.ledger_table(calls)
+    errors = {r: [{**e, "step": _step_of(e.get("index"), names)} for e in es] for r, es in found.errors.items()}
+    steps = list(names)
+    extra = {c["step"] for c in calls} | {e["step"] for es in errors.values() for e in es}
+    for s in sorted(extra - set(steps)):
+        steps.append(s)  # calls or an exception past the last point some rank reached
+    frames = []
+    for i, step in enumerate(steps):
+        values: dict[int, dict[str, Any]] = {}
+        for r in sorted(found.shards):
+            pts = found.points[r]
+            p = pts[i] if i < len(names) and len(pts) > i else None
+            err = next((e for e in errors[r] if e["step"] == step), None)
+            if p is None and err is None:
+                continue
+            p = p or {}
+            values[r] = {"tensors": p.get("tensors", []), "outputs": p.get("outputs", []),
+                         "trace": p.get("trace", []), "elapsed": float(p.get("elapsed") or 0.0),
+                         "notes": list(p.get("notes", [])),
+                         "error": None if err is None else {k: err.get(k) for k in ("error", "message", "traceback")}}
+        frames.append(Frame.build(step, i, scenario, None, values, {}))
+    hangs = []
+    open_calls = ledger[ledger["state"] == collectives.OPEN] if len(ledger) else ledger
+    if len(open_calls):
+        finished = {r for r, d in found.shards.items() if d.get("status") == "finished"}
+        step = min(open_calls["step"], key=steps.index)
+        failures = {int(r): RankFailure(int(r), "timeout", "Hung", STILL_INSIDE)
+                    for r in open_calls["rank"] if int(r) not in finished}
+        hang = collectives.diagnose(step, ledger[ledger["step"] == step], failures, ranks)
+        hang.caught_by = STILL_INSIDE
+        hang.stacks = {r: text for r in sorted(found.shards) if (text := _stacks(path, r))}
+        hangs.append(hang.to_dict())
+    notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
+    notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]
+    t0 = min(float(d.get("started_at") or 0) for d in found.shards.values())
+    t1 = max(float(d.get("updated_at") or 0) for d in found.shards.values())
+    manifest = {
+        "schema": SCHEMA_VERSION,
+        "scenario": scenario,
+        "title": f"{scenario}: the job's own capture ({first.get('launcher') or 'no launcher'}, "
+                 f"{found.world_size} rank(s))",
+        "incident": None,
+        "fix": None,
+        "fixes": {},
+        "poison": bool(first.get("poison")),
+        "params": {},
+        "steps": steps,
+        "steps_run": steps,
+        "hangs": hangs,
+        "elapsed": [{str(r): t for r, t in f.elapsed.items()} for f in frames],
+        "ranks": found.world_size,
+        "backend": str(first.get("backend") or "unknown"),
+        "devices": {str(r): str(found.shards[r].get("device")) if r in found.shards else "no shard" for r in ranks},
+        "timeout_s": None,
+        "seed": None,
+        "started_at": t0,
+        "saved_at": t1,
+        "versions": dict(first.get("versions") or {}),
+        "job": {"id": found.job, "launcher": first.get("launcher"), "argv": first.get("argv"),
+                "hosts": sorted({str(d.get("host")) for d in found.shards.values()}),
+                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}},
+        "problems": list(found.problems),
+    }
+
+    def stack(attr: str) -> pd.DataFrame:
+        parts = []
+        for f in frames:
+            df = getattr(f, attr).copy()
+            df.insert(0, "step_index", f.index)
+            df.insert(0, "step", f.step)
+            parts.append(df)
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    rec = RunRecord(manifest, stack("tensors"), stack("outputs"), stack("events"), notes, trace=stack("trace"),
+                    ledger=ledger)
+    return rec, list(found.problems)
+
+
+def _stacks(path: Path, rank: int) -> str:
+    try:
+        text = (rank_dir(path, rank) / STACKS).read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-20000:]
+
+
+def read_checked(path: str | os.PathLike) -> tuple[Any, list[str]]:
+    """``read``, where anything damaged shards provoke is one ``BundleError`` line, as for a bundle."""
+    from workbench.errors import BundleError
+
+    try:
+        return read(path)
+    except BundleError:
+        raise
+    except Exception as exc:
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise BundleError(f"{path}: unreadable shards ({msg})") from None
+
+
+def host() -> str:
+    return socket.gethostname()
