@@ -120,7 +120,7 @@ def warm(seed: int = 0) -> dict[str, Any]:
 
 def save_checkpoint(model: torch.nn.Module) -> str:
     """The trainer's weights as an HF checkpoint folder (what vLLM starts from)."""
-    d = tempfile.mkdtemp(prefix="wb-vllm-")
+    d = tempfile.mkdtemp(prefix=f"wb-vllm-p{os.getpid()}-")  # the pid: a killed rank's folder is swept later
     with _own_world():  # transformers writes on distributed rank 0 only: every rank here saves its own
         model.save_pretrained(d)
     return d
