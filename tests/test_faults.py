@@ -442,7 +442,9 @@ def test_an_integer_parameter_beyond_64_bits_names_its_key(value):
 
 def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
     """Every engine wrote a wb-stacks-<pid>-*.txt and per-session work dirs it never removed (engines are
-    killed): the next engine to start removes those of dead pids, and a clean exit removes its own file."""
+    killed): the next engine to start removes those of dead pids, and a clean exit removes its own file.
+    What a process made under names without its pid (a rank's vLLM checkpoint, a client's ledger dir) its
+    manifest (wb-owned-<pid>-*.txt) lists: gone with the pid too (issue 40)."""
     import subprocess
     import sys
 
@@ -455,10 +457,11 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
         "stale_dir": tmp_path / f"wb-tiny-1234abcd-r1-p{dead.pid}-xyz12345",
         "live_dir": tmp_path / f"wb-tiny-9-r0-p{mine}-xyz12345",
         "other": tmp_path / f"wb-ledger-x-r1-p{dead.pid}-xyz12345",  # a client's ledger dir: not an engine's
-        "stale_ledger": tmp_path / f"wb-ledger-x-1234abcd-c{dead.pid}-xyz12345",  # of a client that is gone
-        "live_ledger": tmp_path / f"wb-ledger-x-1234abcd-c{mine}-xyz12345",
-        "stale_vllm": tmp_path / f"wb-vllm-p{dead.pid}-xyz12345",  # a rank's vLLM checkpoint
-        "live_vllm": tmp_path / f"wb-vllm-p{mine}-xyz12345",
+        "stale_vllm": tmp_path / "wb-vllm-deadbeef",  # listed by the dead pid's manifest
+        "stale_ledger": tmp_path / "wb-ledger-x-1234abcd-deadbeef",
+        "live_vllm": tmp_path / "wb-vllm-a11ve123",  # listed by a live pid's manifest
+        "lease_dir": tmp_path / "wb-lease-deadbeef",  # listed, but its reaper's to remove
+        "unlisted": tmp_path / "wb-vllm-unlisted",
     }
     for key, p in made.items():
         if key.endswith("file"):
@@ -466,14 +469,23 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
         else:
             p.mkdir()
             (p / "inside").write_text("x")
+    outside = tmp_path.parent / f"wb-outside-{dead.pid}"  # listed, not in the temp dir: never touched
+    outside.mkdir(exist_ok=True)
+    stale_manifest = tmp_path / f"wb-owned-{dead.pid}-abcd_123.txt"
+    stale_manifest.write_text("".join(f"{made[k]}\n" for k in ("stale_vllm", "stale_ledger", "lease_dir"))
+                              + f"{outside}\n{tmp_path / 'wb-already-gone'}\n")
+    live_manifest = tmp_path / f"wb-owned-{mine}-abcd_123.txt"
+    live_manifest.write_text(f"{made['live_vllm']}\n")
     code = ("import os, glob; from workbench.rank import stacks; p = stacks.install(); "
             "print(p, flush=True)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
+    kept = ("live_file", "live_dir", "other", "live_vllm", "lease_dir", "unlisted")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        made[k].name for k in ("live_file", "live_dir", "other", "live_ledger", "live_vllm"))  # its own file went too
-    assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-"))
+        [made[k].name for k in kept] + [live_manifest.name])  # its own file and manifest went at exit too
+    assert out.stdout.strip().startswith(str(tmp_path / "wb-stacks-")) and outside.is_dir()
+    outside.rmdir()
 
 
 def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):

@@ -46,8 +46,19 @@ CLIENT = textwrap.dedent('''
         return os.getpid()
 
 
+    TINY = wb.Scenario("tiny-temp", probe=None)
+
+
+    @TINY.step
+    def one(ctx):
+        pass
+
+
     c = wb.start(ranks=2, backend="gloo", timeout=8, progress=False)
     pids = c.run(share)
+    s = c.session(TINY)  # never closed: its ledger dir is the client's to remove at exit
+    assert s.step().ok
+    assert os.path.isdir(s.ledger_dir)
     print(c._lease.token, *pids.values(), flush=True)
     if sys.argv[1] == "stop":
         c.stop()
@@ -79,6 +90,7 @@ def _during(tmp: str, pids: list[int]) -> None:
     names = os.listdir(tmp)
     assert any(n.startswith("torch-shm-dir-") for n in names), names
     assert any(n.startswith("wb-stacks-") for n in names), names
+    assert any(n.startswith("wb-ledger-") for n in names), names
     assert _segments(pids), os.listdir(SHM)
 
 

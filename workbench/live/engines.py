@@ -23,6 +23,7 @@ import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
+from workbench.rank import leftovers
 from workbench.rank.host import free_port, gpu_count, set_threads
 
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
@@ -94,6 +95,9 @@ class Engines:
     def __init__(self, ranks: int = 2, backend: str = "auto", timeout: float = 60.0,
                  port: int | None = None, env: dict[str, str] | None = None):
         check_timeout_port(timeout, port)  # before any engine starts: a bad value is one line, not 10 s later
+        # This client's own temp dirs (sessions' ledger dirs) go at its exit, or with the next sweep once it is
+        # killed (rank/leftovers.py); ranks list theirs the same way.
+        leftovers.own_temp_paths()
         self.backend = resolve_backend(backend, ranks)
         self.world_size = ranks
         self.timeout = float(timeout)

@@ -211,6 +211,8 @@ def reap(client: int, token: str, lease_file: str, lease_s: float) -> str:
     if why != "stopped":
         end_tree(token)
         shutil.rmtree(os.path.dirname(lease_file), ignore_errors=True)
+        if why == "client died":
+            clear_leftovers([client])  # the dead client's own temp dirs (its manifest's), a zombie or not
     return why
 
 

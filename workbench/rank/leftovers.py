@@ -1,4 +1,14 @@
-"""What a killed process of torch leaves behind, and how to clear it once its owner is gone (stdlib only).
+"""What a killed process leaves behind, and how to clear it once its owner is gone (stdlib only).
+
+**Its own temp dirs.** A process that calls ``own_temp_paths()`` (every engine, at group formation; every
+client, when it makes a cluster) writes each ``wb-*`` path it makes with ``tempfile`` in the temp dir to a
+manifest named after its pid, ``wb-owned-<pid>-*.txt`` (``tempfile.mkdtemp``/``mkstemp`` note them: no call
+site has to say so). A clean exit removes them; once the pid is gone, whoever sweeps next
+(``stacks.sweep_stale``: the next engine to start, a ``stop()``, the reaper, ``down``) does: a rank's vLLM
+checkpoint (``wb-vllm-*``), a session's ledger dir (``wb-ledger-*``), its work dirs. A lease dir is never
+listed: its reaper must see it until the tree is ended.
+
+**torch's shared memory.**
 
 torch's ``file_system`` sharing (CPU tensors handed between processes by shared-memory name: the weight-sync
 scenarios' IPC handles) starts a ``torch_shm_manager`` beside the process. The manager makes
@@ -11,12 +21,17 @@ what no live process does.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import glob
 import os
 import re
 import shutil
+import tempfile
+import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 SHM = "/dev/shm"
 SEGMENT = re.compile(r"torch_(\d+)_\d+_\d+")
@@ -24,6 +39,106 @@ MANAGER_DIR = "torch-shm-dir-"
 MANAGER_COMM = "torch_shm_manag"  # /proc/<pid>/comm keeps 15 characters
 UNBOUND_GRACE_S = 10.0  # a manager's dir with no socket yet: one starting (mkdtemp, then bind), or one that died
 SEGMENT_AGE_S = 60.0  # a segment of a dead pid that no process maps, left by someone else: how old before it goes
+MANIFEST = re.compile(r"wb-owned-(\d+)-\w{8}\.txt")
+NEVER = ("wb-lease-", "wb-owned-")  # a lease dir is its reaper's to remove; a manifest is not its own entry
+
+_OWN: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def own_temp_paths() -> str:
+    """From now on, list every ``wb-*`` path this process makes with ``tempfile`` in the temp dir in a manifest
+    named after its pid (see the module docstring); the manifest's path. Idempotent; a forked child lists none.
+
+    ``tempfile.mkdtemp``/``mkstemp`` are wrapped (the result is the same; a ``wb-*`` name is noted). Python's
+    audit events would need no wrapper, but an audit hook runs on every audited event of the process
+    (``id()``, ``sys._getframe``...): ~2000 a step on a rank, ~0.6 us each measured."""
+    if _OWN.get("pid") == os.getpid():
+        return _OWN["path"]
+    directory = tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix=f"wb-owned-{os.getpid()}-", suffix=".txt", dir=directory)
+    with _LOCK:
+        _OWN.update(pid=os.getpid(), path=path, dir=directory, fh=os.fdopen(fd, "a", buffering=1))
+    if not _OWN.get("wrapped"):
+        _OWN["wrapped"] = True
+        real_mkdtemp, real_mkstemp = tempfile.mkdtemp, tempfile.mkstemp
+
+        @functools.wraps(real_mkdtemp)
+        def mkdtemp(*args: Any, **kwargs: Any) -> Any:
+            made = real_mkdtemp(*args, **kwargs)
+            _note(made)
+            return made
+
+        @functools.wraps(real_mkstemp)
+        def mkstemp(*args: Any, **kwargs: Any) -> Any:
+            made = real_mkstemp(*args, **kwargs)
+            _note(made[1])
+            return made
+
+        tempfile.mkdtemp, tempfile.mkstemp = mkdtemp, mkstemp
+        atexit.register(_at_exit)
+    return path
+
+
+def _note(path: Any) -> None:
+    if _OWN.get("pid") != os.getpid():
+        return
+    try:
+        path = os.fsdecode(path)
+        name = os.path.basename(path)
+        if name.startswith("wb-") and not name.startswith(NEVER) and os.path.dirname(path) == _OWN["dir"]:
+            with _LOCK:
+                _OWN["fh"].write(path + "\n")
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def _at_exit() -> None:
+    """A clean exit: what this process listed goes, and the manifest with it."""
+    if _OWN.get("pid") == os.getpid():
+        with _LOCK:
+            _OWN["fh"].close()
+            _OWN["pid"] = None
+        remove_listed(_OWN["path"])
+
+
+def remove_listed(manifest: str) -> int:
+    """Remove the paths a manifest lists (this user's, directly in its directory, never a link), then it."""
+    directory = os.path.dirname(manifest)
+    n = 0
+    try:
+        with open(manifest) as f:
+            listed = [line.strip() for line in f if line.strip()]
+    except OSError:
+        listed = []
+    for path in dict.fromkeys(listed):
+        name = os.path.basename(path)
+        if os.path.dirname(path) != directory or not name.startswith("wb-") or name.startswith(NEVER) \
+                or os.path.islink(path) or not _mine(path):
+            continue
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    try:
+        os.unlink(manifest)
+    except OSError:
+        pass
+    return n
+
+
+def sweep_manifests(directory: str, gone: Any) -> int:
+    """Remove what the manifests in ``directory`` of processes ``gone(pid)`` says are gone list."""
+    n = 0
+    for manifest in glob.glob(os.path.join(glob.escape(directory), "wb-owned-*.txt")):
+        m = MANIFEST.fullmatch(os.path.basename(manifest))
+        if m and not os.path.islink(manifest) and _mine(manifest) and gone(int(m.group(1))):
+            n += remove_listed(manifest)
+    return n
 
 
 def _pids() -> list[int]:

@@ -25,6 +25,9 @@ def install() -> str:
     """Register SIGUSR1 to dump all threads' stacks into this rank's file; returns its path."""
     if "path" not in _FILE:
         sweep_stale()
+        from workbench.rank import leftovers
+
+        leftovers.own_temp_paths()  # a killed engine's vLLM checkpoint, work dirs: found by the next sweep
         fd, path = tempfile.mkstemp(prefix=f"wb-stacks-{os.getpid()}-", suffix=".txt")
         _FILE.update(path=path, fh=os.fdopen(fd, "w"))
         faulthandler.register(signal.SIGUSR1, file=_FILE["fh"], all_threads=True, chain=False)
@@ -39,11 +42,9 @@ def _remove(path: str) -> None:
         pass
 
 
-# Temp files and dirs named after the process that made them (an engine; a client for a ledger dir): <pid> is
-# the group. A dir of a process that is gone is nobody's.
-STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"),
-         re.compile(r"wb-vllm-p(\d+)-\w{8}"),  # a rank's vLLM checkpoint (weightsync/vllm_role.save_checkpoint)
-         re.compile(r"wb-ledger-.+-c(\d+)-\w{8}"))  # a session's ledger dir, named after its client's pid
+# Temp files and dirs named after the engine process that made them: <pid> is the group. What a process made
+# under other names, its manifest lists (leftovers.own_temp_paths).
+STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"))
 
 
 def _gone(pid: int) -> bool:
@@ -66,6 +67,7 @@ def sweep_stale(directory: str | None = None, pids: Any = None) -> int:
     directory = directory or tempfile.gettempdir()
     killed = {int(p) for p in pids or ()}  # gone, though one may be a zombie PID 1 has not reaped yet
     n = leftovers.sweep(directory, pids) + (leftovers.sweep_segments() if pids is not None else 0)
+    n += leftovers.sweep_manifests(directory, lambda pid: pid in killed or _gone(pid))
     for path in glob.glob(os.path.join(directory, "wb-*")):
         name = os.path.basename(path)
         m = next((m for rx in STALE if (m := rx.fullmatch(name))), None)
