@@ -119,3 +119,51 @@ def test_a_killed_clients_leftovers_go_with_its_ranks(tmp_path):
         if proc.poll() is None:
             proc.kill()
         lease.end_tree(token, within=0)
+
+
+SLOW = '''
+import time
+import workbench as wb
+
+SCENARIO = wb.Scenario("slow-temp", probe=None)
+
+
+@SCENARIO.step
+def wait(ctx):
+    open(MARKER, "w").close()
+    time.sleep(120)
+'''
+
+
+def test_down_clears_what_a_killed_attached_run_left(tmp_path):
+    """`workbench run --cluster P` killed mid-step (no cleanup of its own runs, and no reaper: the ranks are the
+    cluster's) left its session's ledger dir, and the ranks their work dirs: `down` clears them."""
+    tmp, marker = tmp_path / "tmp", tmp_path / "in-step"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "IPYTHONDIR": str(tmp_path / "ipy")}
+    sc = tmp_path / "slow.py"
+    sc.write_text(SLOW.replace("MARKER", repr(str(marker))))
+    cli = [sys.executable, "-m", "workbench.cli"]
+    up = subprocess.run([*cli, "up", "--ranks", "1", "--profile", "tmpclean"], env=env, capture_output=True,
+                        text=True, timeout=240)
+    assert up.returncode == 0, up.stderr[-2000:]
+    run = None
+    try:
+        run = subprocess.Popen([*cli, "run", f"{sc}:", "--cluster", "tmpclean", "--no-progress"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 120
+        while not marker.exists() and run.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert marker.exists(), "the run never reached its step"
+        run.kill()
+        run.wait(30)
+        assert any(n.startswith("wb-ledger-") for n in os.listdir(tmp)), os.listdir(tmp)
+    finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+        down = subprocess.run([*cli, "down", "--profile", "tmpclean"], env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert down.returncode == 0, down.stderr[-2000:]
+    # torch's own per-user cache (`import transformers...modeling_auto`, warmed by `up`, makes it): one dir,
+    # the same for every run, not a leftover
+    assert sorted(n for n in os.listdir(tmp) if not n.startswith("torchinductor_")) == []

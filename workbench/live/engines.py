@@ -23,7 +23,7 @@ import psutil
 
 from workbench.errors import ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
-from workbench.rank import leftovers
+from workbench.rank import leftovers, stacks
 from workbench.rank.host import free_port, gpu_count, set_threads
 
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
@@ -96,8 +96,10 @@ class Engines:
                  port: int | None = None, env: dict[str, str] | None = None):
         check_timeout_port(timeout, port)  # before any engine starts: a bad value is one line, not 10 s later
         # This client's own temp dirs (sessions' ledger dirs) go at its exit, or with the next sweep once it is
-        # killed (rank/leftovers.py); ranks list theirs the same way.
+        # killed (rank/leftovers.py); ranks list theirs the same way. The sweep: what dead ones left here (a killed
+        # attached run starts no engine whose sweep would find it).
         leftovers.own_temp_paths()
+        stacks.sweep_stale()
         self.backend = resolve_backend(backend, ranks)
         self.world_size = ranks
         self.timeout = float(timeout)
