@@ -146,6 +146,9 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
     hang = rec.manifest["hangs"][0]
     assert set(hang["stuck"]) == {"0", "1"} and "all_reduce" in hang["stuck"]["1"]
     assert all("uneven_eval_job.py" in hang["stacks"][r] for r in ("0", "1"))
+    head = hang["message"].splitlines()[0]
+    assert "did not finish on every rank" in head and shards.STILL_INSIDE in head and "strict" not in head
+    assert "uneven_eval_job.py" in wb.viz.hang_view(hang).to_html(include_plotlyjs=False)
     # everything the ranks reached before the hang is there
     assert rec.steps[:2] == ["build", "shard"] and set(rec.tensors["rank"]) == {0, 1}
 

@@ -250,7 +250,12 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         hang = collectives.diagnose(step, ledger[ledger["step"] == step], failures, ranks)
         hang.caught_by = STILL_INSIDE
         hang.stacks = {r: text for r in sorted(found.shards) if (text := _stacks(path, r))}
-        hangs.append(hang.to_dict())
+        entry = hang.to_dict()
+        lines = entry["message"].splitlines()  # its headline names the live ways a hang is caught; not this one
+        lines[0] = f"step {step!r}: did not finish on every rank: a call was {STILL_INSIDE} (the job hung there, " \
+                   "or was killed)"
+        entry["message"] = "\n".join(lines)
+        hangs.append(entry)
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
     notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]
     t0 = min(float(d.get("started_at") or 0) for d in found.shards.values())
