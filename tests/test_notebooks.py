@@ -19,3 +19,12 @@ def test_notebook_is_committed_clean_and_runs(path, tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert errors == []
+
+
+def test_the_exercises_instructions_say_where_the_fix_runs():
+    """The exercise's instruction is put together from a template: it once lost its verb in every notebook."""
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        said = [c.source for c in nb.cells if c.cell_type == "markdown" and "A step function:" in c.source]
+        for text in said:
+            assert "A step function: it runs " in text, f"{path.name}: {text[:80]}"
