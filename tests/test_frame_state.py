@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from workbench import Scenario
-
-pytestmark = pytest.mark.slow
+from workbench.analysis.cause import is_symptom
+from workbench.analysis.frames import Frame
+from workbench.live.session import _released_failed
 
 QUEUED = Scenario(name="queued-lonely-all-reduce", title="rank 0 queues an all-reduce alone and waits on it")
 
@@ -55,6 +56,7 @@ def _state(frame) -> tuple:
             None if frame.hang is None else frame.hang.caught_by, frame.events.to_dict("records"))
 
 
+@pytest.mark.slow
 def test_a_released_rank_whose_code_saw_no_error_fails_the_frame_when_it_is_returned(healthy):
     assert healthy.detect_deadlocks
     s = healthy.session(QUEUED)
@@ -84,6 +86,7 @@ def test_a_released_rank_whose_code_saw_no_error_fails_the_frame_when_it_is_retu
     s.close()
 
 
+@pytest.mark.slow
 def test_recover_never_replays_a_step_that_hung(healthy):
     """A frame that hung is a failed step for ``recover()`` whatever its events say (a frame settled before
     this fix, or a hang no rank raised for): the cursor stands at it, the replay stops before it."""
@@ -96,3 +99,32 @@ def test_recover_never_replays_a_step_that_hung(healthy):
     info = s.recover()
     assert info["replayed"] == ["setup"] and s.next_step == "lonely"
     s.close()
+
+
+def test_the_release_decides_the_frame_from_what_the_client_knows():
+    """No cluster: the watch released ranks 0 and 2; rank 0 returned clean (NCCL's queued call), rank 2's call
+    raised, rank 1 was never stuck, rank 3 missed the deadline (no value). Only rank 0 gets the release's error,
+    worded so the diagnosis reads it as the hang's symptom, not a cause."""
+
+    class Found:
+        reason = "rank 1 finished the step; rank 0 waits in all_reduce #1, which rank 1 will never issue"
+
+    class Watch:
+        found = Found()
+        released = {0: "all_reduce #1 float32 [4] 16 B at x.py:3 lonely", 2: "all_reduce #1 float32 [4] 16 B",
+                    3: "all_reduce #1 float32 [4] 16 B"}
+
+    def value(error=None):
+        return {"tensors": [], "outputs": [], "elapsed": 0.1, "notes": [], "error": error, "halted": False}
+
+    raised = {"error": "DistBackendError", "message": "NCCL communicator was aborted on rank 2.", "traceback": ""}
+    values = {0: value(), 1: value(), 2: value(raised)}
+    out = _released_failed(values, Watch())
+    assert values[0]["error"] is None  # the ranks' values are not changed in place
+    assert out[1] is values[1] and out[2] is values[2] and 3 not in out
+    e = out[0]["error"]
+    assert e["error"] == "DeadlockReleased" and "all_reduce #1 float32 [4] 16 B at x.py:3 lonely" in e["message"]
+    assert "aborted by the workbench" in e["message"].splitlines()[0] and Found.reason in e["message"]
+    assert is_symptom(e["traceback"], e["message"])
+    frame = Frame.build("lonely", 1, "s", None, out, {})
+    assert not frame.ok and sorted(frame.rank_errors) == [0, 2]
