@@ -7,7 +7,8 @@ Each rank evaluates its own shard of the data through an FSDP2 model (every forw
 the parameters), then all-reduces (loss sum, token count). Rank 0 holds one batch more than rank 1:
 rank 1 reaches the all-reduce while rank 0 is in its next forward's all-gather, and neither call can
 ever complete. The capture's ledger is on disk before each call runs, so the shards name both calls
-while the job hangs. ``--balanced`` gives every rank the same batches (the job then ends).
+while the job hangs (and, with ``--debug-server``, each rank's worker answers
+``workbench.job.ask`` with its open calls). ``--balanced`` gives every rank the same batches (the job then ends).
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", help="the capture directory (one shard per rank)")
     ap.add_argument("--balanced", action="store_true", help="the same number of batches on every rank")
+    ap.add_argument("--debug-server", action="store_true", help="also run PyTorch's debug-server worker per rank")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
+    if args.debug_server:
+        # The per-rank half of torch.distributed.debug.start_debug_server (a worker server on every rank;
+        # its rank-0 HTTP frontend also needs tabulate, aiohttp and Jinja2): the capture's handler answers there.
+        import torch.distributed.debug as debug
+        from torch._C._distributed_c10d import _WorkerServer
+
+        debug._WORKER_SERVER = _WorkerServer("::", 0)
     cap = wj.capture(args.out)
     rank = dist.get_rank()
     torch.manual_seed(0)

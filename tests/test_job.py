@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import workbench as wb
+import workbench.job as wj
 from workbench.postmortem import shards
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def _wait(cond, proc, what: str, limit: float = 240.0) -> None:
 def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
     out = tmp_path / "eval"
     log = open(tmp_path / "torchrun.log", "w")
-    proc = subprocess.Popen([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out)], stdout=log,
+    proc = subprocess.Popen([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out), "--debug-server"], stdout=log,
                             stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path, start_new_session=True)
     pids: list[int] = []
     try:
@@ -119,6 +120,11 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
         _wait(lambda: _open_calls(out) == {0: "all_gather_into_tensor", 1: "all_reduce"}, proc,
               "stuck call in both ranks' shards")
         pids = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text())["pid"] for r in (0, 1)]
+        # the job runs PyTorch's debug-server workers: the capture's handler answers there while it hangs
+        asked = wj.ask_all(out)
+        assert {r: [c["op"] for c in a["open_calls"]] for r, a in asked.items()} == {
+            0: ["all_gather_into_tensor"], 1: ["all_reduce"]}, asked
+        assert asked[1]["points"] == ["build", "shard"] and asked[1]["latest"]["point"] == "shard"
         for pid in pids:
             os.kill(pid, signal.SIGUSR1)  # faulthandler: every thread's stack into the rank's stacks.txt
         _wait(lambda: all("uneven_eval_job.py" in (shards.rank_dir(out, r) / shards.STACKS).read_text()
@@ -153,14 +159,28 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
     assert rec.steps[:2] == ["build", "shard"] and set(rec.tensors["rank"]) == {0, 1}
 
 
-def test_a_balanced_eval_job_ends_clean(tmp_path):
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_balanced_eval_job_ends_clean_and_its_ranks_agree_on_a_job_id(tmp_path):
+    """torchrun's default static rendezvous names every run "none": the ranks then agree on an id through
+    the process group's store, so a shard left by an earlier run is told apart."""
     out = tmp_path / "balanced"
-    torchrun("uneven_eval_job.py", out, "--balanced")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(EXAMPLES / "uneven_eval_job.py"), str(out), "--balanced"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
     rec = wb.load(out).bug
     assert rec.steps == ["build", "shard", "evaluate"] and rec.manifest["hangs"] == []
     assert rec.diagnose().clean
-    assert {d["status"] for d in [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text())
-                                  for r in (0, 1)]} == {"finished"}
+    docs = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text()) for r in (0, 1)]
+    assert {d["status"] for d in docs} == {"finished"}
+    assert docs[0]["job"] == docs[1]["job"] and docs[0]["job"].startswith("job-")
 
 
 # -- shards that do not fit: one line each, the rest opens ------------------------------------
@@ -217,8 +237,6 @@ def test_no_shard_at_all_is_one_error(tmp_path):
 def test_a_point_is_on_disk_when_it_returns_and_an_exception_is_a_line(tmp_path, monkeypatch):
     import torch
 
-    import workbench.job as wj
-
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WORKBENCH_JOB_ID", "test-job")
@@ -252,8 +270,6 @@ def test_a_point_is_on_disk_when_it_returns_and_an_exception_is_a_line(tmp_path,
 def test_capture_off_is_a_no_op(tmp_path, monkeypatch):
     import torch
 
-    import workbench.job as wj
-
     monkeypatch.setenv("WORKBENCH_CAPTURE", "0")
     cap = wj.capture(tmp_path / "off")
     assert not cap.enabled and cap.point("x", model=torch.nn.Linear(2, 2)) is None
@@ -273,3 +289,21 @@ def test_importing_the_job_side_pulls_no_client():
                              env={**_env(), "WORKBENCH_JOB_ID": "x"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_srun_sets_rank_world_and_job(monkeypatch):
+    from workbench.job import shard as c
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "WORKBENCH_JOB_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert c.launcher_env() == {"launcher": "srun", "rank": 5, "world_size": 8, "local_rank": 1}
+    assert c._launcher_job() == "slurm-4242.0"
+    monkeypatch.setenv("RANK", "2")  # torchrun inside an allocation: its own ranks win
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert c.launcher_env()["rank"] == 2 and c.launcher_env()["launcher"] == "torchrun"

@@ -100,7 +100,7 @@ def test_job_never_imports_live_and_postmortem_never_imports_job():
                 if t.startswith("workbench.live")]
     assert not [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.postmortem") for t in ts
                 if t.startswith("workbench.job")]
-    assert "workbench.postmortem.shards" in GRAPH["workbench.job.capture"]
+    assert "workbench.postmortem.shards" in GRAPH["workbench.job.shard"]
 
 
 def _cycle() -> list[str] | None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.job.capture import ENV_OFF, Capture, NoCapture, capture
+from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture
 
-__all__ = ["ENV_OFF", "Capture", "NoCapture", "capture", "load", "merge"]
+__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "load", "merge"]
 
 
 def load(path: Any) -> Any:

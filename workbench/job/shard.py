@@ -15,6 +15,11 @@ in the background. An exception that ends the job is one more line (``sys.except
 ``kill -USR1`` writes every thread's Python stacks into ``stacks.txt`` (faulthandler; left
 alone where the job has its own SIGUSR1 handler).
 
+Where the job runs PyTorch's debug server (``torch.distributed.debug.start_debug_server``: a
+worker server per rank), a handler of the capture's own (``workbench_capture``) answers a POST to
+``<worker>/handler/workbench_capture`` with this rank's latest point and its open calls, while the
+job runs or hangs (``ask``); the shard records the worker's address.
+
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
 returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe.
 """
@@ -39,6 +44,8 @@ from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op
 ENV_JOB = "WORKBENCH_JOB_ID"
+HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
+_CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
 def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool = True, ledger: bool = True,
@@ -193,6 +200,9 @@ class Capture:
         sys.excepthook = self._excepthook
         atexit.register(self.close)
         self._closed = False
+        self._latest: dict[str, Any] | None = None
+        _CURRENT[:] = [self]
+        _register_handler()
         self._write_manifest()
 
     # -- what a point records -------------------------------------------------------------
@@ -261,6 +271,7 @@ class Capture:
         self.ctx.output_extras.clear()
         self.ctx.notes.clear()
         self.points.append(name)
+        self._latest = record
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
         self._t_last = time.time()
@@ -283,6 +294,9 @@ class Capture:
 
     def _write_manifest(self) -> None:
         self.doc.update(job=self.job, points=list(self.points), updated_at=time.time())
+        server = getattr(sys.modules.get("torch.distributed.debug"), "_WORKER_SERVER", None)
+        if server is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
+            self.doc["debug_server"] = f"http://{shards.host()}:{server.port}"
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
@@ -299,6 +313,34 @@ class Capture:
         except Exception:
             pass
         self._hook(kind, exc, tb)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the debug-server handler answers: this rank's latest point (its rows) and open calls."""
+        return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
+                "points": list(self.points), "latest": self._latest, "open_calls": self.open_calls()}
+
+    def open_calls(self) -> list[dict[str, Any]]:
+        """The collectives this rank started and saw no end of, read from its own ledger file."""
+        if self._ledger is None:
+            return []
+        started: dict[tuple, dict[str, Any]] = {}
+        try:
+            with open(self._ledger.path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return []
+        for line in data[: data.rfind(b"\n") + 1].splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            key = (ev.get("attempt"), ev.get("group"), ev.get("seq"))
+            if ev.get("ev") == "start":
+                started[key] = ev
+            elif ev.get("ev") == "end":
+                started.pop(key, None)
+        keep = ("group", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step")
+        return [{k: ev.get(k) for k in keep} for ev in started.values()]
 
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised)."""
@@ -319,6 +361,8 @@ class Capture:
                 faulthandler.unregister(signal.SIGUSR1)
             self._stacks_file.close()
         atexit.unregister(self.close)
+        if _CURRENT and _CURRENT[0] is self:
+            _CURRENT.clear()
 
     def __enter__(self) -> Capture:
         return self
@@ -328,6 +372,71 @@ class Capture:
 
     def __repr__(self) -> str:
         return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
+
+
+def _handle(req: Any, resp: Any) -> None:
+    """The debug server's call (on its own thread): the open capture's snapshot as JSON."""
+    try:
+        cap = _CURRENT[0] if _CURRENT else None
+        body = {"error": "no open capture in this process"} if cap is None else cap.snapshot()
+        resp.set_content(json.dumps(body, default=_plain).encode(), "application/json")
+        resp.set_status(200 if cap is not None else 404)
+    except Exception as exc:
+        resp.set_content(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), "application/json")
+        resp.set_status(500)
+
+
+_REGISTERED: list[bool] = []
+
+
+def _register_handler() -> None:
+    """Register ``_handle`` with c10d's handler registry, once per process.
+
+    The registry is a C++ static: it drops its Python callables at exit without the GIL, which aborts
+    the interpreter (rc 134) when that drops the last reference. One reference more than the registry
+    holds keeps the function alive past that point (measured: without it, a plain script that registers
+    a handler exits with SIGABRT)."""
+    if _REGISTERED:
+        return
+    _REGISTERED.append(True)
+    try:
+        import ctypes
+
+        from torch._C._distributed_c10d import _register_handler as register
+    except ImportError:  # a torch without the debug server
+        return
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_handle))
+    try:
+        register(HANDLER, _handle)
+    except ValueError:  # registered already (this module imported twice under two names)
+        pass
+
+
+def ask(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """A running (or hung) rank's snapshot through its debug-server worker (``shard.json``'s
+    ``debug_server``, or the frontend's ``rank<r>`` address): latest point and open calls."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{url.rstrip('/')}/handler/{HANDLER}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def ask_all(path: str | os.PathLike, timeout: float = 10.0) -> dict[int, dict[str, Any]]:
+    """Every rank of a capture directory whose shard names a debug server, asked now: rank -> snapshot
+    (or ``{"error": ...}`` for a rank that does not answer)."""
+    out: dict[int, dict[str, Any]] = {}
+    for d in sorted(Path(path).glob("rank*")):
+        try:
+            doc = json.loads((d / shards.MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if doc.get("debug_server"):
+            try:
+                out[int(doc["rank"])] = ask(doc["debug_server"], timeout)
+            except Exception as exc:
+                out[int(doc["rank"])] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def _plain(v: Any) -> Any:
