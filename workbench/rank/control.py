@@ -5,8 +5,13 @@ collective cannot be asked anything through the engine, and restarting the engin
 the whole warm state (measured 27.5 s on 2 x H200). A daemon thread started when the rank
 joins its group listens on one socket and can release the blocked call instead:
 
-- NCCL: ``_abort_process_group`` aborts the communicators; the kernels see the abort flag
-  and exit, so the host sync the main thread waits in returns and the collective raises.
+- NCCL: every group's backend is aborted (``ProcessGroup.abort``); the kernels see the abort
+  flag and exit, so the host sync the main thread waits in returns and the collective raises.
+  torch's registry of groups is left as it was: ``c10d._abort_process_group()`` on the world
+  also clears it and the default group, so a rank's later call on a subgroup it kept raised
+  ``ValueError: Group ... is not registered`` (the workbench's own artefact among the rank
+  errors, issue 38 at 4 GPUs); now it raises "NCCL communicator was aborted", the hang's symptom.
+  The group is re-formed by ``destroy_process_group`` as after any failed step.
 - gloo: aborting its group object does not wake a waiter, but gloo's pairs are plain TCP
   sockets: shutting them down (they were opened while the group formed, so we know which)
   makes every pending send or receive fail at once, on this rank and on its peers.
@@ -43,7 +48,23 @@ def start(rendezvous_addr: str, rendezvous_port: int) -> dict[str, Any]:
     srv.listen(8)
     _STATE.update(host=host, port=srv.getsockname()[1], token=secrets.token_hex(16))
     threading.Thread(target=_serve, args=(srv,), name="workbench-control", daemon=True).start()
+    warm_probe()
     return {"host": _STATE["host"], "port": _STATE["port"], "token": _STATE["token"]}
+
+
+def warm_probe() -> bool:
+    """On a rank whose CUDA device is set (an NCCL rank joining its group), build the GPU probe's kernel in
+    the background (``probe_fused.warm_async``): the first probe then takes ~0.1 s, not Triton's import and
+    compile (seconds, issue 38). Once per process, as ``start`` is; never on a CPU rank."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        from workbench.rank import probe_fused
+
+        return probe_fused.warm_async() is not None
+    except Exception:  # the probe builds its kernel on first use instead
+        return False
 
 
 def bind_address(rendezvous_addr: str, rendezvous_port: int) -> str:
@@ -286,14 +307,40 @@ def abort() -> dict[str, Any]:
     done: list[str] = []
     if backend == "nccl":
         try:
-            c10d._abort_process_group()
-            done.append("aborted the NCCL communicators")
+            groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+            n = abort_groups(groups, c10d._get_default_group())
+            done.append(f"aborted the NCCL communicators of {n} group(s)")
         except Exception as exc:
             return {"aborted": False, "why": f"abort: {type(exc).__name__}: {exc}"}
     else:  # NCCL's own sockets are its business; gloo's pairs are ours to cut
         done.append(f"shut down {_shutdown_group_sockets()} group socket(s)")
     _STATE["group_sockets"] = {}
     return {"aborted": True, "backend": backend, "did": done, "seconds": time.perf_counter() - t0}
+
+
+def abort_groups(groups: list[Any], default: Any) -> int:
+    """Abort each group's backends, the registry untouched (``c10d._abort_process_group`` minus its
+    clearing of ``_world``). Inside one ncclGroupStart/End on the default group's NCCL backend, as torch
+    does it: one communicator's abort must not wait on another's (pytorch#119797)."""
+    import torch
+
+    try:
+        nccl = default._get_backend(torch.device("cuda"))
+    except (RuntimeError, AttributeError):
+        nccl = None
+    grouped = nccl is not None and hasattr(nccl, "_group_start")
+    if grouped:
+        nccl._group_start()
+    try:
+        for pg in groups:
+            if hasattr(pg, "abort"):
+                pg.abort()
+            else:  # an older ProcessGroup: its CUDA backend is the NCCL one
+                pg._get_backend(torch.device("cuda")).abort()
+    finally:
+        if grouped:
+            nccl._group_end()
+    return len(groups)
 
 
 def aborted() -> bool:

@@ -15,7 +15,9 @@ those of the per-dtype fused path this replaced (``benchmarks/probe_reference.py
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from typing import Any
 
@@ -40,6 +42,7 @@ _FLIP = np.array([_M32, 0], dtype=np.int64)
 _HALF_SHIFTS = np.array([0, 16], dtype=np.uint32)
 _TRITON: dict[str, Any] = {}
 _KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
+_WARM: dict[str, Any] = {}  # the warm-up: its thread while it runs, then what it took
 
 
 def fused_enabled() -> bool:
@@ -128,6 +131,7 @@ class Plan:
             self.done.record()
 
     def _kernel(self, hint: bool) -> None:
+        await_warm()
         w = [o // 4 for o in WINDOW_OFFSETS]
         cap = {"maxnreg": MAXNREG} if MAXNREG else {}
         try:
@@ -180,6 +184,54 @@ class Plan:
         for i, n in self.short_heads:
             out[i] = out[i][:n]
         return out
+
+
+def warm(device: torch.device | str | int | None = None) -> dict[str, Any]:
+    """Build the kernel for ``device`` and run it once over a tensor of each kind, so a rank's first probe
+    pays neither Triton's import nor its compile (seconds on a machine whose Triton cache is cold; the
+    cache makes it one load per process after that). The kernel has one specialization (every pointer it
+    gets is 16-byte aligned, every other argument a constant), so this build is the one every probe uses."""
+    t0 = time.perf_counter()
+    if not fused_enabled():
+        return {"warm": False, "why": _TRITON.get("why", "fused probe off")}
+    t1 = time.perf_counter()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        plan = Plan([torch.zeros(300, dtype=d, device=dev) for d in KINDS])  # > RAW_SMALL bytes: the window path too
+        plan.launch()
+        plan.columns()
+    return {"warm": True, "device": str(dev), "import_s": t1 - t0, "build_s": time.perf_counter() - t1}
+
+
+def warm_async(device: torch.device | str | int | None = None) -> threading.Thread | None:
+    """``warm`` on a daemon thread (once per process), started when a CUDA rank joins its group: the build
+    overlaps the group's formation and the first steps, and a probe that comes sooner waits only for the
+    rest of it (``await_warm``). WORKBENCH_PROBE_WARM=0 turns it off."""
+    if os.environ.get("WORKBENCH_PROBE_WARM", "1") == "0" or "thread" in _WARM or "result" in _WARM:
+        return _WARM.get("thread")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def run() -> None:
+        try:
+            _WARM["result"] = warm(device)
+        except Exception as exc:  # the probe's own path still works (and reports) without it
+            _WARM["result"] = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
+
+    t = threading.Thread(target=run, name="workbench-probe-warm", daemon=True)
+    _WARM["thread"] = t
+    t.start()
+    return t
+
+
+def await_warm() -> None:
+    """Wait for a warm-up still building the kernel (never from the warm-up's own thread)."""
+    t = _WARM.get("thread")
+    if t is not None and t is not threading.current_thread():
+        t.join()
+        _WARM.pop("thread", None)
 
 
 def wait(event: torch.cuda.Event, device: torch.device) -> None:

@@ -1,0 +1,113 @@
+"""The GPU probe's warm-up (issue 38: the first GPU probe took 4.8 s, Triton's import and compile) and the
+NCCL release's abort that leaves torch's group registry alone, on CPU.
+
+The warm-up runs the fused kernel through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag
+is read when the kernel is defined); it must change no row. The abort is checked on stand-in groups: every
+group's backend aborted, newest first, inside one NCCL group call, and nothing unregistered.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.rank import control
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Backend:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def _group_start(self) -> None:
+        self.calls.append("group_start")
+
+    def _group_end(self) -> None:
+        self.calls.append("group_end")
+
+
+class _Group:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def abort(self) -> None:
+        self.calls.append(f"abort {self.name}")
+
+    def _get_backend(self, device):
+        return _Backend(self.calls)
+
+
+def test_abort_groups_aborts_each_backend_inside_one_group_call():
+    calls: list[str] = []
+    world, sub = _Group("0", calls), _Group("1", calls)
+    registry = {world: "0", sub: "1"}
+    before = dict(registry)
+    n = control.abort_groups(sorted(registry, key=registry.get, reverse=True), world)
+    assert n == 2
+    assert calls == ["group_start", "abort 1", "abort 0", "group_end"]
+    assert registry == before  # the registry is the caller's, untouched
+
+
+def test_abort_groups_closes_the_group_call_when_an_abort_raises():
+    calls: list[str] = []
+    world = _Group("0", calls)
+
+    class Broken(_Group):
+        def abort(self) -> None:
+            raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        control.abort_groups([Broken("1", calls), world], world)
+    assert calls == ["group_start", "group_end"]
+
+
+def test_no_warm_up_on_a_cpu_rank():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert control.warm_probe() is False
+
+
+def _interpreted() -> None:
+    """Run with TRITON_INTERPRET=1: the warm-up through the interpreter, and a probe's rows unchanged by it."""
+    import pickle
+
+    import torch
+    from torch import nn
+
+    from workbench.rank import probe, probe_fused
+
+    probe_fused.FUSED_DEVICES = ("cuda", "cpu")
+    probe_fused.WORDS_PER_ITER, probe_fused.ITERS = 256, 2
+    g = torch.Generator().manual_seed(0)
+    m = nn.Sequential(nn.Linear(48, 40), nn.Linear(40, 6)).to(torch.bfloat16)
+    m.register_buffer("f", torch.randn(700, generator=g))
+    cold = pickle.dumps(probe.probe_module(m, 0))
+    probe._PLANS.clear()
+    os.environ.pop("WORKBENCH_PROBE_WARM", None)
+    t = probe_fused.warm_async("cpu")
+    assert t is not None and probe_fused.warm_async("cpu") is t  # once per process
+    probe_fused.await_warm()
+    r = probe_fused._WARM["result"]
+    assert r["warm"] is True and r["device"] == "cpu", r
+    assert probe_fused.warm_async("cpu") is None  # done: not again
+    assert pickle.dumps(probe.probe_module(m, 0)) == cold
+    print("warm rows identical")
+
+
+def test_warm_up_builds_the_kernel_and_changes_no_row():
+    pytest.importorskip("triton")
+    code = f"import runpy; runpy.run_path({str(Path(__file__))!r}, run_name='__interpreted__')"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "warm rows identical" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+if __name__ == "__interpreted__":
+    _interpreted()
