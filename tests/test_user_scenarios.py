@@ -180,3 +180,91 @@ def test_px_calls_on_a_stopped_cluster_are_one_clear_error():
     for call in (c.activate, lambda: c.push(x=1), lambda: c.probe("x")):
         with pytest.raises(ClusterError, match="stopped"):
             call()
+
+
+# -- a user's own mesh: two subgroups, two failures in one step ----------------------------------------------
+mesh = wb.Scenario("two-groups-two-failures", probe=None)
+PAIRS = ((0, 3), (1, 2))
+
+
+@mesh.step
+def pair_up(ctx):
+    made = [(g, dist.new_group(list(g))) for g in PAIRS]  # plain c10d: every rank forms every group, in order
+    ctx.pair = next(pg for g, pg in made if ctx.rank in g)
+    ctx.w = {"w": torch.ones(4)}
+
+
+@mesh.step
+def exchange(ctx):
+    t = torch.full((4,), float(ctx.rank))
+    if ctx.rank in PAIRS[0]:
+        dist.broadcast(t, src=1, group=ctx.pair)  # a bad argument: rank 1 is not in this pair
+    else:
+        dist.broadcast(t, src=ctx.rank, group=ctx.pair)  # each rank of the other pair takes itself for the root
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    """The mesh scenario run once on 4 gloo ranks: (its last frame, its diagnosis, seconds the step took)."""
+    c = wb.start(ranks=4, backend="gloo", timeout=20.0)
+    try:
+        s = c.session(mesh)
+        s.step()
+        t0 = __import__("time").monotonic()
+        frame = s.step()
+        yield frame, s.diagnose(), __import__("time").monotonic() - t0
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow
+def test_a_root_reads_as_the_global_rank_the_user_passed(mesh_run):
+    _, d, _ = mesh_run
+    # rank 2 wrote src=2; c10d's group rank (1) goes beside it, never in its place
+    assert "rank 2: broadcast #1 float32 [4] 16 B src=2 (group rank 1) at " in d.sentence, d.sentence
+    assert "rank 1: broadcast #1 float32 [4] 16 B src=1 (group rank 0) at " in d.sentence, d.sentence
+
+
+@pytest.mark.slow
+def test_every_independent_failure_of_a_step_is_told_and_different_roots_are_released(mesh_run):
+    frame, d, took = mesh_run
+    # the raising pair's exception first (a cause), then the other pair's parted broadcast (its own story)
+    assert d.sentence.startswith("ranks 0,3 raised ValueError at "), d.sentence
+    assert "Global rank 1 is not part of group <ProcessGroup>" in d.sentence, d.sentence
+    assert "; independently, on group " in d.sentence and "(ranks 1,2): " in d.sentence, d.sentence
+    assert d.sentence.index("raised ValueError") < d.sentence.index("(different roots)"), d.sentence
+    assert "ranks 1,2 hung in broadcast #1 (released by the workbench)" in d.sentence, d.sentence
+    for r, msg in frame.rank_errors.items():  # no rank's exception is left out
+        assert f"{r}" in d.sentence and "did not free" not in msg, (r, msg)
+    # the call with different roots is declared and released from the ledgers, not left to the 20 s timeout
+    assert sorted(frame.released) == [1, 2] and frame.hang.caught_by == "ledger deadlock"
+    assert took < 15, took
+
+
+PIPED = '''
+import torch
+import torch.distributed as dist
+import workbench as wb
+
+piped = wb.Scenario("piped-to-python", probe=None)
+
+
+@piped.step
+def lonely(ctx):
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(4))  # rank 1 never joins
+'''
+
+
+def test_a_script_piped_to_python_names_its_own_line_not_the_engines(healthy):
+    """``python - <<EOF``: the user's code names ``<stdin>``; the library frame is not ipyparallel's ``do_apply``."""
+    ns = {"__name__": "piped_user_script", "__file__": "<stdin>"}
+    exec(compile(PIPED, "<stdin>", "exec"), ns)
+    s = healthy.session(ns["piped"])
+    s.run()
+    d = s.diagnose()
+    line = PIPED.splitlines().index("        dist.all_reduce(torch.ones(4))  # rank 1 never joins") + 1
+    assert f"all_reduce #1 float32 [4] 16 B at <stdin>:{line} lonely)" in d.sentence, d.sentence
+    assert "kernel.py" not in d.sentence and "do_apply" not in d.sentence, d.sentence
+    row = s.ledger.iloc[0]
+    assert row["user_frame"] == f"<stdin>:{line} lonely" and not row["library_frame"], dict(row)

@@ -18,7 +18,8 @@ from workbench.analysis.collectives import short_path
 from workbench.analysis.stacks import _NOT_USER  # a library's, Python's or the rank plumbing's frame
 
 _TORCH = re.compile(r"(site|dist)-packages>?[/\\]torch[/\\]")  # also a bundle's scrubbed <site-packages>
-_PLUMBING = re.compile(r"[/\\]workbench[/\\](rank|live)[/\\]|/lib/python\d[^/]*/[^/]+\.py$|^<(string|frozen)")
+_PLUMBING = re.compile(r"[/\\]workbench[/\\](rank|live)[/\\]|/lib/python\d[^/]*/[^/]+\.py$|^<(string|frozen)"
+                       r"|[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client|asyncio)[/\\]")
 _TB_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$', re.M)
 
 
@@ -43,17 +44,25 @@ def raised_at(tb: str) -> str:
 
 
 _COLLECTIVE_ERROR = re.compile(
-    r"\bgloo\b|\bnccl|timed out waiting|connection closed by peer|aborted by the workbench", re.I)
+    r"\bgloo\b|\bnccl|timed out waiting|connection closed by peer|aborted by the workbench"
+    r"|is not registered|has been destroyed", re.I)  # the last two: a group an abort or a recovery took away
+# What c10d's Python wrappers raise when they refuse an argument (``src`` outside the group, a wrong tensor list):
+# raised before anything went out, so the rank's own cause even though it is raised inside torch.distributed.
+REFUSED = ("ValueError", "TypeError", "AssertionError", "KeyError", "IndexError", "AttributeError")
 
 
-def is_symptom(tb: str, message: str = "") -> bool:
+def is_symptom(tb: str, message: str = "", error: str = "") -> bool:
     """Raised by a collective itself (inside torch.distributed, the c10d op's own dispatch in
     ``torch/_ops.py``, or the backend's error reaching autograd as DDP's all-reduce does): a
-    timeout, a mispaired receive, what a cause leaves behind."""
+    timeout, a mispaired receive, what a cause leaves behind. ``error`` (the exception's type name):
+    an argument c10d refused (``REFUSED``) is a cause, unless the backend's own words say otherwise."""
     fs = frames(tb)
     inner = fs[-1][0].replace("\\", "/") if fs else ""
-    return ("/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
-            or bool(_COLLECTIVE_ERROR.search((message or "").split("\n", 1)[0])))  # a backend's own words
+    if _COLLECTIVE_ERROR.search((message or "").split("\n", 1)[0]):  # a backend's own words
+        return True
+    if error in REFUSED:
+        return False
+    return "/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
 
 
 def causes(events: pd.DataFrame, step: str) -> list[dict[str, Any]]:
@@ -62,16 +71,35 @@ def causes(events: pd.DataFrame, step: str) -> list[dict[str, Any]]:
         return []
     ev = events[(events["kind"] == "error") & (events["step"] == step)].sort_values("rank")
     tb = ev["traceback"] if "traceback" in ev.columns else pd.Series([""] * len(ev), index=ev.index)
-    return [dict(e) for (_, e), t in zip(ev.iterrows(), tb) if not is_symptom(str(t or ""), str(e["message"]))]
+    return [dict(e) for (_, e), t in zip(ev.iterrows(), tb)
+            if not is_symptom(str(t or ""), str(e["message"]), str(e.get("error") or ""))]
+
+
+_ADDRESS = re.compile(r"<(?:[\w.]+\.)?(\w+) object at 0x[0-9a-f]+>")
+
+
+def message(e: dict[str, Any]) -> str:
+    """The exception's first line, without the object addresses that differ rank to rank (``<ProcessGroup>``)."""
+    return _ADDRESS.sub(r"<\1>", str(e.get("message") or "").split("\n")[0])[:200]
+
+
+def told(errors: list[dict[str, Any]], step: str) -> list[str]:
+    """One clause per distinct exception, its ranks together: ``ranks 0,3 raised ValueError at f.py:18 exchange in
+    step `s`: Global rank 1 is not part of group <ProcessGroup>``."""
+    from workbench.analysis.diagnosis import _ranks  # the sentence's own way to name ranks (ranges on a mesh)
+
+    alike: dict[tuple[str, str, str], list[int]] = {}
+    for e in errors:
+        key = (str(e["error"]), raised_at(str(e.get("traceback") or "")), message(e))
+        alike.setdefault(key, []).append(int(e["rank"]))
+    return [f"{_ranks(rs)} raised {err}" + (f" at {where}" if where else "") + f" in step `{step}`: {msg}"
+            for (err, where, msg), rs in alike.items()]
 
 
 def lead(errors: list[dict[str, Any]], step: str, waiting: list[int]) -> str:
     """``rank 1 raised AssertionError at f.py:30 check in step `s`: msg; it left rank 0 waiting``."""
-    e = errors[0]
-    where = raised_at(str(e.get("traceback") or ""))
-    text = (f"rank {int(e['rank'])} raised {e['error']}" + (f" at {where}" if where else "")
-            + f" in step `{step}`: {str(e['message']).split(chr(10))[0][:200]}")
-    text += "".join(f"; rank {int(o['rank'])} raised {o['error']}" for o in errors[1:])
+    text = "; ".join(told(errors, step))
     if waiting:
-        text += f"; it left {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} waiting"
+        who = "it" if len({int(e["rank"]) for e in errors}) == 1 else "they"
+        text += f"; {who} left {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} waiting"
     return text

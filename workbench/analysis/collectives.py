@@ -3,7 +3,8 @@
 The ledgers are JSON-lines files the ranks append to (``workbench.rank.ledger``); this
 module reads them from disk, so it works while a rank is blocked and on saved data.
 One row per call: ``rank, session, attempt, step, group, seq, op, dtypes, shapes, numel,
-bytes, src, dst, via, bucket, bucket_tensors, state, error, caller, user_frame, library_frame,
+bytes, src, dst (global ranks, as the user's code names them; ``group_src``/``group_dst``: c10d's
+group-local value), via, bucket, bucket_tensors, state, error, caller, user_frame, library_frame,
 send, recv, t_start, t_end``. ``state`` is ``started`` (still inside), ``completed``, ``failed``,
 ``timed out`` or ``issued`` (dispatched; the backend gave no completion signal). ``send`` and
 ``recv`` say what travels to and from each peer (``workbench.rank.traffic``).
@@ -30,7 +31,7 @@ from workbench.errors import RankFailure
 LEDGER_COLUMNS = [
     "rank", "session", "attempt", "step", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel",
     "bytes", "src", "dst", "via", "bucket", "bucket_tensors", "state", "error", "caller", "user_frame",
-    "t_start", "t_end", "c10d_op", "library_frame", "send", "recv", "label",
+    "t_start", "t_end", "c10d_op", "library_frame", "send", "recv", "label", "group_src", "group_dst",
 ]
 OPEN = "started"
 
@@ -92,7 +93,8 @@ class LedgerReader:
         return list(rows)
 
 
-_INT_LEDGER = ("rank", "attempt", "seq", "numel", "bytes", "src", "dst", "bucket", "bucket_tensors")
+_INT_LEDGER = ("rank", "attempt", "seq", "numel", "bytes", "src", "dst", "bucket", "bucket_tensors", "group_src",
+               "group_dst")
 
 
 def _json_or_none(v: Any) -> Any:
@@ -160,7 +162,11 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
         text += f" (bucket {c.get('bucket')} of {c['via']}" + (f", {n} tensors)" if is_number(n) else ")")
     src = c.get("src")
     if is_number(src) and c["op"] in ("broadcast", "reduce", "scatter", "gather", "recv"):
-        text += f" src={src}"
+        # the root as the user's code names it (a global rank), c10d's group rank beside it where it differs
+        text += f" src={int(src)}"
+        local = c.get("group_src")
+        if is_number(local) and int(local) != int(src):
+            text += f" (group rank {int(local)})"
     if isinstance(c.get("label"), str) and c["label"]:  # what the issuing code said the call is for
         text += f" [{c['label']}]"
     where = c.get("user_frame") or c.get("caller")

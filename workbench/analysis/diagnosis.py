@@ -24,6 +24,7 @@ this module stays below the postmortem layer). The figure is built by
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -463,6 +464,44 @@ def diagnose(record: Any) -> Diagnosis:
 
 
 def _diagnose(run: _Run) -> Diagnosis:
+    d = _diagnose_story(run)
+    return _every_exception(run, d)
+
+
+def _every_exception(run: _Run, d: Diagnosis) -> Diagnosis:
+    """No rank's exception is left out: one the story did not name (a later step's, a rank outside the parted
+    group) is added after it, one clause per distinct exception."""
+    named = _named_raisers(d.sentence)
+    ev = run.events
+    if not len(ev) or "kind" not in ev.columns:
+        return d
+    for step in dict.fromkeys(ev[ev["kind"] == "error"]["step"]):
+        missing = [e for e in cause.causes(ev, step) if (int(e["rank"]), str(e["error"])) not in named]
+        if missing:
+            d.sentence += "; " + "; ".join(cause.told(missing, step))
+    return d
+
+
+def _named_raisers(sentence: str) -> set[tuple[int, str]]:
+    """(rank, exception type) pairs a sentence already tells: ``rank 1 raised X``, ``ranks 0,3-5 raised Y``."""
+    out: set[tuple[int, str]] = set()
+    for m in re.finditer(r"\branks? ([\d,\-]+) raised (\w+)", sentence):
+        for part in m.group(1).split(","):
+            a, _, b = part.partition("-")
+            if a.isdigit():
+                out |= {(r, m.group(2)) for r in range(int(a), int(b if b.isdigit() else a) + 1)}
+    return out
+
+
+def _parted_members(run: _Run, d: Diagnosis) -> list[int]:
+    """The ranks of the group whose collectives part in ``d`` (empty when unknown)."""
+    call, led = d.call or {}, run.ledger
+    if not call or not len(led) or call.get("group") is None:
+        return []
+    return collectives.group_ranks(led[led["group"].astype(str) == str(call["group"])])
+
+
+def _diagnose_story(run: _Run) -> Diagnosis:
     d = _diagnose_state(run)
     first = _first_error(run)
     if first is None:
@@ -472,11 +511,20 @@ def _diagnose(run: _Run) -> Diagnosis:
     at, then = run.index(first.step), run.index(d.step)
     if at == then and d.mechanism in _PARTED:
         raised = cause.causes(run.events, d.step)
+        raisers = {int(e["rank"]) for e in raised}
+        members = _parted_members(run, d)
+        if raised and members and not raisers & set(members):
+            # Two failures of one step, on groups that share no rank: neither explains the other. Each is told,
+            # the raising ranks' exceptions first (a cause), then the group whose collectives part (a symptom).
+            group = (d.call or {}).get("group")
+            d.sentence = ("; ".join(cause.told(raised, d.step))
+                          + f"; independently, on group {group} ({_ranks(members)}): {d.sentence}")
+            d.ranks = sorted(raisers) + [r for r in d.ranks if r not in raisers]
+            return d
         if raised:  # the exception is the cause, the parted collectives what it left behind
-            waiting = [s["rank"] for s in _where_stuck(run) if s["rank"] not in {int(e["rank"]) for e in raised}]
+            waiting = [s["rank"] for s in _where_stuck(run) if s["rank"] not in raisers]
             d.sentence = f"{cause.lead(raised, d.step, waiting)}: {d.sentence}"
-            d.ranks = sorted({int(e["rank"]) for e in raised}) + [r for r in d.ranks if r not in
-                                                                  {int(e["rank"]) for e in raised}]
+            d.ranks = sorted(raisers) + [r for r in d.ranks if r not in raisers]
             return d
     # A rank raised before anything else went wrong (a check refusing a stream, a failed load), or
     # in the step where the state went wrong without a collective to blame: the exception is the

@@ -185,10 +185,12 @@ def _entries(part: pd.DataFrame, backend: str, pg_ids: dict[str, int],
             coll[group] = coll.get(group, 0) + 1
         members = groups[group]
         local = members.index(int(r["rank"])) if int(r["rank"]) in members else int(r["rank"])
+        # Flight Recorder names a peer by its group rank: the ledger's ``group_dst``/``group_src`` (older rows
+        # hold only ``dst``/``src``, which then were the group rank)
         if name == "send":
-            name = f"send {local}->{_int(r.get('dst'), -1)}"
+            name = f"send {local}->{_int(_peer(r, 'dst'), -1)}"
         elif name == "recv":
-            name = f"recv {local}<-{_int(r.get('src'), -1)}"
+            name = f"recv {local}<-{_int(_peer(r, 'src'), -1)}"
         shapes = _shapes(r.get("shapes"))
         dtypes = [FR_DTYPES.get(d, d) for d in str(r.get("dtypes") or "").split(",") if d]
         in_dtypes = dtypes * len(shapes) if len(dtypes) == 1 else dtypes
@@ -500,3 +502,9 @@ def _seconds(ns: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return ns / 1e9 if ns > 0 else None
+
+
+def _peer(r: dict[str, Any], col: str) -> Any:
+    """A point-to-point row's peer as its group rank (``group_dst``), else the older rows' ``dst``."""
+    v = r.get(f"group_{col}")
+    return v if v is not None and not (isinstance(v, float) and v != v) and v is not pd.NA else r.get(col)

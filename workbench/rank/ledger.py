@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -87,6 +88,13 @@ _SHIPPED = "<dynamic-code>"  # cloudpickle's co_filename for code sent by value:
 # Code the user shipped (cloudpickle, IPython cells) and the catalogue's scenario files, even where the
 # workbench is installed into site-packages.
 _USER_PREFIXES = (_SHIPPED, "<ipython-input", os.path.join(os.path.dirname(_HERE), "scenarios") + os.sep)
+
+
+# The engine's own machinery: ipyparallel runs the step from a kernel, on an event loop. Never the user's code
+# (even where these packages sit outside site-packages, as on a host that carries them as wheels) and never the
+# library that issued a call: past them no frame issued anything.
+_MACHINERY = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client|asyncio)[/\\]"
+                        r"|^<frozen runpy>")
 
 
 def ledger_path(directory: str, rank: int) -> str:
@@ -255,6 +263,7 @@ class _Recorder(TorchDispatchMode):
             except Exception:
                 ranks = list(range(pg.size()))
         me = ranks.index(self.ledger.rank) if ranks and self.ledger.rank in ranks else 0
+        members = ranks  # the group's global ranks, before a point-to-point call narrows them to its channel
         theirs, send, recv = traffic(raw, bound, me, len(ranks) if ranks else 1)
         payload: list[torch.Tensor] = []
         for name in PAYLOAD_ARGS:
@@ -282,11 +291,16 @@ class _Recorder(TorchDispatchMode):
             "shapes": [list(t.shape) for t in payload], "numel": sum(t.numel() for t in payload),
             "bytes": sum(t.numel() * t.element_size() for t in payload),
             "device": str(payload[0].device) if payload else "",
-            "src": None, "dst": None, "tag": bound.get("tag"), "t": time.time(), "send": send, "recv": recv,
+            "src": None, "dst": None, "group_src": None, "group_dst": None, "tag": bound.get("tag"), "t": time.time(),
+            "send": send, "recv": recv,
         }
         for arg, col in PEER_ARGS.items():
             if bound.get(arg) is not None:
-                rec[col] = bound[arg]
+                # c10d passes the group's own rank (``group_src``); the user's code names the global one (``src``)
+                local = bound[arg]
+                rec[f"group_{col}"] = local
+                rec[col] = (members[local] if members and isinstance(local, int) and 0 <= local < len(members)
+                            else local)
         rec["caller"], rec["user_frame"], rec["stack"], rec["library_frame"] = _frames()
         rec["label"] = current_label()
         if self.coalesced and raw == "broadcast_":
@@ -412,6 +426,8 @@ def _frames() -> tuple[str, str, list[str], str]:
 
     None is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the trace's hooks,
     this ledger): with poison on, every collective passes through ``poison.py``'s ``__torch_function__``.
+    Nor the engine's machinery (``ipyparallel/engine/kernel.py do_apply``): the walk stops there. Code the
+    user shipped is the user's whatever file it names (a script piped to ``python -`` names ``<stdin>``).
     """
     f = sys._getframe(2)
     caller = user = lib = ""
@@ -421,11 +437,13 @@ def _frames() -> tuple[str, str, list[str], str]:
         fn = _filename(f)
         if not fn.startswith(_PLUMBING):
             where = f"{fn}:{f.f_lineno} {f.f_code.co_name}"
+            if _MACHINERY.search(fn):
+                break  # the kernel that ran the step: nothing past it issued this call
             if not caller:
                 caller = where
             if len(stack) < 8:
                 stack.append(where)
-            if not _library(fn):
+            if f.f_code.co_filename == _SHIPPED or not _library(fn):
                 user = where
                 break
             if fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_DISTRIBUTED):
@@ -493,13 +511,35 @@ def _coalesced_wrapper(original):
     return _broadcast_coalesced
 
 
+def _new_group_wrapper(original):
+    """A subgroup the user's step forms with plain ``dist.new_group`` (or a ``DeviceMesh``): its gloo pairs join
+    the sockets the control thread's abort cuts (``rank/context.new_group`` does this for the workbench's own
+    groups). Without it a proven deadlock on such a group is declared but never released: the abort cuts only
+    the world group's pairs and the waiters sit until the collective timeout."""
+    def _new_group_with_tag(*args, **kwargs):
+        before = control.socket_fds()
+        group = original(*args, **kwargs)
+        try:
+            control.remember_group_sockets(before, add=True)
+        except Exception:  # never fail the user's group for the sake of a release
+            pass
+        return group
+    _new_group_with_tag.__wrapped__ = original
+    return _new_group_with_tag
+
+
 @contextlib.contextmanager
 def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
-    """Record every collective this thread issues inside the block into ``ledger``."""
+    """Record every collective this thread issues inside the block into ``ledger`` (and make the subgroups it
+    forms releasable)."""
     ledger.step = step
     recorder = _Recorder(ledger)
+    c10d = dist.distributed_c10d
     original = dist._broadcast_coalesced
+    original_new = getattr(c10d, "_new_group_with_tag", None)
     dist._broadcast_coalesced = _coalesced_wrapper(original)
+    if original_new is not None:
+        c10d._new_group_with_tag = _new_group_wrapper(original_new)
     _ACTIVE.append(recorder)
     try:
         with recorder:
@@ -508,6 +548,8 @@ def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
         recorder.finish()
         _ACTIVE.remove(recorder)
         dist._broadcast_coalesced = original
+        if original_new is not None:
+            c10d._new_group_with_tag = original_new
 
 
 _LEDGERS: dict[str, Ledger] = {}
