@@ -8,7 +8,8 @@ the parameters), then all-reduces (loss sum, token count). Rank 0 holds one batc
 rank 1 reaches the all-reduce while rank 0 is in its next forward's all-gather, and neither call can
 ever complete. The capture's ledger is on disk before each call runs, so the shards name both calls
 while the job hangs (and, with ``--debug-server``, each rank's worker answers
-``workbench.job.ask`` with its open calls). ``--balanced`` gives every rank the same batches (the job then ends).
+``workbench.job.ask`` with its open calls). ``--balanced`` gives every rank the same batches (the job then ends);
+``--bad-batch`` makes rank 1 raise in its second forward while rank 0 waits for it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("out", help="the capture directory (one shard per rank)")
     ap.add_argument("--balanced", action="store_true", help="the same number of batches on every rank")
     ap.add_argument("--debug-server", action="store_true", help="also run PyTorch's debug-server worker per rank")
+    ap.add_argument("--bad-batch", action="store_true", help="rank 1's second batch has the wrong width: it raises")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -54,6 +56,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     n_batches = 2 if args.balanced else 3 - rank  # rank 0: 3 batches, rank 1: 2
     batches = [torch.randn(4, 64, generator=g) for _ in range(n_batches)]
+    if args.bad_batch and rank == 1:
+        batches[1] = torch.randn(4, 48, generator=g)  # a malformed sample: rank 1's forward raises
     loss_sum, count = torch.zeros(()), torch.zeros(())
     with torch.no_grad():
         for x in batches:

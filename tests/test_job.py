@@ -159,6 +159,23 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
     assert rec.steps[:2] == ["build", "shard"] and set(rec.tensors["rank"]) == {0, 1}
 
 
+def test_a_rank_that_raises_is_an_event_and_the_waiting_rank_is_named(tmp_path):
+    """Rank 1 raises in a forward (sys.excepthook under torchrun); rank 0, inside the next all-gather, is
+    released by the lost connection. Both exceptions are on disk before the processes end."""
+    out = tmp_path / "bad"
+    run = subprocess.run([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out), "--bad-batch"],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    assert run.returncode != 0
+    rec = wb.load(out).bug
+    ev = rec.events.set_index("rank")
+    assert ev.loc[1, "error"] == "RuntimeError" and "mat1 and mat2 shapes" in ev.loc[1, "message"]
+    assert "uneven_eval_job.py" in ev.loc[1, "traceback"]
+    assert rec.manifest["job"]["status"] == {"0": "raised", "1": "raised"}
+    d = rec.diagnose()
+    assert d.sentence.startswith("rank 1 never issued group 0 call #") and "that rank 0 issued" in d.sentence
+    assert "all_gather_into_tensor" in d.sentence and "uneven_eval_job.py:" in d.sentence
+
+
 def _free_port() -> int:
     import socket
 
