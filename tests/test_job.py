@@ -125,6 +125,14 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
         assert {r: [c["op"] for c in a["open_calls"]] for r, a in asked.items()} == {
             0: ["all_gather_into_tensor"], 1: ["all_reduce"]}, asked
         assert asked[1]["points"] == ["build", "shard"] and asked[1]["latest"]["point"] == "shard"
+        # ... and `workbench report` reads the whole job through them (shards on node-local disks)
+        urls = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text())["debug_server"] for r in (0, 1)]
+        cli = subprocess.run([sys.executable, "-m", "workbench.cli", "report", ",".join([*urls, "http://127.0.0.1:9"]),
+                              "-o", str(tmp_path / "live.html")], capture_output=True, text=True, timeout=120,
+                             env=_env())
+        assert cli.returncode == 0, cli.stderr
+        assert "rank 0 hung in all_gather_into_tensor" in cli.stdout and "rank 1 hung in all_reduce" in cli.stdout
+        assert cli.stderr.count("debug server: no answer from http://127.0.0.1:9") == 1
         for pid in pids:
             os.kill(pid, signal.SIGUSR1)  # faulthandler: every thread's stack into the rank's stacks.txt
         _wait(lambda: all("uneven_eval_job.py" in (shards.rank_dir(out, r) / shards.STACKS).read_text()

@@ -302,6 +302,9 @@ def report_from_bundle(path: str | Path, out: str | Path) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    if args.bundle.startswith(("http://", "https://")):
+        args.output = args.output or "live-job.html"
+        args.bundle = _fetch_live(args.bundle.split(","))
     out = args.output or Path(args.bundle.rstrip("/")).with_suffix(".html").name
     check_output(str(out), "-o")
     src, dst = os.path.realpath(args.bundle), os.path.realpath(out)
@@ -328,6 +331,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.merge:
         print(f"bundle: {bundle.save(b, args.merge)}")
     return 0
+
+
+def _fetch_live(urls: list[str]) -> str:
+    """A running job's shards through its ranks' debug-server workers (``workbench.job``'s handler), into
+    a temporary directory of shards; a worker that does not answer is one line."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from workbench.job import fetch
+
+    where, missed = fetch(urls, tempfile.mkdtemp(prefix="wb-live-job-"))
+    atexit.register(shutil.rmtree, where, True)  # the page and a --bundle hold what was read
+    for line in missed:
+        print(f"debug server: no answer from {line}", file=sys.stderr)
+    if len(missed) == len(urls):
+        raise WorkbenchError(f"no debug-server worker answered ({len(urls)} asked)")
+    return str(where)
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
@@ -466,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(r, "--cluster")
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("report", help="a self-contained HTML report from a saved bundle (no engines needed)")
-    rp.add_argument("bundle", help="a .wbundle file, an unpacked bundle directory, or a directory of per-rank "
-                    "shards a job wrote (workbench.job.capture)")
+    rp.add_argument("bundle", help="a .wbundle file, an unpacked bundle directory, a directory of per-rank "
+                    "shards a job wrote (workbench.job.capture), or its ranks' debug-server workers (URL,URL,...)")
     rp.add_argument("-o", "--output", default=None, metavar="FILE", help="HTML file (default: BUNDLE-name.html)")
     rp.add_argument("--bundle", dest="merge", default=None, metavar="FILE",
                     help="a directory of shards (workbench.job.capture): also merge it into this .wbundle")

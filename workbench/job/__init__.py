@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture
+from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture, fetch
 
-__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "load", "merge"]
+__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "load", "merge"]
 
 
 def load(path: Any) -> Any:

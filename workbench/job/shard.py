@@ -326,6 +326,17 @@ class Capture:
         return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
                 "points": list(self.points), "latest": self._latest, "open_calls": self.open_calls()}
 
+    def files(self) -> dict[str, Any]:
+        """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""
+        out: dict[str, Any] = {"rank": self.rank, "files": {}}
+        names = [shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{self.rank}.jsonl"]
+        for name in names:
+            try:
+                out["files"][name] = (self.dir / name).read_text(errors="replace")
+            except OSError:
+                pass
+        return out
+
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file."""
         if self._ledger is None:
@@ -385,7 +396,12 @@ def _handle(req: Any, resp: Any) -> None:
     """The debug server's call (on its own thread): the open capture's snapshot as JSON."""
     try:
         cap = _CURRENT[0] if _CURRENT else None
-        body = {"error": "no open capture in this process"} if cap is None else cap.snapshot()
+        try:
+            whole = req.get_param("shard") in ("1", "true")
+        except Exception:  # no such parameter
+            whole = False
+        body = ({"error": "no open capture in this process"} if cap is None
+                else cap.files() if whole else cap.snapshot())
         resp.set_content(json.dumps(body, default=_plain).encode(), "application/json")
         resp.set_status(200 if cap is not None else 404)
     except Exception as exc:
@@ -419,12 +435,14 @@ def _register_handler() -> None:
         pass
 
 
-def ask(url: str, timeout: float = 10.0) -> dict[str, Any]:
+def ask(url: str, timeout: float = 10.0, shard: bool = False) -> dict[str, Any]:
     """A running (or hung) rank's snapshot through its debug-server worker (``shard.json``'s
-    ``debug_server``, or the frontend's ``rank<r>`` address): latest point and open calls."""
+    ``debug_server``, or the frontend's ``rank<r>`` address): latest point and open calls; with
+    ``shard=True`` the rank's whole shard, file by file."""
     import urllib.request
 
-    req = urllib.request.Request(f"{url.rstrip('/')}/handler/{HANDLER}", data=b"", method="POST")
+    query = "?shard=1" if shard else ""
+    req = urllib.request.Request(f"{url.rstrip('/')}/handler/{HANDLER}{query}", data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -444,6 +462,27 @@ def ask_all(path: str | os.PathLike, timeout: float = 10.0) -> dict[int, dict[st
             except Exception as exc:
                 out[int(doc["rank"])] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def fetch(urls: list[str], out: str | os.PathLike, timeout: float = 30.0) -> tuple[Path, list[str]]:
+    """Every rank's shard through its debug-server worker, written under ``out`` as a directory of shards
+    (a job whose shards sit on node-local disks, read while it runs or hangs). Returns the directory and a
+    line per worker that did not answer."""
+    out = Path(out)
+    missed: list[str] = []
+    for url in urls:
+        try:
+            got = ask(url, timeout, shard=True)
+            rank = int(got["rank"])
+        except Exception as exc:
+            missed.append(f"{url}: {' '.join(f'{type(exc).__name__}: {exc}'.split())[:200]}")
+            continue
+        d = shards.rank_dir(out, rank)
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in got.get("files", {}).items():
+            if name in (shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{rank}.jsonl"):
+                (d / name).write_text(text)
+    return out, missed
 
 
 def _plain(v: Any) -> Any:
