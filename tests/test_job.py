@@ -332,3 +332,19 @@ def test_srun_sets_rank_world_and_job(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert c.launcher_env()["rank"] == 2 and c.launcher_env()["launcher"] == "torchrun"
+
+
+def test_a_rerun_keeps_the_run_before_and_repeated_points_are_numbered(tmp_path, monkeypatch):
+    import torch
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE"):
+        monkeypatch.delenv(k, raising=False)
+    model = torch.nn.Linear(4, 4)
+    for job in ("first", "second"):
+        monkeypatch.setenv("WORKBENCH_JOB_ID", job)
+        with wj.capture(tmp_path / "runs") as cap:
+            for _ in range(3):
+                cap.point("step", model=model)
+    now, before = wb.load(tmp_path / "runs").bug, wb.load(tmp_path / "runs" / "previous").bug
+    assert now.manifest["job"]["id"] == "second" and before.manifest["job"]["id"] == "first"
+    assert now.steps == ["step", "step (2)", "step (3)"]

@@ -7,7 +7,8 @@ reference value), poison of what ``to_empty`` and the Python allocators hand out
 (``rank/trace.py``). A ``RankContext`` holds what a point knows (expectations, outputs,
 notes), so a point's rows are a live step's rows.
 
-Durability: each point is one JSON line appended to ``points.jsonl`` and flushed before
+A rank's shard of the run before moves to ``<dir>/previous/rank<r>`` (an elastic restart keeps
+its hung attempt). Durability: each point is one JSON line appended to ``points.jsonl`` and flushed before
 ``point`` returns; the ledger writes a call's start line (flushed) before the call runs and its
 end line when the backend says it ended. A job that hangs in a collective, or is killed in
 one, leaves that start line with no end: the reader names it as the stuck call. Nothing runs
@@ -166,9 +167,8 @@ class Capture:
         self.rank, self.world_size = where["rank"], where["world_size"]
         self.root = Path(path)
         self.dir = shards.rank_dir(self.root, self.rank)
+        _keep_previous(self.root, self.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for old in (shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{self.rank}.jsonl"):
-            (self.dir / old).unlink(missing_ok=True)  # this rank's shard of an earlier run
         self._job_given = job or _launcher_job()
         self.job = self._job_given or _store_job()
         self.points: list[str] = []
@@ -390,6 +390,21 @@ class Capture:
 
     def __repr__(self) -> str:
         return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
+
+
+def _keep_previous(root: Path, rank: int) -> None:
+    """This rank's shard of the run before (an elastic restart's earlier attempt, a rerun into the same
+    directory) moves to ``<root>/previous/rank<r>``, which opens as shards of its own; the one before
+    that goes."""
+    import shutil
+
+    here = shards.rank_dir(root, rank)
+    if not (here / shards.MANIFEST).exists():
+        return
+    prev = shards.rank_dir(root / "previous", rank)
+    shutil.rmtree(prev, ignore_errors=True)
+    prev.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(here, prev)
 
 
 def _handle(req: Any, resp: Any) -> None:

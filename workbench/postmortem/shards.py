@@ -182,8 +182,11 @@ def _step_names(found: Shards) -> list[str]:
             found.problem(f"the ranks disagree on point {k}'s name: " + "; ".join(
                 f"{_ranks([r for r, x in said.items() if x == n])} {n!r}" for n in count)
                 + f" (read as {name!r}; the rows are kept by position)")
-        while name in names:  # a name reused (a point per iteration): the views key steps by name
-            name = f"{name}'"
+        if name in names:  # a name reused (a point per iteration): the views key steps by name
+            n = 2
+            while f"{name} ({n})" in names:
+                n += 1
+            name = f"{name} ({n})"
         names.append(name)
     return names
 
