@@ -287,8 +287,12 @@ def leave_queued(client: Any, ar: Any, targets: list[int], wait: float = 5.0) ->
 def down(profile: str | None = None, cluster_id: str = "") -> int:
     """Stop the cluster of a profile (a stale record included); the number of processes it had."""
     profile, cluster_id = split_key(profile, cluster_id)
-    cluster_id = cluster_id or _only_orphan(profile)
-    ipc = load(profile, cluster_id, strict=False)
+    ipc = None
+    if not cluster_id:
+        cluster_id, ipc = _only_orphan(profile)
+    # the cluster _only_orphan loaded, not a second load: ipyparallel removes the file of a cluster with no
+    # process left when it loads it (a killed run's, once its reaper has ended the tree)
+    ipc = ipc or load(profile, cluster_id, strict=False)
     n = stop_cluster(ipc, token=tree_token(ipc.profile_dir, cluster_id))
     try:
         os.remove(sidecar(ipc.profile_dir, cluster_id))
@@ -317,24 +321,25 @@ def _orphaned(ipc: Any) -> bool:
         return True
 
 
-def _only_orphan(profile: str | None) -> str:
+def _only_orphan(profile: str | None) -> tuple[str, Any]:
     """With no ``--cluster-id`` and no cluster of id '' in the profile: the id of its one recorded cluster
-    when no live process owns it (a run killed with SIGKILL leaves ``default:<id>``); else a line naming them."""
+    when no live process owns it (a run killed with SIGKILL leaves ``default:<id>``), and that cluster as
+    loaded (None: not loaded here); else a line naming them."""
     pdir = profile_dir(profile)
     ids = _recorded_ids(pdir)
     if not ids or "" in ids:
-        return ""
+        return "", None
     name = profile or "default"
-    owned = []
+    owned, loaded = [], {}
     for cid in ids:
         try:
-            ipc = load(profile, cid, strict=False)
+            loaded[cid] = ipc = load(profile, cid, strict=False)
         except ClusterError:
             continue
         if not _orphaned(ipc):
             owned.append(cid)
     if len(ids) == 1 and not owned:
-        return ids[0]
+        return ids[0], loaded.get(ids[0])
     raise ClusterError(f"profile {name!r} has no cluster of id ''; it has {', '.join(f'{name}:{c}' for c in ids)}"
                        + (f" ({', '.join(owned)} still owned by a running process)" if owned else "")
                        + f": `workbench down --profile {name}:ID` stops one")
