@@ -387,7 +387,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from workbench.live import registry
 
     doc = registry.up(args.ranks, args.profile, args.cluster_id, backend=args.backend)
-    print(f"cluster {doc['profile']!r}: {doc['ranks']} ranks ({doc['backend']}) up in {doc['seconds']:.1f}s; "
+    warm = f"warm: imports {doc['warm_s']:.1f}s" if doc.get("warm_s") is not None else \
+        "still importing: the first run may wait for the ranks' imports"
+    print(f"cluster {doc['profile']!r}: {doc['ranks']} ranks ({doc['backend']}) up in {doc['seconds']:.1f}s ({warm}); "
           f"`workbench run SCENARIO --cluster {doc['profile']}` attaches, `workbench down --profile "
           f"{doc['profile']}` stops it")
     return 0

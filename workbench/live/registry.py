@@ -25,6 +25,7 @@ from workbench.live import lease as live_lease
 
 WAIT_S = 5.0  # how long an attach waits for engines still registering before it says so
 UP_TIMEOUT_S = 120.0  # engines registering after `workbench up` (a loaded 2-core box needs ~10 s)
+WARM_WAIT_S = 60.0  # how long `up` waits for the ranks' imports (FSDP, transformers: ~5 s on 2 cores)
 
 
 def ipython_dir() -> str:
@@ -194,7 +195,8 @@ def tree_token(pdir: str, cluster_id: str = "") -> str | None:
 
 
 def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: str = "auto") -> dict[str, Any]:
-    """Start a controller and ``ranks`` engines in the background, warm them (torch imported), and return.
+    """Start a controller and ``ranks`` engines in the background, warm them (torch, FSDP and transformers
+    imported), and return.
 
     ``ipp.Cluster(shutdown_atexit=False)`` writes the cluster file and starts its processes
     in their own sessions, so they outlive this process until ``down()``."""
@@ -238,9 +240,19 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         view.use_cloudpickle()
         infos = dict(zip(view.targets, view.apply_sync(whoami)))
         view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
-        # ... nor FSDP's and transformers' (seconds more): queued on the engines, not awaited, so `up` returns
-        # now; a run that attaches meanwhile waits behind it on the engines.
-        leave_queued(client, view.apply_async(RankFn("workbench.rank.remote", "warm")), view.targets)
+        # ... nor FSDP's and transformers' (seconds more): awaited, so the first run right after `up` finds the
+        # ranks warm (issue 40: queued and not awaited, it made that run wait behind the imports: 9 s against
+        # 1.5 s). Past WARM_WAIT_S the imports stay queued on the engines and `up` says so.
+        t_warm = time.time()
+        warming = view.apply_async(RankFn("workbench.rank.remote", "warm"))
+        try:
+            warming.get(timeout=WARM_WAIT_S)
+            warm_s: float | None = time.time() - t_warm
+        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on importing
+            if type(exc).__name__ != "TimeoutError":
+                raise
+            leave_queued(client, warming, view.targets)
+            warm_s = None
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
     except BaseException as exc:
@@ -257,7 +269,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         raise ClusterError(f"could not start {ranks} engines in profile {name!r}: {exc}") from None
     client.close()
     doc = {"ranks": ranks, "backend": resolved, "started": t0, "profile": name, "cluster_id": cluster_id,
-           "pdir": pdir, "seconds": time.time() - t0, "tree": token}
+           "pdir": pdir, "seconds": time.time() - t0, "tree": token, "warm_s": warm_s}
     with open(sidecar(pdir, cluster_id), "w") as f:
         json.dump(doc, f)
     return doc
