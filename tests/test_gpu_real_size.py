@@ -1,0 +1,45 @@
+"""What the 4 x H200 round of issue 38's second part recorded (fixtures/gpu/, scripts/gpu_real_size.sh).
+
+- weight-sync-order-desync's bug path at 4 NCCL ranks: with the release aborting each group's backend and leaving
+  torch's registry alone (rank/control.py), no workbench artefact ('Group ... is not registered') among the rank
+  errors; rank 0's later call on the subgroup it kept fails as the hang's symptom.
+- benchmarks/real_size.py: the probe rows and the diagnosis at real size, the first GPU probe with the kernel
+  warmed when the ranks join their group, and without (the baseline).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GPU = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
+
+
+def test_order_desync_at_4_ranks_lists_no_unregistered_group():
+    text = (GPU / "order_desync_trace_4gpu.txt").read_text()
+    assert "is not registered" not in text and "ValueError" not in text
+    deliver = text.split("== 7:deliver_2", 1)[1].split("\n== 8:", 1)[0]
+    assert "rank 0 error DistBackendError: NCCL communicator was aborted" in deliver
+    assert "no default group" not in text  # every rank keeps its groups after the release
+
+
+def test_recovery_at_4_ranks_still_right_with_the_registry_kept():
+    cycles = json.loads((GPU / "hang_cycles_nccl_4gpu.json").read_text())["rows"]
+    hangs = [c for c in cycles if not c.get("death")]
+    assert len(hangs) >= 20 and all(c["check_ok"] and not c["restarted"] for c in hangs)
+    assert all(c["check_ok"] for c in cycles) and not any(c["replayed_hung"] for c in cycles)
+    assert "frame state: 4/4 cycles right" in (GPU / "frame_state_nccl_4gpu.txt").read_text()
+
+
+def test_real_size_rows_diagnosis_and_first_probe():
+    runs = {r["ranks"]: r for r in json.loads((GPU / "real_size.json").read_text())["runs"]}
+    base = json.loads((GPU / "real_size_nowarm.json").read_text())["runs"][0]
+    assert sorted(runs) == [2, 4]
+    for n, r in [*runs.items(), (4, base)]:
+        assert r["versions"]["gpu"].startswith("NVIDIA") and r["triton_cache_cold"]
+        assert all(s["ok"] for s in r["cold"] + r["warm"])
+        assert {s["rows"] for s in r["cold"]} == {312 * n}  # 1248 rows a step at 4 ranks
+        assert "`inv_freq`, `original_inv_freq`" in r["diagnosis"] and "never written" in r["diagnosis"]
+    for r in runs.values():  # warmed when the ranks joined their group: the goal holds on a cold Triton cache
+        assert r["probe_warm"] and r["goals"]["first_probe"]["met"], r["goals"]
+    assert not base["probe_warm"] and base["goals"]["first_probe"]["slowest_probe_s"] > 1.0  # Triton's compile
