@@ -4,7 +4,8 @@
 
 The user's path: a ``Scenario`` of their own steps (meta build, ``fully_shard`` per layer, ``to_empty``,
 seeded init, forward; 28 layers, bf16, tied embeddings, the non-persistent rotary buffers left as
-``to_empty`` leaves them), ``wb.start(ranks=N)``, ``cluster.session(...)``, one ``s.step()`` at a time, then
+``to_empty`` leaves them), ``wb.start(ranks=N)`` (its two lines, the client's own checks timed apart),
+``cluster.session(...)``, one ``s.step()`` at a time, then
 the diagnosis, then the same steps again on the same engines (``s.goto(0)`` and on: warm). Per step: the
 client's wall time, each rank's step time and probe time (stamped around ``run_step`` on the ranks, as
 benchmarks/step_latency.py does), rows; per rank count: start (engines, imports, group), the probe kernel's
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import workbench as wb
+from workbench.live.cluster import Cluster
 
 OVERHEAD_GOAL_S = 0.050
 FIRST_PROBE_GOAL_S = 0.5
@@ -179,11 +181,17 @@ def one(n: int, triton_cache: str | None, timeout: float, backend: str = "nccl",
         os.environ["TRITON_CACHE_DIR"] = triton_cache
     cache = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
     cache_cold = not (os.path.isdir(cache) and os.listdir(cache))
+    torch_before = "torch" in sys.modules
     t0 = time.perf_counter()
-    cluster = wb.start(ranks=n, backend=backend, timeout=timeout, progress=False)
+    cluster = Cluster(ranks=n, backend=backend, timeout=timeout)  # wb.start's two lines, timed apart: the client's
+    init_s = time.perf_counter() - t0  # checks (backend 'nccl' counts GPUs through torch: its import, when cold)
+    cluster.progress = False
+    cluster.start()
     start_s = time.perf_counter() - t0
     try:
-        res: dict = {"ranks": n, "backend": backend, "size": size, "start_s": start_s,
+        res: dict = {"ranks": n, "backend": backend, "size": size, "start_s": start_s, "client_init_s": init_s,
+                     "client_had_torch": torch_before, "after_group_s": start_s - init_s - sum(
+                         x or 0 for x in (cluster.start_s, cluster.imports_s, cluster.group_s)),
                      "engines_s": cluster.start_s, "imports_s": cluster.imports_s,
                      "group_s": cluster.group_s, "triton_cache_cold": cache_cold,
                      "probe_warm": os.environ.get("WORKBENCH_PROBE_WARM", "1") != "0"}
@@ -233,8 +241,9 @@ def table(res: dict) -> str:
     lines = [f"## {res['ranks']} x {v['gpu']} (torch {v['torch']}, NCCL {v.get('nccl', '-')}, triton {v['triton']}, "
              f"transformers {v['transformers']}); Triton cache {'cold' if res['triton_cache_cold'] else 'warm'}, "
              f"probe warm-up {'on' if res['probe_warm'] else 'off'}",
-             f"start {res['start_s']:.2f} s (engines {res['engines_s']:.2f}, imports {res['imports_s']:.2f}, "
-             f"group {res['group_s']:.2f})",
+             f"start {res['start_s']:.2f} s (client checks {res['client_init_s']:.2f}"
+             f"{'' if res['client_had_torch'] else ', torch imported there'}, engines {res['engines_s']:.2f}, "
+             f"imports {res['imports_s']:.2f}, group {res['group_s']:.2f}, the rest {res['after_group_s']:.2f})",
              "| pass | step | ok | client s | slowest rank s | slowest probe s | client - rank ms | "
              "outside rank+probe ms | rows |", "|---|---|---|---|---|---|---|---|---|"]
     for name in ("cold", "warm"):

@@ -7,6 +7,9 @@
 #    (real_size.json), then 4 ranks with the probe warm-up off (the baseline, real_size_nowarm.json);
 # 3. the frame-state check and the hang cycles at 4 ranks (scripts/gpu_frame_state.sh): recovery still right
 #    with the registry kept (the re-form destroys aborted groups).
+# REPEAT=1 (with TRACE=0 REAL=0 CYCLES=0): the 4-rank real_size three times on one machine (its first process
+# with an empty Triton cache, the second with that cache kept, a third with an empty one again), into
+# real_size_repeat.txt and real_size_4gpu_run{1,2,3}.json.
 # Leaves in $OUT: env.txt, order_desync_trace_4gpu.txt, real_size.txt/.json, real_size_nowarm.json,
 # frame_state_nccl_4gpu.txt, hang_cycles_nccl_4gpu.txt, round.tgz (their JSONs).
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_real_size.sh", carry=[".whl"], kind="nvidia-h200-x4").
@@ -38,6 +41,18 @@ if [ "${REAL:-1}" = 1 ]; then
       --triton-cache fresh --json "$final/real_size_nowarm.json"
   } 2>&1 | grep -v Warning | tee "$final/real_size.txt"
   echo "real size $(( $(date +%s) - t0 ))s"
+fi
+if [ "${REPEAT:-0}" = 1 ]; then  # what the first process on a fresh machine pays, apart from the Triton cache
+  tc=$(mktemp -d)
+  {
+    for i in 1 2; do  # 1: the machine's first run, Triton cache empty; 2: the cache kept (built once per machine)
+      timeout -k 5 "${REAL_LIMIT:-100}" $PY benchmarks/real_size.py --ranks 4 --triton-cache "$tc" \
+        --json "$final/real_size_4gpu_run$i.json"
+    done  # 3: an empty Triton cache again, on the now warm machine
+    timeout -k 5 "${REAL_LIMIT:-100}" $PY benchmarks/real_size.py --ranks 4 --triton-cache fresh \
+      --json "$final/real_size_4gpu_run3.json"
+  } 2>&1 | grep -v Warning | tee "$final/real_size_repeat.txt"
+  echo "repeat $(( $(date +%s) - t0 ))s"
 fi
 if [ "${CYCLES:-20}" != 0 ]; then
   OUT=$work RANKS=4 FRAME_CYCLES=${FRAME_CYCLES:-2} FRAME_LIMIT=${FRAME_LIMIT:-90} HANG_LIMIT=${HANG_LIMIT:-150} \
