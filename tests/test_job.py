@@ -80,6 +80,41 @@ def test_fsdp2_job_reads_as_the_live_session_of_the_same_code(fsdp2_run, tmp_pat
     assert str(fsdp2_run) not in merged.read_bytes().decode("latin-1")  # machine paths scrubbed
 
 
+LEDGER_COLUMNS = ["rank", "step", "group", "seq", "op", "dtypes", "shapes", "state", "user_frame", "caller",
+                  "library_frame", "via", "bucket", "send", "recv"]
+
+
+def test_the_ledger_around_calls_only_records_what_the_full_one_does(fsdp2_run, tmp_path):
+    """``ledger="calls"`` (no dispatch mode between collectives): the same rows, call for call."""
+    out = tmp_path / "calls"
+    run = subprocess.run([*TORCHRUN, str(EXAMPLES / "fsdp2_buffers_job.py"), str(out)], capture_output=True,
+                         text=True, timeout=300, env={**_env(), "WORKBENCH_CAPTURE_LEDGER": "calls"}, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    full, calls = wb.load(fsdp2_run).bug, wb.load(out).bug
+    assert json.loads((out / "rank0" / shards.MANIFEST).read_text())["ledger"] == "calls"
+    a, b = full.ledger[LEDGER_COLUMNS].reset_index(drop=True), calls.ledger[LEDGER_COLUMNS].reset_index(drop=True)
+    assert len(a) > 20 and a.equals(b)
+    assert calls.diagnose().sentence == full.diagnose().sentence
+
+
+def test_torch_compile_compiles_under_the_calls_ledger_only(tmp_path, monkeypatch):
+    import torch
+    import torch._dynamo
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_LEDGER"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORKBENCH_JOB_ID", "compile")
+    graphs = {}
+    for ledger in (True, "calls"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        with wj.capture(tmp_path / str(ledger), ledger=ledger, poison=False):
+            torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 4))
+        graphs[ledger] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == {True: 0, "calls": 1}  # the dispatch mode makes dynamo run the module eagerly
+
+
 def test_the_fixed_job_is_clean(tmp_path):
     out = tmp_path / "fixed"
     torchrun("fsdp2_buffers_job.py", out, "--fix")
@@ -108,11 +143,13 @@ def _wait(cond, proc, what: str, limit: float = 240.0) -> None:
         time.sleep(0.2)
 
 
-def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path):
+@pytest.mark.parametrize("ledger", ["1", "calls"])
+def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path, ledger):
     out = tmp_path / "eval"
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out), "--debug-server"], stdout=log,
-                            stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path, start_new_session=True)
+                            stderr=subprocess.STDOUT, env={**_env(), "WORKBENCH_CAPTURE_LEDGER": ledger}, cwd=tmp_path,
+                            start_new_session=True)
     pids: list[int] = []
     try:
         # both ranks inside a call that can never pair: rank 0 all-gathers its third batch's

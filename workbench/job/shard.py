@@ -52,23 +52,31 @@ from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op
 ENV_JOB = "WORKBENCH_JOB_ID"
+ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls": the ledger around collective calls only; "0": none
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
-def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool = True, ledger: bool = True,
+def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool = True, ledger: bool | str = True,
             name: str | None = None, job: str | None = None) -> Capture | NoCapture:
     """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
     ``LOCAL_RANK``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, else the process group).
     ``poison``: fill what ``to_empty`` and ``torch.empty``-like calls hand out with a NaN pattern that
-    only unwritten memory keeps. ``ledger``: record every collective this thread issues. ``name``: the
+    only unwritten memory keeps. ``ledger``: record every collective this thread issues (a dispatch mode
+over every op); ``"calls"``: only around ``torch.distributed``'s collective functions, at no cost per op
+and with ``torch.compile`` still compiling (``rank/ledger_calls.py`` says what it misses); the
+environment's ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``0``) overrides it. ``name``: the
     run's title (default: the directory's name). ``job``: the job id every shard carries (default: the
     launcher's job or run id, else one the ranks agree on through the process group's store).
     """
     if enabled is None:
         enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
+    if os.environ.get(ENV_LEDGER):
+        ledger = {"calls": "calls", "0": False, "off": False}.get(os.environ[ENV_LEDGER].strip().lower(), True)
+    if ledger not in (True, False, "calls"):
+        raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
     if not enabled:
         return NoCapture()
     return Capture(path, poison=poison, ledger=ledger, name=name, job=job)
@@ -155,7 +163,7 @@ class Capture:
 
     enabled = True
 
-    def __init__(self, path: str | os.PathLike, *, poison: bool = True, ledger: bool = True,
+    def __init__(self, path: str | os.PathLike, *, poison: bool = True, ledger: bool | str = True,
                  name: str | None = None, job: str | None = None):
         import torch
 
@@ -197,8 +205,13 @@ class Capture:
         if ledger:
             self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
             self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
-            self._stack.enter_context(ledger_mod.recording(self._ledger, "0"))
             self._stack.callback(self._ledger.close)
+            if ledger == "calls":  # around the job's collective calls only: no per-op cost, torch.compile compiles
+                from workbench.rank.ledger_calls import CallLedger
+
+                self._stack.callback(CallLedger(self._ledger).install().uninstall)
+            else:
+                self._stack.enter_context(ledger_mod.recording(self._ledger, "0"))
         self._stacks_file = None
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
             self._stacks_file = open(self.dir / shards.STACKS, "w")

@@ -1,0 +1,93 @@
+"""The collectives ledger around the job's collective calls only, not around every op.
+
+``ledger.recording`` keeps a ``TorchDispatchMode`` on for a whole step: every aten op then passes a
+Python check, and while any Python dispatch mode is on ``torch.compile`` runs the model eagerly
+(measured on CPU: a compiled module's first call 0.02 s instead of compiling). A training job
+wants neither. ``CallLedger`` instead wraps the collective functions of ``torch.distributed``
+(``all_reduce``, ``all_gather_single`` (FSDP2's), ``reduce_scatter_single``, ``broadcast``,
+``_broadcast_coalesced`` (FSDP1's ``sync_module_states``), the object and point-to-point calls, ...)
+and turns the same recorder on for the length of each call: the rows are the dispatch mode's own
+(op, dtypes, shapes, traffic, the user's line, per-dtype buckets of ``_broadcast_coalesced``), a
+call's start line is on disk before it runs, an async call ends when its work does.
+
+Not seen this way: collectives that never pass a Python function of ``torch.distributed`` (DDP's
+reducer all-reduces from C++ autograd hooks, functional collectives of DTensor), and functions a
+library bound by name before ``install`` (``from torch.distributed import all_reduce``). Those the
+full mode sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from workbench.rank import ledger as _ledger
+
+FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "gather", "scatter", "reduce",
+            "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+            "_broadcast_coalesced")
+_MARK = "__workbench_call_ledger__"
+# This file's wrapper sits between the caller and torch.distributed: plumbing, like the modes it stands in for.
+_ledger._PLUMBING += (os.path.abspath(__file__),)
+
+
+def collective_names(module: Any = dist) -> list[str]:
+    """The collective functions ``module`` offers (its names vary by torch version: FSDP2's
+    ``all_gather_single`` is recent), by family prefix; classes (``ReduceOp``) excluded."""
+    out = []
+    for name in dir(module):
+        f = getattr(module, name, None)
+        if name.startswith(FAMILIES) and callable(f) and not isinstance(f, type):
+            out.append(name)
+    return out
+
+
+class CallLedger:
+    """Record into ``book`` every collective the job calls through ``torch.distributed``'s functions."""
+
+    def __init__(self, book: _ledger.Ledger):
+        self.book = book
+        self.recorder = _ledger._Recorder(book)
+        self._local = threading.local()
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> CallLedger:
+        for module in (dist, dist.distributed_c10d):
+            for name in collective_names(module):
+                original = getattr(module, name)
+                if getattr(original, _MARK, False):
+                    continue
+                setattr(module, name, self._wrap(original))
+                self._patched.append((module, name, original))
+        _ledger._ACTIVE.append(self.recorder)  # _broadcast_coalesced's per-bucket context reads it
+        return self
+
+    def _wrap(self, original: Any) -> Any:
+        inner = (_ledger._coalesced_wrapper(original) if getattr(original, "__name__", "") == "_broadcast_coalesced"
+                 else original)
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._local, "inside", False):  # an object collective's own calls: recorded already
+                return inner(*args, **kwargs)
+            self._local.inside = True
+            try:
+                with self.recorder:
+                    return inner(*args, **kwargs)
+            finally:
+                self._local.inside = False
+
+        setattr(call, _MARK, True)
+        return call
+
+    def uninstall(self) -> None:
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched.clear()
+        if self.recorder in _ledger._ACTIVE:
+            _ledger._ACTIVE.remove(self.recorder)
+        self.recorder.finish()
