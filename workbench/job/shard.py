@@ -26,7 +26,8 @@ What it costs the job (CPU, measured here): a point is the probe's own time (27 
 ledger's ``TorchDispatchMode`` and poison's ``TorchFunctionMode`` (a tiny Qwen3 forward 1.3 -> 4 ms,
 mostly the ledger), poison fills every Python-level ``torch.empty`` the job makes (FSDP2's all-gather
 buffers included), and while the ledger's dispatch mode is on ``torch.compile`` runs the model eagerly
-(measured: the first call 0.02 s instead of a 60 s compile). ``ledger=False`` / ``poison=False``.
+(measured: the first call 0.02 s instead of a 60 s compile). ``ledger="calls"`` records the same rows
+with neither cost (the forward 2.0 ms, compiled); ``ledger=False`` / ``poison=False`` turn them off.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
 returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe.
