@@ -96,22 +96,53 @@ def scenario(size: str = "1.7b") -> wb.Scenario:
 
 
 # -- on the ranks ------------------------------------------------------------------------------
-def _stamp_ranks() -> int:
-    """Wrap ``run_step`` to keep (elapsed, probe_s) per call (benchmarks/step_latency.py's way)."""
+def _stamp_ranks(gc_freeze: bool = False) -> int:
+    """Wrap ``run_step`` to keep (elapsed, probe_s, GC seconds in the step, GC seconds after it, the oldest
+    generation collected after it) per call (benchmarks/step_latency.py's way); Python's collections are
+    timed through ``gc.callbacks``. ``gc_freeze``: a prototype, not the product's path: the heap is frozen
+    (``gc.freeze``) once the step's own code returned and thawed when the next step starts, so a collection
+    that falls in the probe or the reply scans only what the probe made."""
+    import gc
     import sys
+    import time
 
-    from workbench.rank import remote
+    from workbench.rank import probe, remote
 
     kept = sys.__dict__.setdefault("_wb_real_size", [])
+    events = sys.__dict__.setdefault("_wb_real_size_gc", [])
     inner = remote.run_step
     if getattr(inner, "_stamped", False):
         return 0
 
+    def on_gc(phase, info):
+        if phase == "start":
+            events.append([time.perf_counter(), None, info["generation"]])
+        elif events and events[-1][1] is None:
+            events[-1][1] = time.perf_counter()
+
+    gc.callbacks.append(on_gc)
+
     def stamped(*args, **kwargs):
+        if gc_freeze:
+            gc.unfreeze()
+        events.clear()
+        t_in = time.perf_counter()
         out = inner(*args, **kwargs)
-        kept.append((out["elapsed"], out["probe_s"]))
+        cut = t_in + out["elapsed"]
+        done = [(a, b - a, g) for a, b, g in events if b is not None]
+        kept.append((out["elapsed"], out["probe_s"], sum(d for a, d, g in done if a < cut),
+                     sum(d for a, d, g in done if a >= cut),
+                     max([g for a, d, g in done if a >= cut], default=-1)))
         return out
 
+    if gc_freeze:
+        objects = probe.probe_objects
+
+        def frozen_then_probe(*args, **kwargs):
+            gc.freeze()
+            return objects(*args, **kwargs)
+
+        probe.probe_objects = frozen_then_probe
     stamped._stamped = True
     remote.run_step = stamped
     return 0
@@ -167,6 +198,10 @@ def _steps(s, cluster, n: int) -> list[dict]:
         per = {r: stamps[r][len(stamps[r]) - len(out) + i] for r in sorted(stamps)}  # the last n: a replay's first
         row["rank_s"] = {str(r): v[0] for r, v in per.items()}
         row["probe_s"] = {str(r): v[1] for r, v in per.items()}
+        row["gc_step_s"] = {str(r): v[2] for r, v in per.items()}
+        row["gc_probe_s"] = {str(r): v[3] for r, v in per.items()}  # collections after the step's code returned
+        row["gc_probe_gen"] = {str(r): v[4] for r, v in per.items()}
+        row["slowest_gc_probe_s"] = max(v[3] for v in per.values())
         row["slowest_rank_s"] = max(v[0] for v in per.values())
         row["slowest_probe_s"] = max(v[1] for v in per.values())
         row["overhead_s"] = row["client_s"] - row["slowest_rank_s"]  # the probe included (make bench's figure)
@@ -174,7 +209,8 @@ def _steps(s, cluster, n: int) -> list[dict]:
     return out
 
 
-def one(n: int, triton_cache: str | None, timeout: float, backend: str = "nccl", size: str = "1.7b") -> dict:
+def one(n: int, triton_cache: str | None, timeout: float, backend: str = "nccl", size: str = "1.7b",
+        passes: int = 1, gc_freeze: bool = False) -> dict:
     if triton_cache == "fresh":
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="wb-triton-cache-")
     elif triton_cache:
@@ -194,21 +230,24 @@ def one(n: int, triton_cache: str | None, timeout: float, backend: str = "nccl",
                          x or 0 for x in (cluster.start_s, cluster.imports_s, cluster.group_s)),
                      "engines_s": cluster.start_s, "imports_s": cluster.imports_s,
                      "group_s": cluster.group_s, "triton_cache_cold": cache_cold,
-                     "probe_warm": os.environ.get("WORKBENCH_PROBE_WARM", "1") != "0"}
+                     "probe_warm": os.environ.get("WORKBENCH_PROBE_WARM", "1") != "0", "passes": passes,
+                     "gc_freeze_prototype": gc_freeze}
         res["versions"] = cluster.call(_versions).values[0]
         res["warm_at_start"] = {str(r): v for r, v in cluster.call(_warm_state).values.items()}
-        cluster.run(_stamp_ranks)
+        cluster.run(_stamp_ranks, gc_freeze)
         s = cluster.session(scenario(size))
         s.deadline = max(timeout * 3, 180)
         res["cold"] = _steps(s, cluster, len(s.steps))
         res["warm_after_run"] = {str(r): v for r, v in cluster.call(_warm_state).values.items()}
         d = s.diagnose()
         res["diagnosis"] = getattr(d, "sentence", str(d))
-        t = time.perf_counter()
-        s.goto(0)  # build_on_meta replayed on the same engines
-        res["replay_to_0_s"] = time.perf_counter() - t
-        cluster.run(_taken)  # the replayed step's stamps
-        res["warm"] = _steps(s, cluster, len(s.steps) - 1)
+        res["warm"] = []
+        for _ in range(passes):
+            t = time.perf_counter()
+            s.goto(0)  # build_on_meta replayed on the same engines
+            res["replay_to_0_s"] = time.perf_counter() - t
+            cluster.run(_taken)  # the replayed step's stamps
+            res["warm"] += _steps(s, cluster, len(s.steps) - 1)
         s.close()
     finally:
         cluster.stop()
@@ -225,6 +264,8 @@ def goals(res: dict) -> dict:
     if worst is not None:
         out["overhead"] = {"worst_s": worst["overhead_s"], "step": worst["step"],
                            "worst_outside_probe_s": max(r["outside_probe_s"] for r in after),
+                           "worst_less_gc_s": max(r["overhead_s"] - r.get("slowest_gc_probe_s", 0) for r in after),
+                           "gc_in_probe_max_s": max(r.get("slowest_gc_probe_s", 0) for r in after),
                            "met": worst["overhead_s"] <= OVERHEAD_GOAL_S, "goal_s": OVERHEAD_GOAL_S}
     if first is not None:
         fp = cold[first]["slowest_probe_s"]
@@ -240,17 +281,18 @@ def table(res: dict) -> str:
     v = res["versions"]
     lines = [f"## {res['ranks']} x {v['gpu']} (torch {v['torch']}, NCCL {v.get('nccl', '-')}, triton {v['triton']}, "
              f"transformers {v['transformers']}); Triton cache {'cold' if res['triton_cache_cold'] else 'warm'}, "
-             f"probe warm-up {'on' if res['probe_warm'] else 'off'}",
+             f"probe warm-up {'on' if res['probe_warm'] else 'off'}"
+             f"{'; GC FREEZE PROTOTYPE' if res.get('gc_freeze_prototype') else ''}",
              f"start {res['start_s']:.2f} s (client checks {res['client_init_s']:.2f}"
              f"{'' if res['client_had_torch'] else ', torch imported there'}, engines {res['engines_s']:.2f}, "
              f"imports {res['imports_s']:.2f}, group {res['group_s']:.2f}, the rest {res['after_group_s']:.2f})",
              "| pass | step | ok | client s | slowest rank s | slowest probe s | client - rank ms | "
-             "outside rank+probe ms | rows |", "|---|---|---|---|---|---|---|---|---|"]
+             "outside rank+probe ms | GC in probe ms | rows |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("cold", "warm"):
         for r in res.get(name, []):
             lines.append(f"| {name} | {r['step']} | {r['ok']} | {r['client_s']:.3f} | {r['slowest_rank_s']:.3f} | "
                          f"{r['slowest_probe_s']:.3f} | {r['overhead_s'] * 1e3:.1f} | "
-                         f"{r['outside_probe_s'] * 1e3:.1f} | {r['rows']} |")
+                         f"{r['outside_probe_s'] * 1e3:.1f} | {r['slowest_gc_probe_s'] * 1e3:.1f} | {r['rows']} |")
     for when in ("warm_at_start", "warm_after_run"):
         w = res.get(when, {})
         lines.append(f"probe warm-up ({when}): " + "; ".join(
@@ -274,10 +316,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--backend", default="nccl", help="gloo with --size small: a smoke run on CPU")
     ap.add_argument("--size", choices=sorted(SIZES), default="1.7b")
+    ap.add_argument("--passes", type=int, default=1, help="warm passes (s.goto(0), then each step again)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="a prototype (not the product's path): the heap frozen from a step's probe to the next step")
     a = ap.parse_args()
     runs = []
     for n in a.ranks:
-        res = one(n, a.triton_cache, a.timeout, a.backend, a.size)
+        res = one(n, a.triton_cache, a.timeout, a.backend, a.size, a.passes, a.gc_freeze)
         runs.append(res)
         print(table(res), flush=True)
         if a.json:

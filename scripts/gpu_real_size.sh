@@ -9,7 +9,9 @@
 #    with the registry kept (the re-form destroys aborted groups).
 # REPEAT=1 (with TRACE=0 REAL=0 CYCLES=0): the 4-rank real_size three times on one machine (its first process
 # with an empty Triton cache, the second with that cache kept, a third with an empty one again), into
-# real_size_repeat.txt and real_size_4gpu_run{1,2,3}.json.
+# real_size_repeat.txt and real_size_4gpu_run{1,2,3}.json. GC=1: 4 ranks, four warm passes, Python's collections
+# timed on the ranks, then the same with the heap frozen from each probe to the next step (a prototype), into
+# real_size_gc.txt, real_size_gc.json, real_size_gc_freeze.json.
 # Leaves in $OUT: env.txt, order_desync_trace_4gpu.txt, real_size.txt/.json, real_size_nowarm.json,
 # frame_state_nccl_4gpu.txt, hang_cycles_nccl_4gpu.txt, round.tgz (their JSONs).
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_real_size.sh", carry=[".whl"], kind="nvidia-h200-x4").
@@ -54,6 +56,14 @@ if [ "${REPEAT:-0}" = 1 ]; then  # what the first process on a fresh machine pay
   } 2>&1 | grep -v Warning | tee "$final/real_size_repeat.txt"
   echo "repeat $(( $(date +%s) - t0 ))s"
 fi
+if [ "${GC:-0}" = 1 ]; then  # where a ~0.2 s pause in a probe comes from: Python's collections, timed on the ranks
+  {
+    timeout -k 5 "${REAL_LIMIT:-120}" $PY benchmarks/real_size.py --ranks 4 --passes 4 --json "$final/real_size_gc.json"
+    timeout -k 5 "${REAL_LIMIT:-120}" $PY benchmarks/real_size.py --ranks 4 --passes 4 --gc-freeze \
+      --json "$final/real_size_gc_freeze.json"
+  } 2>&1 | grep -v Warning | tee "$final/real_size_gc.txt"
+  echo "gc $(( $(date +%s) - t0 ))s"
+fi
 if [ "${CYCLES:-20}" != 0 ]; then
   OUT=$work RANKS=4 FRAME_CYCLES=${FRAME_CYCLES:-2} FRAME_LIMIT=${FRAME_LIMIT:-90} HANG_LIMIT=${HANG_LIMIT:-150} \
     CYCLES=${CYCLES:-20} bash scripts/gpu_frame_state.sh >/dev/null 2>&1 || rc=1
@@ -62,6 +72,6 @@ if [ "${CYCLES:-20}" != 0 ]; then
     "$final/hang_cycles_nccl_4gpu.txt" 2>/dev/null | head -5
   echo "frame state + cycles $(( $(date +%s) - t0 ))s"
 fi
-tar czf "$final/round.tgz" -C "$work" $(cd "$work" && ls *.json gpus_*.txt 2>/dev/null)
+[ -n "$(ls "$work")" ] && tar czf "$final/round.tgz" -C "$work" $(cd "$work" && ls *.json gpus_*.txt 2>/dev/null)
 echo "rc=$rc"
 exit $rc
