@@ -51,9 +51,10 @@ def fsdp2_run(tmp_path_factory) -> Path:
 
 
 def test_fsdp2_job_reads_as_the_live_session_of_the_same_code(fsdp2_run, tmp_path):
-    live = wb.load(FIXTURE).bug.diagnose()
+    recorded = wb.load(FIXTURE)
+    live = recorded.bug.diagnose()
     b = wb.load(fsdp2_run)  # the directory of shards, as any bundle
-    assert b.problems == []
+    assert b.problems == [] and recorded.problems == []
     rec = b.bug
     assert rec.steps == ["load", "shard", "materialize", "load_state_dict", "sync_buffers", "forward"]
     assert rec.manifest["ranks"] == 2 and rec.manifest["backend"] == "gloo"

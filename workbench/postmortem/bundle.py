@@ -66,6 +66,7 @@ class Bundle:
         self.manifest = manifest
         self.recorded_findings = recorded_findings or [None] * len(records)
         self.source = source
+        self.problems: list[str] = []  # a directory of shards: what did not fit (a missing rank, ...), a line each
 
     def __iter__(self) -> Iterator[RunRecord]:
         return iter(self.records)
