@@ -23,13 +23,14 @@ lock:
 
 DEMO_REPORT := reports/fsdp1-rotary-meta-init.html
 
-# The headline's bug path fails by design (rank 0 times out in wrap_fsdp1), so `workbench run` exits 1:
-# that is the incident shown, not a failed demo. Any other exit, or no report, fails the demo.
+# The headline's bug path fails by design (rank 0's second broadcast in wrap_fsdp1 can never pair: the
+# workbench proves it from the ledgers and releases it, where gloo alone would time out), so `workbench run`
+# exits 1: that is the incident shown, not a failed demo. Any other exit, or no report, fails the demo.
 demo: $(STAMP)
 	@rm -f $(DEMO_REPORT)
 	@$(BIN)/workbench run fsdp1-rotary-meta-init --ranks 2 --timeout 10 --report $(DEMO_REPORT); rc=$$?; \
 	if [ $$rc -eq 1 ] && [ -s $(DEMO_REPORT) ]; then \
-	  echo "demo: the bug path failed as the incident does (rank 0 timed out in wrap_fsdp1); open $(DEMO_REPORT)"; \
+	  echo "demo: the bug path failed as the incident does (rank 0 hung in wrap_fsdp1's broadcast #2, released by the workbench); open $(DEMO_REPORT)"; \
 	  echo "      the fixes: $(BIN)/workbench run fsdp1-rotary-meta-init --compare"; \
 	elif [ $$rc -ne 0 ]; then exit $$rc; fi
 

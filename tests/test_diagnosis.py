@@ -340,3 +340,13 @@ def test_rank_lists_in_sentences_stay_short_at_scale():
     assert _ranks([1]) == "rank 1" and _ranks([1, 0]) == "ranks 0,1"
     assert _ranks(range(1, 64)) == "ranks 1-63"
     assert _ranks([0, 1, 2, 5, 7, 8, 9, 10]) == "ranks 0-2,5,7-10"
+
+
+def test_the_demo_says_what_the_diagnosis_says():
+    """`make demo`'s closing line and the headline's diagnosis tell one story: rank 0's call was released by
+    the workbench (a deadlock proven from the ledgers), not timed out."""
+    d = bundle.load(ROOT / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle").bug.diagnose()
+    assert "rank 0 hung in broadcast #2 (released by the workbench)" in d.sentence, d.sentence
+    demo = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    said = " ".join(line for line in demo.splitlines() if "echo" in line)
+    assert "released by the workbench" in said and "timed out" not in said, said

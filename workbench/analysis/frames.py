@@ -6,6 +6,7 @@ One vocabulary for notebooks, the CLI's JSON and bundles: the probe's column nam
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,9 @@ from workbench.errors import RankFailure
 from workbench.rank.columns import COLUMNS, TRACE_COLUMNS
 
 EVENT_COLUMNS = ["rank", "kind", "error", "message", "traceback"]
+# A backend's own words for a call whose peer went away (a released call's echo): gloo names its source file
+_BACKEND_WORDS = re.compile(r"\[[^\]]*gloo[^\]]*\]|connection closed by peer|connection reset by peer"
+                            r"|aborted by the workbench|\bnccl", re.I)
 OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
 INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
 
@@ -124,8 +128,20 @@ class Frame:
 
     @property
     def rank_errors(self) -> dict[int, str]:
-        """rank -> 'kind Error: message' for every rank that failed this step."""
-        return {int(r.rank): f"{r.kind} {r.error}: {r.message}" for r in self.events.itertuples()}
+        """rank -> 'kind Error: message' for every rank that failed this step. A call the workbench released (a
+        deadlock proven from the ledgers) reads in those words, not in the backend's: what gloo says when its
+        socket is cut (``[../gloo/transport/tcp/pair.cc:553] Connection closed by peer``) is the release's echo,
+        not a timeout or a crash (the raw message stays in ``events``)."""
+        released = getattr(self, "released", None) or {}
+        out = {}
+        for r in self.events.itertuples():
+            text = f"{r.kind} {r.error}: {r.message}"
+            call = released.get(int(r.rank))
+            if call and r.kind == "error" and _BACKEND_WORDS.search(str(r.message or "").split("\n")[0]):
+                text = (f"{r.kind} {r.error}: aborted by the workbench: it released {call}, which could never "
+                        "complete (a deadlock proven from the ledgers)")
+            out[int(r.rank)] = text
+        return out
 
     @property
     def ok(self) -> bool:
