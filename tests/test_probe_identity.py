@@ -77,6 +77,27 @@ def test_plain_path_rows_are_the_references_bytes():
     same_rows(fusable_model())
 
 
+def tied_model() -> nn.Module:
+    """A head tied to the embedding (one parameter, two names) and a second name for one buffer's memory."""
+    m = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)).to(torch.bfloat16)
+    m[1].weight = m[0].weight
+    m.register_buffer("inv_freq", torch.rand(32, generator=torch.Generator().manual_seed(2)))
+    m.register_buffer("alias", m.inv_freq, persistent=False)
+    return m
+
+
+def tied_rows(module: nn.Module) -> None:
+    """A tied module's rows: the reference's bytes plus ``shares`` on the rows whose tensor has other names."""
+    new, old = probe.probe_module(module, rank=1), ref.probe_module(module, rank=1)
+    shares = {r["name"]: r.pop("shares") for r in new if "shares" in r}
+    assert shares == {"0.weight": "1.weight", "inv_freq": "alias", "alias": "inv_freq"}, shares
+    assert pickle.dumps(new) == pickle.dumps(old)
+
+
+def test_a_tie_is_recorded_and_every_other_byte_stays_the_references():
+    tied_rows(tied_model())
+
+
 def _interpreted() -> None:
     """Run with TRITON_INTERPRET=1: both probes' fused kernels on CPU tensors."""
     from workbench.rank import probe_fused
@@ -99,6 +120,9 @@ def _interpreted() -> None:
     same_rows(m)  # the key differs (a new buffer), so the plan is rebuilt and launched again
     assert probe._PLANS[m][1][0] is not plan and probe._PLANS[m][1][1][-1][0] == "extra"
     same_rows(mixed_model())  # the general path: fused members in one launch beside the plain ones
+    tied = tied_model()
+    tied_rows(tied)  # the packed path: ties known when its plan is built
+    tied_rows(tied)  # ... and from the cached plan
     print("interpreted rows identical")
 
 

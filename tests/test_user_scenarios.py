@@ -272,3 +272,60 @@ def test_a_script_piped_to_python_names_its_own_line_not_the_engines(healthy):
     assert "kernel.py" not in d.sentence and "do_apply" not in d.sentence, d.sentence
     row = s.ledger.iloc[0]
     assert row["user_frame"] == f"<stdin>:{line} lonely" and not row["library_frame"], dict(row)
+
+
+# -- a user's own tied head: tied on meta, untied by to_empty, loaded from a checkpoint of the embedding -------
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # one tensor under two names
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+tied = wb.Scenario("tied-head-on-meta")
+tied.fix("retie", "tie the head to the embedding again after to_empty")
+
+
+@tied.step
+def build_tied(ctx):
+    with torch.device("meta"):
+        ctx.model = TiedLM()
+
+
+@tied.step
+def materialize_tied(ctx):
+    ctx.model.to_empty(device=ctx.device)  # each module's parameter is replaced on its own: the tie breaks
+    if ctx.fix == "retie":
+        ctx.model.head.weight = ctx.model.embed.weight
+
+
+@tied.step
+def load_checkpoint(ctx):
+    ckpt = {"embed.weight": torch.randn(16, 8, generator=torch.Generator().manual_seed(0))}  # a tied save
+    ctx.model.load_state_dict(ckpt, strict=False)
+
+
+@tied.step
+def logits(ctx):
+    with torch.no_grad():
+        ctx.output("logits", ctx.model(torch.arange(4)))
+
+
+def test_a_tie_that_breaks_at_materialisation_is_named_as_the_cause(healthy):
+    s = healthy.session(tied)
+    s.run()
+    built = s.frames[0].tensors.set_index(["rank", "name"])
+    assert built.loc[(0, "model.embed.weight"), "shares"] == "model.head.weight"  # the probe sees the tie
+    d = s.diagnose()
+    assert d.mechanism == "never-written" and d.tensor == "model.head.weight", d.sentence
+    assert ("`head.weight` and `embed.weight` were one tensor (tied) until step `materialize_tied` and are two "
+            "after it") in d.sentence, d.sentence
+    assert "`tie_weights()` after `to_empty`" in d.sentence, d.sentence
+    fixed = s.compare("retie").fixed
+    assert fixed.diagnose().clean, fixed.diagnose().sentence
+    ties = fixed.frames[-1].tensors.set_index(["rank", "name"])["shares"]
+    assert ties[(1, "model.embed.weight")] == "model.head.weight"  # the tie holds to the end

@@ -707,6 +707,31 @@ def _real_before(run: _Run, step: str, names: list[str], ranks: list[int]) -> st
     return f"{dt(first['dtype'])} on {first.get('device', '?')}{values}"
 
 
+def ties(t: pd.DataFrame) -> set[frozenset[str]]:
+    """The pairs of names one tensor is held under in a step's rows (the probe's ``shares``), any rank."""
+    if t.empty or "shares" not in t:
+        return set()
+    out: set[frozenset[str]] = set()
+    for name, shared in zip(t["name"], t["shares"]):
+        if isinstance(shared, str) and shared:
+            out |= {frozenset((name, other)) for other in shared.split(",") if other and other != name}
+    return out
+
+
+def broken_tie(run: _Run, step: str, names: list[str]) -> tuple[str, str] | None:
+    """(name, partner): a tensor among ``names`` that was one tensor with ``partner`` (tied: one parameter
+    under two names) in the step before ``step`` and is not in ``step``; None when no tie broke there."""
+    i = run.index(step)
+    if i == 0 or i >= len(run.steps):
+        return None
+    before, now = ties(run.at(run.tensors, run.steps[i - 1])), ties(run.at(run.tensors, step))
+    for pair in sorted(before - now, key=sorted):
+        for name in names:
+            if name in pair:
+                return name, next(iter(pair - {name}))
+    return None
+
+
 def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]], among: list[str]) -> Diagnosis:
     faults = faults.assign(order=faults["since"].map(run.index)).sort_values(["order", "rank"])
     first = faults.iloc[0]
@@ -736,6 +761,15 @@ def _from_tensors(run: _Run, faults: pd.DataFrame, bad_out: list[dict[str, Any]]
                     + (f"; in-place updates kept it NaN through step `{kept['last'].iloc[0]}`" if len(kept) else "")
                     + out + ("; every rank holds the same garbage, so a cross-rank check sees nothing"
                              if agree else ""))
+        tie = broken_tie(run, step, names)
+        if tie is not None:  # why it was never written: it stopped being the tensor that was
+            name, partner = tie
+            sentence += (f"; `{short(name, among)}` and `{short(partner, among)}` were one tensor (tied) until step "
+                         f"`{step}` and are two after it: the tie broke there, so what was written into "
+                         f"`{short(partner, among)}` never reached `{short(name, among)}` (tie them again after "
+                         "materialising, e.g. `tie_weights()` after `to_empty`)")
+            ev.insert(0, {"step": step, "rank": None, "what": "tie broken",
+                          "fact": f"{name} shared {partner}'s tensor before step `{step}`, holds its own after"})
         return Diagnosis("never-written", sentence, step, ranks, names[0], None, _ev(ev))
     ref = at_first[at_first["status"] == "reference"]
     synced = weightsync.match_matrix(run, step) if len(ref) else pd.DataFrame(columns=weightsync.MATCH_COLUMNS)

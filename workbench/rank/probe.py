@@ -41,24 +41,31 @@ from workbench.rank.probe_fused import HEAD, RAW_LARGE, RAW_SMALL, fused_enabled
 _NO_DATA = {"nan": None, "inf": None, "poisoned": None, "min": None, "max": None, "mean": None, "head": []}
 
 
-def named_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, str, torch.Tensor]]:
+def named_tensors(module: nn.Module, prefix: str = "",
+                  ties: dict[str, list[str]] | None = None) -> list[tuple[str, str, torch.Tensor]]:
     """(name, kind, tensor) for every parameter and buffer, kind telling persistence apart.
 
-    Parameters first (``named_parameters`` order and names, shared ones once), then buffers.
+    Parameters first (``named_parameters`` order and names, shared ones once), then buffers. ``ties`` gets,
+    per parameter listed, the other names the same parameter is held under (a head tied to the embedding).
     """
     params: list[tuple[str, str, torch.Tensor]] = []
     bufs: list[tuple[str, str, torch.Tensor]] = []
     plain = type(module).named_parameters is nn.Module.named_parameters  # wrappers (FSDP) rename theirs
     if not plain:
         params = [(prefix + name, "parameter", p) for name, p in module.named_parameters()]
-    seen: set[int] = set()
+    seen: dict[int, str] = {}
     for mod_name, mod in module.named_modules():
         pre = f"{prefix}{mod_name}." if mod_name else prefix
         if plain:
             for local, p in mod._parameters.items():
-                if p is None or id(p) in seen:
+                if p is None:
                     continue
-                seen.add(id(p))
+                first = seen.get(id(p))
+                if first is not None:
+                    if ties is not None:
+                        ties.setdefault(first, []).append(pre + local)
+                    continue
+                seen[id(p)] = pre + local
                 params.append((pre + local, "parameter", p))
         if mod._buffers:
             nonpers = mod._non_persistent_buffers_set
@@ -182,11 +189,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, memo: dict | None = None,
-                  held: list[tuple[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
+                  held: list[tuple[str, torch.Tensor]] | None = None,
+                  same: dict[tuple, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Summaries of (name, kind, tensor) triples; one host sync for all of them. ``memo``, shared by calls: a
     tensor already summarised there (the same memory read as the same dtype and shape: a wrapper and the
     module it wraps, both in a step's objects) takes that row's values instead of a second pass. ``held``
-    gets each (name, tensor) as given, for whoever reads the same tensors after (``remote._annotate``)."""
+    gets each (name, tensor) as given, for whoever reads the same tensors after (``remote._annotate``).
+    ``same`` gets the rows per memory (address, dtype, shape, device): names that share storage."""
     rows: list[dict[str, Any]] = []
     copies: list[tuple[dict[str, Any], dict[str, Any]]] = []
     plain: list[tuple[dict[str, Any], torch.Tensor]] = []
@@ -211,12 +220,15 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
         if meta or row["numel"] == 0 or t.is_complex():
             row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="")
             continue
-        if memo is not None and t.data_ptr():
+        if (memo is not None or same is not None) and t.data_ptr():
             key = (t.data_ptr(), t.dtype, t.shape, t.stride(), dev)
-            if key in memo:
-                copies.append((row, memo[key]))
-                continue
-            memo[key] = row
+            if same is not None:
+                same.setdefault(key, []).append(row)
+            if memo is not None:
+                if key in memo:
+                    copies.append((row, memo[key]))
+                    continue
+                memo[key] = row
         if dev.type in _pf.FUSED_DEVICES:
             if use_fused is None:
                 use_fused = fused_enabled()
@@ -316,12 +328,44 @@ _dtype = operator.attrgetter("dtype")
 def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | None = None,
                  held: list[tuple[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
     """``probe_tensors`` over ``named_tensors(module)``; when every tensor takes the fused pass, through a
-    plan cached for this module (one launch, one copy back, rows from arrays)."""
+    plan cached for this module (one launch, one copy back, rows from arrays).
+
+    A row whose tensor the module also holds under other names (a tied parameter, two names for one memory)
+    says so in ``shares`` (those names, comma-joined); rows of tensors held once carry no such key."""
     if "cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized():
         rows = _packed(module, rank, prefix)
         if rows is not None:
             return rows
-    return probe_tensors(named_tensors(module, prefix), rank, memo, held)
+    ties: dict[str, list[str]] = {}
+    same: dict[tuple, list[dict[str, Any]]] = {}
+    rows = probe_tensors(named_tensors(module, prefix, ties), rank, memo, held, same)
+    _mark_shares(rows, ties, same)
+    return rows
+
+
+def _shares(names: list[str], ties: dict[str, list[str]], same: dict[tuple, list[str]]) -> dict[int, str]:
+    """Row index -> the other names its tensor is held under: ties (one parameter in two modules) and rows
+    whose tensors are the same memory read alike (address, dtype, shape); only rows that share."""
+    at = {n: i for i, n in enumerate(names)}
+    out: dict[int, list[str]] = {}
+    for first, others in ties.items():
+        if first in at:
+            out.setdefault(at[first], []).extend(others)
+    for group in same.values():
+        if len(group) > 1:
+            for n in group:
+                if n in at:
+                    out.setdefault(at[n], []).extend(o for o in group if o != n)
+    return {i: ",".join(dict.fromkeys(v)) for i, v in out.items()}
+
+
+def _mark_shares(rows: list[dict[str, Any]], ties: dict[str, list[str]],
+                 same: dict[tuple, list[dict[str, Any]]]) -> None:
+    if not ties and all(len(g) < 2 for g in same.values()):
+        return  # the common case: nothing shared, rows untouched
+    names = [r["name"] for r in rows]
+    for i, v in _shares(names, ties, {k: [r["name"] for r in g] for k, g in same.items()}).items():
+        rows[i]["shares"] = v
 
 
 def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] | None:
@@ -338,7 +382,7 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
         return None
     stamp = _PHASES.append if _PHASES is not None else None
     cached = _PLANS.get(module)
-    early = cached is not None and cached[1] is not None and cached[0][0] == prefix and _alive(*cached[1][2:])
+    early = cached is not None and cached[1] is not None and cached[0][0] == prefix and _alive(*cached[1][2:4])
     if early:
         cached[1][0].launch()
     if stamp:
@@ -370,6 +414,8 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
     cols = plan.columns(stamp)
     for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
         deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
+    for i, v in entry[4].items():  # shared tensors (ties), known when the plan was built: none in most models
+        rows[i]["shares"] = v
     if stamp:
         stamp(("rows filled", time.perf_counter()))
     return rows
@@ -388,14 +434,19 @@ def _alive(refs: list, ptrs: list[int]) -> bool:
 
 
 def _build_plan(module: nn.Module, prefix: str) -> tuple | None:
-    named = named_tensors(module, prefix)
+    ties: dict[str, list[str]] = {}
+    named = named_tensors(module, prefix, ties)
     items = [(name, kind, _local(t)) for name, kind, t in named]
     if not items or not all(map(_pf.fusable, (t for _, _, t in items))) or len({t.device for _, _, t in items}) > 1:
         return None
     static = [(name, kind, _dtype_name(t.dtype), _device_name(t.device), "x".join(map(str, t.shape)) or "()",
                t.numel()) for name, kind, t in items]
     refs = [weakref.ref(t) for _, _, t in named]
-    return _pf.Plan([t for _, _, t in items]), static, refs, [t.data_ptr() for _, _, t in named]
+    same: dict[tuple, list[str]] = {}
+    for name, _, t in items:
+        same.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), []).append(name)
+    shares = _shares([n for n, _, _ in items], ties, same)  # the cache key holds every tensor's identity and address
+    return _pf.Plan([t for _, _, t in items]), static, refs, [t.data_ptr() for _, _, t in named], shares
 
 
 def _walk(module: nn.Module) -> tuple[list, list[torch.Tensor]]:
