@@ -240,7 +240,8 @@ def test_a_balanced_eval_job_ends_clean_and_its_ranks_agree_on_a_job_id(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     rec = wb.load(out).bug
     assert rec.steps == ["build", "shard", "evaluate"] and rec.manifest["hangs"] == []
-    assert rec.diagnose().clean
+    d = rec.diagnose()
+    assert d.mechanism == "diverged" and d.sentence.startswith("`bias` on rank 1 differs"), d.sentence
     docs = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text()) for r in (0, 1)]
     assert {d["status"] for d in docs} == {"finished"}
     assert docs[0]["job"] == docs[1]["job"] and docs[0]["job"].startswith("job-")
@@ -386,3 +387,36 @@ def test_a_rerun_keeps_the_run_before_and_repeated_points_are_numbered(tmp_path,
     now, before = wb.load(tmp_path / "runs").bug, wb.load(tmp_path / "runs" / "previous").bug
     assert now.manifest["job"]["id"] == "second" and before.manifest["job"]["id"] == "first"
     assert now.steps == ["step", "step (2)", "step (3)"]
+
+
+SRUN_SCRIPT = '''
+import os, sys
+import torch, torch.distributed as dist
+import workbench.job as wj
+rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=rank, world_size=world)
+cap = wj.capture(sys.argv[1])
+model = torch.nn.Linear(8, 8)
+dist.broadcast(model.weight.data, src=0)  # the bias is forgotten: each rank keeps its own random one
+cap.point("synced", model=model)
+cap.close()
+dist.destroy_process_group()
+'''
+
+
+def test_under_srun_the_ranks_and_the_job_come_from_slurm(tmp_path):
+    """What srun gives each task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_ID (no RANK)."""
+    script = tmp_path / "train.py"
+    script.write_text(SRUN_SCRIPT)
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(SLURM_NTASKS="2", SLURM_JOB_ID="77", SLURM_STEP_ID="0", PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs")], stderr=subprocess.PIPE, text=True,
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    rec = wb.load(tmp_path / "runs").bug
+    assert rec.manifest["job"]["id"] == "slurm-77.0" and rec.manifest["job"]["launcher"] == "srun"
+    assert rec.steps == ["synced"] and set(rec.ledger["rank"]) == {0, 1} and set(rec.ledger["op"]) == {"broadcast"}
+    d = rec.diagnose()
+    assert d.mechanism == "diverged" and d.sentence.startswith("`bias` on rank 1 differs"), d.sentence
