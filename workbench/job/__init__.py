@@ -10,6 +10,11 @@ hangs or is killed still leaves everything it reached; the collective ledger's s
 call is on disk before the call runs, so the stuck call is named. The directory of shards opens
 like any bundle (``workbench report runs/init``, ``wb.load``), through ``postmortem.shards``.
 
+``capture(dir, ledger="calls")`` records the same ledger around ``torch.distributed``'s collective
+functions only (no cost per op; ``torch.compile`` compiles); where the job runs PyTorch's debug server,
+``ask(url)`` / ``fetch(urls, dir)`` (and ``workbench report URL,URL``) read a running rank's shard
+through it. ``load(dir)`` is ``wb.load``; ``merge(dir, out)`` writes one ``.wbundle``.
+
 Layer: above ``postmortem`` (whose shard format it writes) and below ``live``, which it never
 imports; what runs in the job is rank-side code (``rank/``), and importing this package pulls
 neither pandas nor ipyparallel.
