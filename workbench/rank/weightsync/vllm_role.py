@@ -141,12 +141,18 @@ def engine(model: torch.nn.Module) -> tuple[Any, float | None]:
     d = save_checkpoint(model)
     atexit.register(shutil.rmtree, d, True)  # the checkpoint folder goes with the rank's process
     t = time.perf_counter()
-    with _own_world():
-        from vllm import LLM
+    # vLLM's in-process engine makes its file store (vllm_dist_<uuid>) in the temp dir and never removes it:
+    # made inside the checkpoint folder, it goes with the rank's process
+    kept, tempfile.tempdir = tempfile.tempdir, d
+    try:
+        with _own_world():
+            from vllm import LLM
 
-        llm = LLM(model=d, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                  max_model_len=int(model.config.max_position_embeddings), max_num_seqs=1, seed=0,
-                  kv_cache_memory_bytes=KV_CACHE_BYTES)
+            llm = LLM(model=d, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                      max_model_len=int(model.config.max_position_embeddings), max_num_seqs=1, seed=0,
+                      kv_cache_memory_bytes=KV_CACHE_BYTES)
+    finally:
+        tempfile.tempdir = kept
     took = time.perf_counter() - t
     _ENGINE.update(key=key, llm=llm, dir=d, start_s=took)
     return llm, took
