@@ -182,8 +182,47 @@ class StepInterrupted(BaseException):
 
 
 def in_step(step: str | None) -> None:
-    """The step runner says a step's own code starts (its name) or ended (None) on this thread."""
+    """The step runner says a step's own code starts (its name) or ended (None) on this thread. From the end
+    of a step's code to the start of the next, Python's automatic collection is paused (``pause_gc``)."""
     _STATE["step"] = (threading.get_ident(), step) if step is not None else None
+    if step is None:
+        pause_gc()
+    else:
+        resume_gc()
+
+
+GC_RESUME_S = 1.0  # automatic collection comes back this long after a step's code ended, if no step began first
+
+
+def pause_gc() -> bool:
+    """Pause automatic collection while the workbench probes and replies (issue 38). A full collection walks the
+    whole heap (a rank holding a transformers model: 0.2-0.3 s on an H200 host), and the probe's thousands of
+    rows made it fall inside the probe in 4 of 6 runs of benchmarks/real_size.py at 4 GPUs, a step's client time
+    then 0.2-0.3 s above its ranks'. The rows die by refcount once the reply is sent, so they never reach an old
+    generation; the user's code runs with collection as before (a collection it makes due happens there, in its
+    own time). ``gc.collect()`` still works meanwhile; collection resumes when the next step starts or
+    ``GC_RESUME_S`` later; a user's own ``gc.disable()`` is left alone."""
+    import gc
+
+    if not gc.isenabled() or "gc_paused" in _STATE:
+        return False
+    gc.disable()
+    timer = threading.Timer(GC_RESUME_S, resume_gc)
+    timer.daemon = True
+    _STATE["gc_paused"] = timer
+    timer.start()
+    return True
+
+
+def resume_gc() -> None:
+    """Automatic collection back on, if ``pause_gc`` paused it (once, from whichever thread comes first)."""
+    import gc
+
+    timer = _STATE.pop("gc_paused", None)
+    if timer is None:
+        return
+    timer.cancel()
+    gc.enable()
 
 
 def interrupt() -> dict[str, Any]:
