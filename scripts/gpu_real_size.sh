@@ -4,7 +4,8 @@
 # 1. weight-sync-order-desync's bug path traced at 4 NCCL ranks (scripts/gpu_order_desync_trace.py): with the
 #    release aborting each group's backend (rank/control.py), no 'Group ... is not registered' among the errors;
 # 2. benchmarks/real_size.py (Qwen3-1.7B shape, FSDP2): 4 then 2 ranks, each with an empty Triton cache
-#    (real_size.json), then 4 ranks with the probe warm-up off (the baseline, real_size_nowarm.json);
+#    (real_size.json; PASSES=N warm passes), then, unless BASE=0, 4 ranks with the probe warm-up off (the
+#    baseline, real_size_nowarm.json);
 # 3. the frame-state check and the hang cycles at 4 ranks (scripts/gpu_frame_state.sh): recovery still right
 #    with the registry kept (the re-form destroys aborted groups).
 # REPEAT=1 (with TRACE=0 REAL=0 CYCLES=0): the 4-rank real_size three times on one machine (its first process
@@ -38,9 +39,11 @@ fi
 if [ "${REAL:-1}" = 1 ]; then
   {
     timeout -k 5 "${REAL_LIMIT:-200}" $PY benchmarks/real_size.py --ranks 4 2 --triton-cache fresh \
-      --json "$final/real_size.json"
-    WORKBENCH_PROBE_WARM=0 timeout -k 5 "${BASE_LIMIT:-100}" $PY benchmarks/real_size.py --ranks 4 \
-      --triton-cache fresh --json "$final/real_size_nowarm.json"
+      --passes "${PASSES:-1}" --json "$final/real_size.json"
+    if [ "${BASE:-1}" = 1 ]; then
+      WORKBENCH_PROBE_WARM=0 timeout -k 5 "${BASE_LIMIT:-100}" $PY benchmarks/real_size.py --ranks 4 \
+        --triton-cache fresh --json "$final/real_size_nowarm.json"
+    fi
   } 2>&1 | grep -v Warning | tee "$final/real_size.txt"
   echo "real size $(( $(date +%s) - t0 ))s"
 fi

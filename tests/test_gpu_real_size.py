@@ -32,7 +32,7 @@ def test_recovery_at_4_ranks_still_right_with_the_registry_kept():
 
 
 def test_real_size_rows_diagnosis_and_first_probe():
-    runs = {r["ranks"]: r for r in json.loads((GPU / "real_size.json").read_text())["runs"]}
+    runs = {r["ranks"]: r for r in json.loads((GPU / "real_size_round1.json").read_text())["runs"]}
     base = json.loads((GPU / "real_size_nowarm.json").read_text())["runs"][0]
     assert sorted(runs) == [2, 4]
     for n, r in [*runs.items(), (4, base)]:
@@ -43,3 +43,25 @@ def test_real_size_rows_diagnosis_and_first_probe():
     for r in runs.values():  # warmed when the ranks joined their group: the goal holds on a cold Triton cache
         assert r["probe_warm"] and r["goals"]["first_probe"]["met"], r["goals"]
     assert not base["probe_warm"] and base["goals"]["first_probe"]["slowest_probe_s"] > 1.0  # Triton's compile
+
+
+def _run(name: str) -> dict:
+    return json.loads((GPU / name).read_text())["runs"][0]
+
+
+def test_first_probe_on_one_machine_three_times():
+    runs = [_run(f"real_size_4gpu_run{i}.json") for i in (1, 2, 3)]
+    assert [r["triton_cache_cold"] for r in runs] == [True, False, True]
+    assert all(r["goals"]["first_probe"]["met"] for r in runs)
+    builds = [max(w["build_s"] for w in r["warm_after_run"].values()) for r in runs]
+    assert builds[1] < 1.0 < builds[0] and builds[2] > 1.0  # Triton's cache: built once per machine
+
+
+def test_a_probe_pause_is_a_full_collection():
+    plain, frozen = _run("real_size_gc.json"), _run("real_size_gc_freeze.json")
+    steps = plain["cold"][3:] + plain["warm"]
+    spike = max(steps, key=lambda s: s["overhead_s"])
+    assert spike["overhead_s"] > 0.2 and spike["slowest_gc_probe_s"] > 0.2
+    assert spike["overhead_s"] - spike["slowest_gc_probe_s"] < 0.05
+    assert frozen["gc_freeze_prototype"] and frozen["goals"]["overhead"]["met"]
+    assert max(s["slowest_gc_probe_s"] for s in frozen["cold"] + frozen["warm"]) < 0.01
