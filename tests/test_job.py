@@ -240,8 +240,7 @@ def test_a_balanced_eval_job_ends_clean_and_its_ranks_agree_on_a_job_id(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     rec = wb.load(out).bug
     assert rec.steps == ["build", "shard", "evaluate"] and rec.manifest["hangs"] == []
-    d = rec.diagnose()
-    assert d.mechanism == "diverged" and d.sentence.startswith("`bias` on rank 1 differs"), d.sentence
+    assert rec.diagnose().clean
     docs = [json.loads((shards.rank_dir(out, r) / shards.MANIFEST).read_text()) for r in (0, 1)]
     assert {d["status"] for d in docs} == {"finished"}
     assert docs[0]["job"] == docs[1]["job"] and docs[0]["job"].startswith("job-")
