@@ -419,3 +419,23 @@ def test_under_srun_the_ranks_and_the_job_come_from_slurm(tmp_path):
     assert rec.steps == ["synced"] and set(rec.ledger["rank"]) == {0, 1} and set(rec.ledger["op"]) == {"broadcast"}
     d = rec.diagnose()
     assert d.mechanism == "diverged" and d.sentence.startswith("`bias` on rank 1 differs"), d.sentence
+
+
+def test_poison_to_empty_only_leaves_the_allocators_alone(tmp_path, monkeypatch):
+    import torch
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_LEDGER"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORKBENCH_JOB_ID", "poison")
+    with wj.capture(tmp_path / "p", poison="to_empty", ledger="calls") as cap:
+        assert torch._C._is_torch_function_mode_enabled() is False  # no mode between points at all
+        with torch.device("meta"):
+            model = torch.nn.Linear(8, 8)
+        model.to_empty(device="cpu")
+        scratch = {"buffer": torch.empty(64)}
+        cap.point("materialize", model=model, scratch=scratch)
+    t = wb.load(tmp_path / "p").bug.tensors.set_index("name")
+    assert t.loc["model.weight", "poisoned"] == 64 and t.loc["model.weight", "written"] == "never written"
+    assert t.loc["scratch.buffer", "poisoned"] == 0
+    with pytest.raises(ValueError, match="poison must be"):
+        wj.capture(tmp_path / "q", poison="yes")

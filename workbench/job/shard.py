@@ -27,7 +27,8 @@ ledger's ``TorchDispatchMode`` and poison's ``TorchFunctionMode`` (a tiny Qwen3 
 mostly the ledger), poison fills every Python-level ``torch.empty`` the job makes (FSDP2's all-gather
 buffers included), and while the ledger's dispatch mode is on ``torch.compile`` runs the model eagerly
 (measured: the first call 0.02 s instead of a 60 s compile). ``ledger="calls"`` records the same rows
-with neither cost (the forward 2.0 ms, compiled); ``ledger=False`` / ``poison=False`` turn them off.
+with neither cost (the forward 2.0 ms, compiled), ``poison="to_empty"`` poisons what ``to_empty`` hands out
+and nothing else (no mode at all); ``ledger=False`` / ``poison=False`` turn them off.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
 returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe.
@@ -58,24 +59,28 @@ HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
-def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool = True, ledger: bool | str = True,
+def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = True,
+            ledger: bool | str = True,
             name: str | None = None, job: str | None = None) -> Capture | NoCapture:
     """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
     ``LOCAL_RANK``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, else the process group).
     ``poison``: fill what ``to_empty`` and ``torch.empty``-like calls hand out with a NaN pattern that
-    only unwritten memory keeps. ``ledger``: record every collective this thread issues (a dispatch mode
-over every op); ``"calls"``: only around ``torch.distributed``'s collective functions, at no cost per op
-and with ``torch.compile`` still compiling (``rank/ledger_calls.py`` says what it misses); the
-environment's ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``0``) overrides it. ``name``: the
-    run's title (default: the directory's name). ``job``: the job id every shard carries (default: the
-    launcher's job or run id, else one the ranks agree on through the process group's store).
+    only unwritten memory keeps (``"to_empty"``: only what ``to_empty`` hands out, with no cost per op).
+    ``ledger``: record every collective this thread issues (a dispatch mode over every op); ``"calls"``:
+    only around ``torch.distributed``'s collective functions, at no cost per op and with ``torch.compile``
+    still compiling (``rank/ledger_calls.py`` says what it misses); the environment's
+    ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``0``) overrides it. ``name``: the run's title (default:
+    the directory's name). ``job``: the job id every shard carries (default: the launcher's job or run
+    id, else one the ranks agree on through the process group's store).
     """
     if enabled is None:
         enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
     if os.environ.get(ENV_LEDGER):
         ledger = {"calls": "calls", "0": False, "off": False}.get(os.environ[ENV_LEDGER].strip().lower(), True)
+    if poison not in (True, False, "to_empty"):
+        raise ValueError(f"poison must be True, False or 'to_empty'; got {poison!r}")
     if ledger not in (True, False, "calls"):
         raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
     if not enabled:
@@ -164,7 +169,7 @@ class Capture:
 
     enabled = True
 
-    def __init__(self, path: str | os.PathLike, *, poison: bool = True, ledger: bool | str = True,
+    def __init__(self, path: str | os.PathLike, *, poison: bool | str = True, ledger: bool | str = True,
                  name: str | None = None, job: str | None = None):
         import torch
 
@@ -184,7 +189,7 @@ class Capture:
         self._t_last = time.time()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
         self.ctx = context.RankContext(rank=self.rank, world_size=self.world_size, device=torch.device("cpu"),
-                                       backend="", poison=poison, workdir=str(self.dir))
+                                       backend="", poison=bool(poison), workdir=str(self.dir))
         self.doc: dict[str, Any] = {
             "format": shards.FORMAT, "schema": shards.SCHEMA, "job": self.job, "name": name or self.root.name,
             "rank": self.rank, "world_size": self.world_size, "local_rank": where["local_rank"],
@@ -197,10 +202,10 @@ class Capture:
         self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)
         self._stack = contextlib.ExitStack()
         poison_mod.reset_tracking()
-        poison_mod.set_poison(poison)  # to_empty tracked either way (without poison: by fingerprint)
+        poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)
         self._poison = poison_mod
         self._stack.callback(poison_mod.uninstall)
-        if poison:
+        if poison is True:  # also torch.empty and the other Python allocators: a function mode over every call
             self._stack.enter_context(poison_mod.allocations())
         self._ledger = None
         if ledger:
