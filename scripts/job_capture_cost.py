@@ -1,5 +1,5 @@
-"""What the capture costs a training job: FSDP2 steps with capture off, with the full ledger, and with
-the ledger around calls only, a point at every step; run under torchrun.
+"""What the capture costs a training job: FSDP2 steps with capture off, with the full ledger, with the
+ledger around calls only, and with that and poison of to_empty only, a point at every step; under torchrun.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/job_capture_cost.py --shape tiny
     torchrun --nproc-per-node 4 scripts/job_capture_cost.py --shape qwen3-1.7b --out fixtures/gpu/job_capture.json
@@ -35,7 +35,8 @@ SHAPES = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
 }
-MODES = {"off": dict(enabled=False), "full": dict(), "calls": dict(ledger="calls")}
+MODES = {"off": dict(enabled=False), "full": dict(), "calls": dict(ledger="calls"),
+         "light": dict(ledger="calls", poison="to_empty")}  # no mode on the job between points
 
 
 def sync(device: torch.device) -> None:
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--modes", default="off,full,calls")
+    ap.add_argument("--modes", default="off,full,calls,light")
     ap.add_argument("--out", default=None, help="rank 0 writes the figures here (JSON)")
     ap.add_argument("--runs", default=None, help="the capture directories (default: one in the temp dir, per job)")
     args = ap.parse_args()
