@@ -260,6 +260,8 @@ def test_a_missing_rank_is_one_line(fsdp2_run, tmp_path):
                           + ": no rows for them (the rank never reached capture, or wrote elsewhere)"]
     assert set(b.bug.tensors["rank"]) == {0} and b.bug.manifest["devices"]["1"] == "no shard"
     assert "never written after materialisation" in b.bug.diagnose().sentence
+    merged = wb.load(wj.merge(out, tmp_path / "missing.wbundle")).bug  # the lines travel in the bundle
+    assert merged.manifest["problems"] == b.problems and merged.diagnose().sentence == b.bug.diagnose().sentence
 
 
 def test_a_shard_of_another_job_is_left_out(fsdp2_run, tmp_path):
