@@ -196,9 +196,10 @@ GC_RESUME_S = 1.0  # automatic collection comes back this long after a step's co
 
 def pause_gc() -> bool:
     """Pause automatic collection while the workbench probes and replies (issue 38). A full collection walks the
-    whole heap (a rank holding a transformers model: 0.2-0.3 s on an H200 host), and the probe's thousands of
-    rows made it fall inside the probe in 4 of 6 runs of benchmarks/real_size.py at 4 GPUs, a step's client time
-    then 0.2-0.3 s above its ranks'. The rows die by refcount once the reply is sent, so they never reach an old
+    whole heap (a rank holding a transformers model: 0.2-0.3 s on an H200 host); a 0.2-0.4 s pause fell inside a
+    probe in 4 of 6 runs of benchmarks/real_size.py at 4 GPUs (the probe's thousands of rows make collections
+    due), and timed it was a full collection (304 ms of a 329 ms probe, fixtures/gpu/real_size_gc.json); none in
+    40 steps since. The rows die by refcount once the reply is sent, so they never reach an old
     generation; the user's code runs with collection as before (a collection it makes due happens there, in its
     own time). ``gc.collect()`` still works meanwhile; collection resumes when the next step starts or
     ``GC_RESUME_S`` later; a user's own ``gc.disable()`` is left alone."""
