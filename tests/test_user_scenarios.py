@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ready
 from torch import nn
 
 import workbench as wb
@@ -203,18 +205,34 @@ def exchange(ctx):
         dist.broadcast(t, src=ctx.rank, group=ctx.pair)  # each rank of the other pair takes itself for the root
 
 
+both_pairs = wb.Scenario("both-pairs-disagree", probe=None)
+both_pairs.step(pair_up)
+
+
+@both_pairs.step
+def both_roots(ctx):
+    dist.broadcast(torch.full((4,), float(ctx.rank)), src=ctx.rank, group=ctx.pair)  # every rank its own root
+
+
 @pytest.fixture(scope="module")
-def mesh_run():
-    """The mesh scenario run once on 4 gloo ranks: (its last frame, its diagnosis, seconds the step took)."""
+def mesh4():
     c = wb.start(ranks=4, backend="gloo", timeout=20.0)
-    try:
-        s = c.session(mesh)
-        s.step()
-        t0 = __import__("time").monotonic()
-        frame = s.step()
-        yield frame, s.diagnose(), __import__("time").monotonic() - t0
-    finally:
-        c.stop()
+    yield c
+    c.stop()
+
+
+def _timed_run(cluster, scenario):
+    s = ready(cluster).session(scenario)
+    s.step()
+    t0 = time.monotonic()
+    frame = s.step()
+    return frame, s.diagnose(), time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def mesh_run(mesh4):
+    """The mesh scenario run once on 4 gloo ranks: (its last frame, its diagnosis, seconds the step took)."""
+    return _timed_run(mesh4, mesh)
 
 
 @pytest.mark.slow
@@ -242,6 +260,17 @@ def test_every_independent_failure_of_a_step_is_told_and_different_roots_are_rel
         assert "Connection closed" not in msg, msg
     # the call with different roots is declared and released from the ledgers, not left to the 20 s timeout
     assert sorted(frame.released) == [1, 2] and frame.hang.caught_by == "ledger deadlock"
+    assert took < 15, took
+
+
+@pytest.mark.slow
+def test_two_groups_that_part_on_their_own_are_both_told_and_both_released(mesh4):
+    frame, d, took = _timed_run(mesh4, both_pairs)
+    assert sorted(frame.released) == [0, 1, 2, 3] and frame.hang.caught_by == "ledger deadlock", frame.rank_errors
+    assert "different roots" in d.sentence and "; independently, on group " in d.sentence, d.sentence
+    assert "rank 3: broadcast #1 float32 [4] 16 B src=3 (group rank 1)" in d.sentence, d.sentence  # pair (0,3)
+    assert "rank 2: broadcast #1 float32 [4] 16 B src=2 (group rank 1)" in d.sentence, d.sentence  # pair (1,2)
+    assert d.sentence.endswith("ranks 0-3 hung in broadcast #1 (released by the workbench)"), d.sentence
     assert took < 15, took
 
 

@@ -323,8 +323,15 @@ def _retyped(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
     """The earliest call on which the ranks disagree (per session attempt and group), or None."""
+    found = divergences(ledger)
+    return found[0] if found else None
+
+
+def divergences(ledger: pd.DataFrame) -> list[Divergence]:
+    """Each group's first divergence (per session attempt), earliest first: on a mesh, groups that share no
+    rank can part each on its own, and each is a story of its own."""
     if ledger is None or ledger.empty:
-        return None
+        return []
     found: list[tuple[float, Divergence]] = []
     open_calls = ledger[ledger["state"] == OPEN]
     for (session, attempt, group), part in ledger.groupby(["session", "attempt", "group"], sort=False):
@@ -334,9 +341,7 @@ def first_divergence(ledger: pd.DataFrame) -> Divergence | None:
             t = min(times) if times else float(div.seq)
             held = open_calls[(open_calls["session"] == session) & (open_calls["attempt"] == attempt)]
             found.append((max([t, *_held_elsewhere(held, div)]), div))
-    if not found:
-        return None
-    return min(found, key=lambda x: x[0])[1]
+    return [d for _, d in sorted(found, key=lambda x: x[0])]
 
 
 def _held_elsewhere(open_calls: pd.DataFrame, div: Divergence) -> list[float]:

@@ -56,52 +56,83 @@ def find(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> Dea
     """The deadlock among this step's calls, or None while progress is still possible.
 
     ``ledger``: the step's calls (one attempt); ``done``: ranks whose step call returned;
-    ``ranks``: every rank running the step.
+    ``ranks``: every rank running the step. On a mesh, groups that share no rank can deadlock each on its
+    own: every such proof is one ``Deadlock`` (its waiters all of theirs, its reason each proof in turn), so
+    one release frees them all instead of leaving the second group to the collective timeout.
     """
+    found = _each(ledger, done, ranks)
+    if len(found) <= 1:
+        return found[0] if found else None
+    # A peer that finished without the waiters' call number lets the release skip its hold; call numbers of
+    # different groups do not compare, so the merged proof keeps its finished peers only when each part has one.
+    finished = ({r: c for d in found for r, c in d.finished.items()} if all(map(_first_sight, found)) else {})
+    return Deadlock(",".join(d.group for d in found), {r: c for d in found for r, c in d.waiting.items()},
+                    finished, "; and ".join(d.reason for d in found))
+
+
+def _first_sight(d: Deadlock) -> bool:
+    """A finished peer never issued the waiters' call number (``live/release.certain``'s rule, per group)."""
+    seqs = [int(c["seq"]) for c in d.waiting.values()]
+    return bool(d.finished) and bool(seqs) and all(last is None or int(last["seq"]) < min(seqs)
+                                                    for last in d.finished.values())
+
+
+def _each(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> list[Deadlock]:
+    """Every group's own deadlock proof (``find``), on groups whose waiters are not already in one."""
     done, ranks = set(done), set(ranks)
     waiting_ranks = ranks - done
     if not waiting_ranks or ledger is None or ledger.empty:
-        return None
+        return []
     open_by_rank: dict[int, dict[str, Any]] = {}
     for r in waiting_ranks:
         call = _first_open(ledger[ledger["rank"] == r])
         if call is None:
-            return None  # a rank still computing (or in no collective): it may yet issue the call
+            return []  # a rank still computing (or in no collective): it may yet issue the call
         open_by_rank[r] = call
+    out: list[Deadlock] = []
     for group, part in ledger.groupby("group", sort=True):
-        members = set(group_ranks(part)) & ranks
-        here = {r: c for r, c in open_by_rank.items() if str(c.get("group")) == str(group) and r in members}
-        if not here:
+        d = _group_deadlock(str(group), part, open_by_rank, done, ranks)
+        if d is not None and not set(d.waiting) & {r for x in out for r in x.waiting}:
+            out.append(d)
+    return out
+
+
+def _group_deadlock(group: str, part: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]], done: set[int],
+                    ranks: set[int]) -> Deadlock | None:
+    """The proof that the waiters on ``group`` can never complete, or None."""
+    members = set(group_ranks(part)) & ranks
+    here = {r: c for r, c in open_by_rank.items() if str(c.get("group")) == str(group) and r in members}
+    if not here:
+        return None
+    r0, c0 = min(here.items(), key=lambda kv: kv[0])
+    seq = int(c0["seq"])
+    # a finished member never issues the call its peers wait in
+    for q in sorted(members & done):
+        mine = part[part["rank"] == q]
+        last = dict(mine.sort_values("seq").iloc[-1]) if len(mine) else None
+        if last is None or int(last["seq"]) < seq:
+            upto = f"after {describe(last)}" if last else "without a call on this group"
+            return Deadlock(str(group), here, {q: last},
+                            f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
+                            f"which rank {q} will never issue")
+        same = mine[mine["seq"] == seq]
+        theirs = dict(same.iloc[0]) if len(same) else None
+        if theirs is not None and theirs["state"] in ENDED_UNPAIRED:
+            return Deadlock(str(group), here, {q: last},
+                            f"rank {q} finished the step; its call #{seq} ({describe(theirs)}) already "
+                            f"{theirs['state']}, so rank {r0}'s {describe(c0)} has no peer left to pair with")
+        if theirs is not None and mismatch_kind(theirs, c0):
+            return Deadlock(str(group), here, {q: last},
+                            f"rank {q} finished the step; its call #{seq} was {describe(theirs)}, while rank "
+                            f"{r0} waits in {describe(c0)}: they cannot pair, and rank {q} issues nothing more")
+    if set(here) != members:
+        return None  # some member is blocked elsewhere: not provable from this group alone
+    for r, c in here.items():
+        if r == r0:
             continue
-        r0, c0 = min(here.items(), key=lambda kv: kv[0])
-        seq = int(c0["seq"])
-        # a finished member never issues the call its peers wait in
-        for q in sorted(members & done):
-            mine = part[part["rank"] == q]
-            last = dict(mine.sort_values("seq").iloc[-1]) if len(mine) else None
-            if last is None or int(last["seq"]) < seq:
-                upto = f"after {describe(last)}" if last else "without a call on this group"
-                return Deadlock(str(group), here, {q: last},
-                                f"rank {q} finished the step {upto}; rank {r0} waits in {describe(c0)}, "
-                                f"which rank {q} will never issue")
-            same = mine[mine["seq"] == seq]
-            theirs = dict(same.iloc[0]) if len(same) else None
-            if theirs is not None and theirs["state"] in ENDED_UNPAIRED:
-                return Deadlock(str(group), here, {q: last},
-                                f"rank {q} finished the step; its call #{seq} ({describe(theirs)}) already "
-                                f"{theirs['state']}, so rank {r0}'s {describe(c0)} has no peer left to pair with")
-            if theirs is not None and mismatch_kind(theirs, c0):
-                return Deadlock(str(group), here, {q: last},
-                                f"rank {q} finished the step; its call #{seq} was {describe(theirs)}, while rank "
-                                f"{r0} waits in {describe(c0)}: they cannot pair, and rank {q} issues nothing more")
-        if set(here) != members:
-            continue  # some member is blocked elsewhere: not provable from this group alone
-        for r, c in here.items():
-            if r == r0:
-                continue
-            if int(c["seq"]) != seq or mismatch_kind(c, c0):
-                pairs = "; ".join(f"rank {x}: {describe(y)}" for x, y in sorted(here.items()))
-                return Deadlock(str(group), here, {}, f"the open calls on group {group} cannot pair: {pairs}")
+        if int(c["seq"]) != seq or mismatch_kind(c, c0):
+            pairs = "; ".join(f"rank {x}: {describe(y)}" for x, y in sorted(here.items()))
+            return Deadlock(str(group), here, {}, f"the open calls on group {group} cannot pair: {pairs}")
     return None
 
 

@@ -361,7 +361,52 @@ def _split_before(run: _Run, upto: str | None, dtypes: set[str]) -> tuple[str, l
     return first, names, per[names[0]]
 
 
+def _members(run: _Run, div: collectives.Divergence) -> set[int]:
+    led = run.ledger
+    return set(collectives.group_ranks(led[led["group"].astype(str) == str(div.group)])) | set(div.calls)
+
+
+def _independent(run: _Run, div: collectives.Divergence) -> list[collectives.Divergence]:
+    """The other groups that part in the same step and share no rank with ``div``'s group or each other."""
+    out, taken = [], _members(run, div)
+    for other in collectives.divergences(run.ledger)[1:]:
+        mine = _members(run, other)
+        if other.step == div.step and other.group != div.group and not mine & taken:
+            out.append(other)
+            taken |= mine
+    return out
+
+
+def _parting(run: _Run, div: collectives.Divergence) -> str:
+    """One group's parting in a clause: ``on group 3 (ranks 0,3): the ranks' collectives part at call #1
+    (different roots): rank 0: …; rank 3: …``."""
+    head = f"on group {div.group} ({_ranks(sorted(_members(run, div)))}): "
+    absent = [r for r, c in div.calls.items() if c is None]
+    if absent:
+        present = [r for r, c in div.calls.items() if c is not None]
+        return (head + f"{_ranks(absent)} never issued call #{div.seq} that {_ranks(present)} issued "
+                f"({collectives.describe(div.calls[present[0]])})")
+    words = {"op": "different collectives", "dtype": "different dtypes", "size": "different sizes",
+             "root": "different roots"}.get(div.kind, "an extra call")
+    return head + f"the ranks' collectives part at call #{div.seq} ({words}): {_calls_by_group(div.calls)}"
+
+
 def _from_ledger(run: _Run, div: collectives.Divergence) -> Diagnosis:
+    d = _from_ledger_one(run, div)
+    also = _independent(run, div)
+    if also:
+        # every group that parted on its own is told, before what the ranks were left doing (the tail)
+        more = "".join(f"; independently, {_parting(run, o)}" for o in also)
+        tail = _stuck_clause(_where_stuck(run))
+        d.sentence = (d.sentence[:-len(tail)] + more + tail) if tail and d.sentence.endswith(tail) \
+            else d.sentence + more
+        d.ranks = d.ranks + [r for o in also for r in sorted(o.ranks) if r not in d.ranks]
+        d.evidence = pd.concat([d.evidence, _ev([{"step": o.step, "rank": None, "what": f"group {o.group}",
+                                                  "fact": o.message} for o in also])], ignore_index=True)
+    return d
+
+
+def _from_ledger_one(run: _Run, div: collectives.Divergence) -> Diagnosis:
     among = run.names
     calls = {r: c for r, c in div.calls.items()}
     sender = div.rank
