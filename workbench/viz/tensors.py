@@ -250,3 +250,31 @@ def comparison(bug_tensors: pd.DataFrame, fix_tensors: pd.DataFrame, fix: str, *
                       legend={"title": "status"}, plot_bgcolor="white")
     return fig
 
+
+
+def ties_view(history: pd.DataFrame, rank: int | None = None, title: str = "Which names share one tensor") -> go.Figure:
+    """Per step, each pair of names the probe saw holding one tensor (``shares``: a tie, two names for one
+    memory): "one tensor" while the tie holds, "two tensors" once it broke (``to_empty`` re-creates each
+    module's parameter: a head tied to the embedding comes out as a tensor of its own). ``history``: the
+    session's tensor rows over steps (``s.history``, a bundle's ``rec.tensors``); ``rank``: whose rows (the
+    lowest by default). Empty (with a title saying so) when no step held a tie."""
+    from workbench.analysis.diagnosis import ties
+
+    fig = go.Figure()
+    if history is None or history.empty or "shares" not in history:
+        return fig.update_layout(title=f"{title}: no tensor is held under two names in any step")
+    rows = history if rank is None else history[history["rank"] == rank]
+    rows = rows[rows["rank"] == rows["rank"].min()] if len(rows) else rows
+    steps = list(dict.fromkeys(rows["step"]))
+    per = {s: ties(rows[rows["step"] == s]) for s in steps}
+    pairs = sorted({p for v in per.values() for p in v}, key=sorted)
+    if not pairs:
+        return fig.update_layout(title=f"{title}: no tensor is held under two names in any step")
+    held = {s: set(rows[rows["step"] == s]["name"]) for s in steps}
+    labels = [" = ".join(f"`{short(n)}`" for n in sorted(p)) for p in pairs]
+    z = [[1 if p in per[s] else (0 if p <= held[s] else None) for s in steps] for p in pairs]
+    text = [["one tensor" if v == 1 else "two tensors" if v == 0 else "not probed" for v in line] for line in z]
+    fig.add_trace(go.Heatmap(z=z, x=steps, y=labels, text=text, texttemplate="%{text}", showscale=False,
+                             colorscale=[[0, COLORS["poison"]], [1, COLORS["ok"]]], zmin=0, zmax=1, xgap=2, ygap=2,
+                             hovertemplate="%{y}<br>step %{x}: %{text}<extra></extra>"))
+    return fig.update_layout(title=title, height=140 + 40 * len(pairs), margin={"l": 40, "r": 20, "t": 60, "b": 40})
