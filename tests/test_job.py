@@ -260,6 +260,9 @@ def test_a_missing_rank_is_one_line(fsdp2_run, tmp_path):
                           + ": no rows for them (the rank never reached capture, or wrote elsewhere)"]
     assert set(b.bug.tensors["rank"]) == {0} and b.bug.manifest["devices"]["1"] == "no shard"
     assert "never written after materialisation" in b.bug.diagnose().sentence
+    cli = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out), "-o", str(tmp_path / "m.html")],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert cli.returncode == 0 and cli.stderr.strip() == f"workbench: {out}: {b.problems[0]}", cli.stderr
     merged = wb.load(wj.merge(out, tmp_path / "missing.wbundle")).bug  # the lines travel in the bundle
     assert merged.manifest["problems"] == b.problems and merged.diagnose().sentence == b.bug.diagnose().sentence
 

@@ -323,9 +323,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.merge:
         check_output(args.merge, "--bundle")
-    b = bundle.load(args.bundle)
-    for line in b.problems:
-        print(f"shards: {line}", file=sys.stderr)
+    b = bundle.load(args.bundle)  # each problem with the shards is one line on stderr already (its log)
     print(f"diagnosis: {b.bug.diagnose().sentence}")
     print(f"report: {report.write(b, out)}")
     if args.merge:
