@@ -26,6 +26,22 @@ def cluster():
     c.stop()
 
 
+ANOTHER_CPU = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.fixture(scope="session")
+def another_cpu():
+    """A second 2-rank cluster whose engines run other float kernels (no SIMD in ATen, oneDNN capped at AVX2).
+
+    It stands in for another CPU, so what must read the same on any machine (a fixture's rerun, a receiver's
+    verdict) is checked in CI on one: the recorder's kernels are an input the tests vary."""
+    import workbench as wb
+
+    c = wb.start(ranks=2, backend="gloo", timeout=TEST_TIMEOUT_S, env=ANOTHER_CPU)
+    yield c
+    c.stop()
+
+
 def ready(cluster):
     """``cluster``, restarted first if an earlier test left it stopped or a rank dead or stuck (shared by the
     modules that keep a cluster of their own: ``from conftest import ready``)."""

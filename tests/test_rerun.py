@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import ready
 
 from workbench import cli
 from workbench.postmortem import bundle, closeness, rerun
@@ -218,24 +219,18 @@ def test_rerun_reproduces_a_fixture_and_names_a_changed_parameter(healthy):
 
 
 @pytest.mark.slow
-def test_a_run_recorded_under_other_float_kernels_reads_same_story(healthy, monkeypatch):
+def test_a_run_recorded_under_other_float_kernels_reads_same_story(healthy, another_cpu):
     """Engines without SIMD kernels (``ATEN_CPU_CAPABILITY=default``) stand in for another CPU: their
     bytes differ from this machine's, the story does not."""
-    import workbench as wb
-
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    with wb.start(ranks=2, backend="gloo", timeout=healthy.timeout) as other:
-        s = other.session("to-empty-clobbers-buffers")
-        s.run()
-        then = s.record()
-        s.close()
-        # the committed fixtures, recorded on another machine, rerun on this "other CPU": reproduced, never
-        # "differs" (exactly, or the same story within rounding)
-        for r in bundle.load(FIXTURE).rerun(other):
-            assert r.reproduced, r.message
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    other = ready(another_cpu)
+    s = other.session("to-empty-clobbers-buffers")
+    s.run()
+    then = s.record()  # names the kernels the ranks ran with (their own environment, not this process's)
+    s.close()
+    # the committed fixtures, recorded on another machine, rerun on this "other CPU": reproduced, never
+    # "differs" (exactly, or the same story within rounding)
+    for r in bundle.load(FIXTURE).rerun(other):
+        assert r.reproduced, r.message
     assert then.manifest["versions"]["ATEN_CPU_CAPABILITY"] == "default"
     assert then.manifest["versions"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     r = rerun.rerun_record(then, healthy)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import ANOTHER_CPU, ready
 
 from workbench.analysis import weightsync as ws
 from workbench.rank.weightsync import vllm_role
@@ -162,7 +163,6 @@ def test_without_the_repack_guard_vllms_update_breaks_the_round_trip(vllm_cluste
 # trainer's on one CPU and 0.066 on another, with exactly the right weights. Each real fix must read clean,
 # each bug path broken, whatever the kernels; the engines of "another CPU" run without ATen's SIMD kernels
 # and with oneDNN capped at AVX2, which moves vLLM's numerics as another CPU would.
-ANOTHER_CPU = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 REAL_FIXES = [("weight-sync-rank0-metadata", "per-rank-metadata", {}),
               ("router-bias-bf16", "keep-fp32-routing-params", {}),
               ("weight-sync-order-desync", "one-chunk-plan", {}),
@@ -173,21 +173,12 @@ REAL_FIXES = [("weight-sync-rank0-metadata", "per-rank-metadata", {}),
 @pytest.fixture(scope="module", params=["this CPU", "another CPU"])
 def machine(request, vllm_cluster):
     if request.param == "this CPU":
-        yield vllm_cluster
-        return
-    import workbench as wb
+        return vllm_cluster
     from workbench.scenarios.weight_sync_rank0_metadata import warm_vllm
 
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in ANOTHER_CPU.items():
-            mp.setenv(k, v)
-        other = wb.start(ranks=2, backend="gloo", timeout=vllm_cluster.timeout)
-    other._another_cpu = True
-    try:
-        warm_vllm(other)
-        yield other
-    finally:
-        other.stop()
+    other = ready(request.getfixturevalue("another_cpu"))
+    warm_vllm(other)
+    return other
 
 
 def diagnosis_of(cluster, name, fix=None, **params):
@@ -219,10 +210,13 @@ def test_every_bug_path_reads_broken_by_a_wide_margin(machine, name, fix, params
         assert any(far), o[["step", "rank", "name", "ref_max_abs_diff", "ref_floor"]].to_dict("records")
 
 
-def test_the_other_cpus_engines_run_other_kernels(machine):
-    """The stand-in for another CPU must really run other kernels, or the verdicts above prove nothing of it."""
+def test_the_other_cpus_engines_run_other_kernels(machine, request):
+    """The stand-in for another CPU must really run other kernels, or the verdicts above prove nothing of it; and
+    what a record says the ranks ran with is what they ran with."""
     import os
 
-    got = machine.run(lambda: {k: os.environ.get(k) for k in ANOTHER_CPU})
-    want = ANOTHER_CPU if getattr(machine, "_another_cpu", False) else {k: os.environ.get(k) for k in ANOTHER_CPU}
+    other = request.node.callspec.params["machine"] == "another CPU"
+    want = ANOTHER_CPU if other else {k: os.environ[k] for k in ANOTHER_CPU if os.environ.get(k)}
+    got = machine.run(lambda: {k: os.environ[k] for k in ANOTHER_CPU if os.environ.get(k)})
     assert all(v == want for v in got.values()), got
+    assert all(v == want for v in machine.kernels.values()), machine.kernels

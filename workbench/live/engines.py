@@ -113,6 +113,7 @@ class Engines:
         self.pids: dict[int, int] = {}
         self.devices: dict[int, str] = {}
         self.controls: dict[int, dict[str, Any] | None] = {}  # rank -> its control thread (host, port, token)
+        self.kernels: dict[int, dict[str, str]] = {}  # rank -> the knobs that picked its float kernels
         self.local_index: dict[int, int] = {}  # rank -> index on its host (GPU); empty: the rank itself
         self.master_addr = "127.0.0.1"
         self._busy: dict[int, Any] = {}  # rank -> AsyncResult still running after its deadline
@@ -199,6 +200,7 @@ class Engines:
         self.devices = {r: v["device"] for r, v in outcome.values.items()}
         self.stacks_files = {r: v.get("stacks_file") for r, v in outcome.values.items()}
         self.controls = {r: v.get("control") for r, v in outcome.values.items()}
+        self.kernels = {r: v.get("kernels") or {} for r, v in outcome.values.items()}
         self._set_threads()
 
     def _set_threads(self) -> None:

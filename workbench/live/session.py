@@ -441,7 +441,7 @@ class Session:
             "seed": self.params.get("seed"),
             "started_at": self.started_at,
             "saved_at": self.updated_at,  # the state recorded, not the call: two records of it are equal
-            "versions": versions(),
+            "versions": versions(getattr(c, "kernels", {}).get(0)),
         }
         return RunRecord(manifest, self.history, self.outputs, self.events, notes, trace=self.trace,
                          ledger=self.ledger)

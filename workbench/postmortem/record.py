@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import diagnosis, findings, flightrecorder
+from workbench.rank.columns import KERNEL_KNOBS
 
 SCHEMA_VERSION = 1
 
@@ -51,7 +52,9 @@ class RunRecord:
         return flightrecorder.to_flight_recorder(self.ledger, out_dir, prefix, backend=self.manifest.get("backend"))
 
 
-def versions() -> dict[str, str]:
+def versions(kernels: dict[str, str] | None = None) -> dict[str, str]:
+    """What a rerun elsewhere may differ in. ``kernels``: the ranks' own kernel knobs (rank 0's, as its engine
+    reported them at group formation); without them, this process's environment, which engines it starts inherit."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version(), "cpu": _cpu()}
@@ -60,13 +63,9 @@ def versions() -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    for knob in KERNEL_KNOBS:  # engines inherit them: the float kernels (SIMD width, oneDNN's ISA) torch picks
-        if os.environ.get(knob):
-            out[knob] = os.environ[knob]
-    return out
+    knobs = kernels if kernels is not None else {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}
+    return out | {k: knobs[k] for k in KERNEL_KNOBS if knobs.get(k)}  # the float kernels (SIMD width, oneDNN ISA)
 
-
-KERNEL_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # what lets one CPU run another's kernels
 
 
 def _cpu() -> str:

@@ -21,3 +21,5 @@ TRACE_COLUMNS = [
 # (with the first RAW_LARGE bytes) cover slides of 128-176, 256-304, 384, 512 B and more; 128 bytes a tensor.
 WINDOW_OFFSETS = (128, 256, 512, 4096)
 WINDOW = 32
+
+KERNEL_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # settings that let one CPU run another's kernels
