@@ -193,6 +193,7 @@ def test_a_hung_job_names_the_stuck_calls_and_who_waits(tmp_path, ledger):
     s = d.sentence
     assert "rank 0: all_gather_into_tensor" in s and "rank 1: all_reduce" in s and "float32 [2] 8 B" in s
     assert "uneven_eval_job.py:" in s  # the script's own lines, not the library's
+    assert "in step `evaluate`" in s  # the point the ranks were on their way to (declared by the job)
     assert f"rank 0 hung in all_gather_into_tensor #{d.call['seq']}" in s or "rank 0 hung in all_gather" in s
     assert "rank 1 hung in all_reduce" in s and shards.STILL_INSIDE in s
     hang = rec.manifest["hangs"][0]
@@ -444,3 +445,16 @@ def test_poison_to_empty_only_leaves_the_allocators_alone(tmp_path, monkeypatch)
     assert t.loc["scratch.buffer", "poisoned"] == 0
     with pytest.raises(ValueError, match="poison must be"):
         wj.capture(tmp_path / "q", poison="yes")
+
+
+def test_declared_points_name_where_a_job_stopped(tmp_path, monkeypatch):
+    import torch
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_LEDGER"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORKBENCH_JOB_ID", "plan")
+    with wj.capture(tmp_path / "plan", points=["build", "train", "save"]) as cap:
+        cap.point("build", model=torch.nn.Linear(2, 2))
+    rec = wb.load(tmp_path / "plan").bug
+    assert rec.steps == ["build"] and rec.manifest["steps"] == ["build", "train", "save"]
+    assert rec.diagnose().sentence.startswith("clean so far: 1 of 3 steps ran")

@@ -61,7 +61,7 @@ _CURRENT: list[Capture] = []  # the open capture of this process, for the handle
 
 def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = True,
             ledger: bool | str = True,
-            name: str | None = None, job: str | None = None) -> Capture | NoCapture:
+            name: str | None = None, job: str | None = None, points: list[str] | None = None) -> Capture | NoCapture:
     """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
@@ -73,7 +73,9 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     still compiling (``rank/ledger_calls.py`` says what it misses); the environment's
     ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``0``) overrides it. ``name``: the run's title (default:
     the directory's name). ``job``: the job id every shard carries (default: the launcher's job or run
-    id, else one the ranks agree on through the process group's store).
+    id, else one the ranks agree on through the process group's store). ``points``: the names of the points
+    the job will reach, in order (optional): a rank stuck on its way to one is read as stuck in that step
+    (else in ``after <the last point reached>``), and a run that stopped early reads "k of n steps".
     """
     if enabled is None:
         enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
@@ -85,7 +87,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
         raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
     if not enabled:
         return NoCapture()
-    return Capture(path, poison=poison, ledger=ledger, name=name, job=job)
+    return Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points)
 
 
 class NoCapture:
@@ -170,7 +172,7 @@ class Capture:
     enabled = True
 
     def __init__(self, path: str | os.PathLike, *, poison: bool | str = True, ledger: bool | str = True,
-                 name: str | None = None, job: str | None = None):
+                 name: str | None = None, job: str | None = None, points: list[str] | None = None):
         import torch
 
         from workbench.rank import context
@@ -197,6 +199,7 @@ class Capture:
             "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else [],
             "poison": poison, "ledger": ledger, "backend": "", "device": "cpu",
             "started_at": self._t_last, "updated_at": self._t_last, "status": "running", "points": [],
+            "planned": [str(p) for p in points or []],
             "versions": _versions(),
         }
         self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)

@@ -191,14 +191,17 @@ def _step_names(found: Shards) -> list[str]:
     return names
 
 
-def _step_of(token: Any, names: list[str]) -> str:
-    """A ledger row's or error's point index (what the capture writes while on the way to point k)."""
+def _step_of(token: Any, names: list[str], planned: list[str] | None = None) -> str:
+    """A ledger row's or error's point index (what the capture writes while on the way to point k): its
+    name, the job's declared name for it where no rank reached it, else ``after <the last point>``."""
     try:
         k = int(token)
     except (TypeError, ValueError):
         return str(token)
     if k < len(names):
         return names[k]
+    if planned and k < len(planned) and planned[k] not in names:
+        return planned[k]
     return f"after {names[-1]}" if names else "before the first point"
 
 
@@ -220,14 +223,17 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
     reader = collectives.LedgerReader([str(ledger_file(path, r)) for r in sorted(found.shards)])
     reader.poll()
     calls = [dict(c) for c in reader.calls()]  # each rank's ledger starts empty at its capture: this job's
+    planned = [str(p) for p in first.get("planned") or []]
     for c in calls:
-        c["step"] = _step_of(c.get("step"), names)
+        c["step"] = _step_of(c.get("step"), names, planned)
     ledger = collectives.ledger_table(calls)
-    errors = {r: [{**e, "step": _step_of(e.get("index"), names)} for e in es] for r, es in found.errors.items()}
+    errors = {r: [{**e, "step": _step_of(e.get("index"), names, planned)} for e in es]
+              for r, es in found.errors.items()}
     steps = list(names)
     extra = {c["step"] for c in calls} | {e["step"] for es in errors.values() for e in es}
     for s in sorted(extra - set(steps)):
         steps.append(s)  # calls or an exception past the last point some rank reached
+    declared = steps + [p for p in planned[len(steps):] if p not in steps]  # what the job meant to reach
     frames = []
     for i, step in enumerate(steps):
         values: dict[int, dict[str, Any]] = {}
@@ -273,7 +279,7 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "fixes": {},
         "poison": bool(first.get("poison")),
         "params": {},
-        "steps": steps,
+        "steps": declared,
         "steps_run": steps,
         "hangs": hangs,
         "elapsed": [{str(r): t for r, t in f.elapsed.items()} for f in frames],
