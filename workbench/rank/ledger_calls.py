@@ -10,10 +10,13 @@ and turns the same recorder on for the length of each call: the rows are the dis
 (op, dtypes, shapes, traffic, the user's line, per-dtype buckets of ``_broadcast_coalesced``), a
 call's start line is on disk before it runs, an async call ends when its work does.
 
-Not seen this way: collectives that never pass a Python function of ``torch.distributed`` (DDP's
-reducer all-reduces from C++ autograd hooks, functional collectives of DTensor), and functions a
-library bound by name before ``install`` (``from torch.distributed import all_reduce``). Those the
-full mode sees.
+Not seen this way: collectives that never pass a Python function of ``torch.distributed`` (functional
+collectives of DTensor; DDP's C++: measured on a 2-rank CPU job, the full mode saw at wrap an
+all_gather (the parameter-shape check) and 2 broadcasts, and in 2 training steps 2 reducer
+all-reduces and 2 bucket-index broadcasts; this mode saw 1 broadcast at wrap and nothing in
+training, so a DDP job hung in its backward is not named here), and functions a library bound by
+name before ``install`` (``from torch.distributed import all_reduce``). The full mode sees those on
+the thread that issues them.
 """
 
 from __future__ import annotations
