@@ -258,3 +258,29 @@ def test_an_exception_is_a_cause_unless_a_collective_raised_it():
     timeout = tb.replace("torch/nn/modules/module.py", "torch/distributed/distributed_c10d.py")
     assert cause.is_symptom(timeout, "")
     assert cause.is_symptom(tb, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv")
+
+
+def test_a_root_reads_as_the_users_global_rank_with_the_group_rank_beside_it():
+    from workbench.analysis.collectives import describe
+
+    rows = ledger_table([call(2, 1, op="broadcast", group="2", group_ranks=[1, 2], src=2, group_src=1),
+                         call(0, 1, op="broadcast", src=0, group_src=0), call(1, 1, op="broadcast", src=1)])
+    said = {int(r["rank"]): describe(r) for _, r in rows.iterrows()}
+    assert said[2].startswith("broadcast #1 float32 [4] 16 B src=2 (group rank 1)"), said
+    assert said[0].startswith("broadcast #1 float32 [4] 16 B src=0") and "group rank" not in said[0]  # one value
+    assert said[1] == "broadcast #1 float32 [4] 16 B src=1"  # older rows: no group_src, read as before
+
+
+def test_an_argument_c10d_refuses_is_the_raising_ranks_cause():
+    from workbench.analysis import cause
+
+    tb = ('Traceback (most recent call last):\n  File "/w/my.py", line 18, in exchange\n'
+          '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 1134, in get_group_rank\n')
+    msg = "Global rank 1 is not part of group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f6f9>"
+    assert not cause.is_symptom(tb, msg, "ValueError")  # refused before anything went out: the cause
+    assert cause.is_symptom(tb, "Connection closed by peer [127.0.0.1]:29572", "RuntimeError")
+    assert cause.is_symptom(tb, "Group 'x' is not registered, please create group first", "ValueError")
+    e = {"rank": 3, "error": "ValueError", "message": msg, "traceback": tb}
+    assert cause.told([{**e, "rank": 0}, e], "exchange") == [
+        "ranks 0,3 raised ValueError at w/my.py:18 exchange in step `exchange`: Global rank 1 is not part of group "
+        "<ProcessGroup>"]

@@ -100,3 +100,17 @@ def test_real_eval_loop_hang_is_declared_from_the_ledgers_before_any_timeout(hea
         assert healthy.recover()["action"].startswith("re-formed")  # same engines
     finally:
         healthy.detect_deadlocks = True
+
+
+def test_two_groups_deadlocked_on_their_own_are_one_proof_that_releases_every_waiter():
+    """A user's 4-rank mesh, pairs (0,3) and (1,2), each pair's ranks taking themselves for the root."""
+    def bc(rank, group, ranks, src):
+        return call(rank, 1, op="broadcast", group=group, group_ranks=ranks, src=src, state=OPEN)
+
+    led = ledger_table([bc(0, "1", [0, 3], 0), bc(3, "1", [0, 3], 3), bc(1, "2", [1, 2], 1), bc(2, "2", [1, 2], 2)])
+    d = find(led, done=[], ranks=[0, 1, 2, 3])
+    assert d is not None and sorted(d.waiting) == [0, 1, 2, 3] and d.group == "1,2", d
+    assert "open calls on group 1 cannot pair" in d.reason and "; and the open calls on group 2" in d.reason
+    assert not d.finished  # call numbers of two groups do not compare: the release holds first
+    # one pair still computing: nothing is provable for it, and the other pair's proof waits for a settled picture
+    assert find(led[led["rank"] != 2], done=[], ranks=[0, 1, 2, 3]) is None

@@ -350,3 +350,16 @@ def test_the_demo_says_what_the_diagnosis_says():
     demo = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
     said = " ".join(line for line in demo.splitlines() if "echo" in line)
     assert "released by the workbench" in said and "timed out" not in said, said
+
+
+def test_no_ranks_exception_is_left_out_of_the_sentence():
+    """A fault the story starts from, then a user's exception in a later step: both are in the sentence."""
+    poisoned = poison_(torch.empty(8))
+    t = steps(("materialize", [[("w", torch.ones(8))], [("w", poisoned)]]),
+              ("later", [[("w", torch.ones(8))], [("w", poisoned)]]))
+    tb = 'Traceback (most recent call last):\n  File "/w/my.py", line 30, in later\n'
+    ev = [{"step": "later", "step_index": 1, "rank": 1, "kind": "error", "error": "KeyError", "message": "'bias'",
+           "traceback": tb}]
+    d = diagnosis.diagnose(record(t, events=ev))
+    assert d.sentence.startswith("`w` on rank 1 was never written"), d.sentence
+    assert d.sentence.endswith("; rank 1 raised KeyError at w/my.py:30 later in step `later`: 'bias'"), d.sentence
