@@ -93,8 +93,8 @@ _USER_PREFIXES = (_SHIPPED, "<ipython-input", os.path.join(os.path.dirname(_HERE
 # The engine's own machinery: ipyparallel runs the step from a kernel, on an event loop. Never the user's code
 # (even where these packages sit outside site-packages, as on a host that carries them as wheels) and never the
 # library that issued a call: past them no frame issued anything.
-_MACHINERY = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client|asyncio)[/\\]"
-                        r"|^<frozen runpy>")
+_MACHINERY = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client)[/\\]"
+                        r"|^<frozen runpy>")  # not asyncio: a library's own event loop may sit below the user's line
 
 
 def ledger_path(directory: str, rank: int) -> str:
