@@ -489,6 +489,9 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
 
 
 def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):
+    """Issue 40: the event's kind said "died" while its message said "stopped ... not dead"; now both say
+    stopped, and every reader of the kind treats it as a rank lost to the step, as a death (the cursor stays at
+    the step, the hang's table names it; the diagnosis's dead-engine sentence says "was stopped")."""
     import signal
 
     s = fresh.session(TINY)
@@ -501,6 +504,10 @@ def test_a_stopped_rank_is_reported_stopped_not_dead(fresh):
         os.kill(pid, signal.SIGCONT)
     msg = frame.rank_errors[1]
     assert "EngineStopped" in msg and f"kill -CONT {pid}" in msg and "not dead" in msg, msg
+    assert msg.startswith("stopped ") and frame.ranks_with("stopped") == {1} and "died" not in frame.kinds, msg
+    assert s.cursor == 1, s.cursor  # the step that lost a rank is the next to run, as after a death
+    status = dict(zip(frame.hang.ranks["rank"], frame.hang.ranks["status"]))
+    assert str(status[1]).startswith("stopped"), status  # the hang's table said "died"
     fresh.restart()
 
 

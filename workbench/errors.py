@@ -28,12 +28,17 @@ class BundleError(WorkbenchError):
     """A bundle is missing, truncated, corrupt or written by a newer schema."""
 
 
+# The failure kinds of a rank lost to the step: its engine died, or it is stopped (SIGSTOP, Ctrl-Z) and the
+# controller dropped it after its missed heartbeats (alive, but no task reaches it until cluster.restart()).
+LOST = ("died", "stopped")
+
+
 @dataclass
 class RankFailure:
     """What went wrong on one rank: an exception, a missed deadline, or a dead engine."""
 
     rank: int
-    kind: str  # "error" | "timeout" | "died"
+    kind: str  # "error" | "timeout" | "died" | "stopped" (SIGSTOP: alive, dropped by the controller)
     error: str  # exception type, or the kind for timeouts and deaths
     message: str
     traceback: str = ""

@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.errors import RankFailure
+from workbench.errors import LOST, RankFailure
 
 LEDGER_COLUMNS = [
     "rank", "session", "attempt", "step", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel",
@@ -438,7 +438,8 @@ class Hang:
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> "all_reduce #9 ..."
     finished: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
-    caught_by: str = "step deadline"  # or "ledger deadlock", "collective timeout", "strict mode (...)", "engine died"
+    caught_by: str = "step deadline"  # or "ledger deadlock", "collective timeout", "strict mode (...)", "engine died",
+    # "engine stopped"
     proof: str | None = None  # a deadlock read from the ledgers: why the open calls can never pair
     blocked_at: float | None = None  # ledger time the last rank entered its open call
     declared_at: float | None = None  # when the client declared the hang
@@ -447,6 +448,7 @@ class Hang:
     @property
     def message(self) -> str:
         head = {"engine died": "a rank's engine died",
+                "engine stopped": "a rank's engine was stopped (SIGSTOP or Ctrl-Z) and dropped by the controller",
                 "collective timeout": "a collective timed out (the process group's own timeout)",
                 }.get(self.caught_by, "strict mode (TORCH_DISTRIBUTED_DEBUG=DETAIL) caught a collective mismatch")
         if self.caught_by == "ledger deadlock":
@@ -496,8 +498,8 @@ def diagnose(step: str, ledger: pd.DataFrame, failures: dict[int, RankFailure], 
     rows, stuck, finished, dead = [], {}, [], []
     for r in ranks:
         call, fail = last.get(r), failures.get(r)
-        if fail is not None and fail.kind == "died":
-            status = "died" + (f" (last call: {describe(call)}, {call['state']})" if call else "")
+        if fail is not None and fail.kind in LOST:
+            status = fail.kind + (f" (last call: {describe(call)}, {call['state']})" if call else "")
             dead.append(r)
         elif call is not None and call["state"] == OPEN:
             status = f"inside {describe(call)}" + (f" ({queued[r]} more queued behind it)" if queued.get(r) else "")
@@ -526,6 +528,8 @@ def caught_by(failures: dict[int, RankFailure], ledger: pd.DataFrame) -> str:
     errors += " ".join(f.message for f in failures.values())
     if any(f.kind == "died" for f in failures.values()):
         return "engine died"
+    if any(f.kind == "stopped" for f in failures.values()):
+        return "engine stopped"
     if any(f.error == "Deadlock" for f in failures.values()):
         return "ledger deadlock"
     if STRICT in errors:
@@ -545,7 +549,7 @@ def is_hang(failures: dict[int, RankFailure], ledger: pd.DataFrame, errored: Ite
     """A step hung (or would have): a rank missed its deadline or died, a collective timed out, strict
     mode caught a mismatch, or a rank in ``errored`` returned while its call stayed open (NCCL
     returns at once; the probe's wait for the stuck stream is what gives up)."""
-    if any(f.kind in ("timeout", "died") for f in failures.values()):
+    if any(f.kind in ("timeout", *LOST) for f in failures.values()):
         return True
     if ledger is None or not len(ledger):
         return False

@@ -34,6 +34,7 @@ import pandas as pd
 from workbench.analysis import cause, collectives, findings, floor, weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.frames import fmt
+from workbench.errors import LOST
 
 BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -303,6 +304,8 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
     """Who timed out, hung or died, and in which call: ledger states first, then hang records and events."""
     out: list[dict[str, Any]] = []
     seen: set[int] = set()
+    stopped = {(int(e.rank), e.step) for e in run.events.itertuples(index=False) if e.kind == "stopped"} \
+        if len(run.events) else set()
     led = run.ledger
     if len(led):
         for r in led[led["state"].isin(["timed out", "failed"])].sort_values("t_start").itertuples(index=False):
@@ -324,12 +327,13 @@ def _where_stuck(run: _Run) -> list[dict[str, Any]]:
         for rank in h.get("dead") or []:
             if int(rank) not in seen:
                 seen.add(int(rank))
-                out.append({"rank": int(rank), "step": h.get("step"), "how": "died", "call": None})
+                how = "stopped" if (int(rank), h.get("step")) in stopped else "died"
+                out.append({"rank": int(rank), "step": h.get("step"), "how": how, "call": None})
     for e in run.events.itertuples(index=False) if len(run.events) else []:
-        if int(e.rank) not in seen and e.kind in ("timeout", "died"):
+        if int(e.rank) not in seen and e.kind in ("timeout", *LOST):
             seen.add(int(e.rank))
             out.append({"rank": int(e.rank), "step": e.step,
-                        "how": "died" if e.kind == "died" else "hung past the step deadline", "call": None})
+                        "how": e.kind if e.kind in LOST else "hung past the step deadline", "call": None})
     return out
 
 
@@ -664,12 +668,13 @@ def _diagnose_state(run: _Run) -> Diagnosis:
         d.evidence = pd.concat([d.evidence, later.evidence], ignore_index=True)
         return d
     stuck = _where_stuck(run)
-    dead = [s for s in stuck if s["how"] == "died"]
+    dead = [s for s in stuck if s["how"] in LOST]
     if dead:
         s = dead[0]
         ev = [{"step": x["step"], "rank": x["rank"], "what": "outcome", "fact": x["how"]} for x in stuck]
         last = _last_call(run, s["rank"])
-        sentence = (f"rank {s['rank']}'s engine died in step `{s['step']}`"
+        lost = "died" if s["how"] == "died" else "was stopped (SIGSTOP or Ctrl-Z), not dead,"
+        sentence = (f"rank {s['rank']}'s engine {lost} in step `{s['step']}`"
                     + (f" (its last call: {collectives.describe(last)}, {last.get('state')})" if last else "")
                     + "".join(f"; rank {x['rank']} {x['how']}" for x in stuck if x is not s))
         return Diagnosis("rank-died", sentence, s["step"], [s["rank"]], None, last, _ev(ev))

@@ -89,7 +89,7 @@ class Frame:
 
     @property
     def kinds(self) -> set[str]:
-        """The kinds of failure this step saw ('error', 'timeout', 'died'), without building a table."""
+        """The kinds of failure this step saw ('error', 'timeout', 'died', 'stopped'), without building a table."""
         v = self._tables["events"]
         return set(v["kind"]) if isinstance(v, pd.DataFrame) else {e["kind"] for e in v}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from workbench.errors import ClusterError, RankErrors, RankFailure
+from workbench.errors import LOST, ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
 from workbench.rank import leftovers, stacks
 from workbench.rank.host import free_port, gpu_count, set_threads
@@ -492,7 +492,7 @@ class Engines:
                 out.failures[r] = _failure_from(r, exc)
                 if out.failures[r].kind == "died" and self.is_local(r):  # issue 29: SIGSTOP is no death
                     out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
-                if out.failures[r].kind == "died":
+                if out.failures[r].kind in LOST:
                     self._dead.add(r)
                     if out.failures[r].error == "EngineDied" and not self.is_local(r):
                         # the hub failed the task before our own check: say why as that check would (a host off
@@ -536,7 +536,7 @@ def stopped_failure(rank: int, pid: int | None) -> RankFailure | None:
             return None
     except psutil.NoSuchProcess:
         return None
-    return RankFailure(rank, "died", "EngineStopped",
+    return RankFailure(rank, "stopped", "EngineStopped",
                        f"engine process {pid} is stopped (SIGSTOP or Ctrl-Z), not dead; the controller dropped it "
                        f"after its missed heartbeats (`kill -CONT {pid}` resumes the process); call cluster.restart()")
 

@@ -24,7 +24,7 @@ from workbench import scenarios
 from workbench.analysis import collectives, diagnosis
 from workbench.analysis.collectives import describe
 from workbench.analysis.frames import Frame, last_step
-from workbench.errors import RankFailure, UnknownName, WorkbenchError
+from workbench.errors import LOST, RankFailure, UnknownName, WorkbenchError
 from workbench.live import progress as live_progress
 from workbench.live.release import Release
 from workbench.postmortem import bundle
@@ -486,7 +486,7 @@ def _goes_on(frame: Frame) -> bool:
     """Whether the cursor moves past this frame: every rank returned (none died or is stuck) and no rank raised
     an error the rank layer stops its later steps for (``halted``: anything but an error inside torch.distributed,
     such as a released deadlock or a collective timeout, or a check's ``WorkbenchError``)."""
-    return not frame.kinds & {"died", "timeout"} and not getattr(frame, "halted", set())
+    return not frame.kinds & {"timeout", *LOST} and not getattr(frame, "halted", set())
 
 
 def _released_failed(values: dict[int, dict[str, Any]], watch: Release) -> dict[int, dict[str, Any]]:

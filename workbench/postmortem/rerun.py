@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis.diagnosis import parted, short
-from workbench.errors import BundleError
+from workbench.errors import LOST, BundleError
 from workbench.postmortem import closeness
 from workbench.postmortem.record import RunRecord, versions
 
@@ -181,7 +181,7 @@ def failure_keys(rec: RunRecord, exact: bool = False) -> set[tuple[str, int, str
     e = rec.events
     if e is None or e.empty:
         return set()
-    return {(str(r.step), int(r.rank), str(r.kind) if exact or r.kind == "died" else "failed")
+    return {(str(r.step), int(r.rank), str(r.kind) if exact or r.kind in LOST else "failed")
             for r in e.itertuples(index=False)}
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 
 from workbench.analysis import diagnosis as diag
 from workbench.analysis import findings, floor
-from workbench.errors import WorkbenchError
+from workbench.errors import LOST, WorkbenchError
 from workbench.teach.exercises import FIXED, NOT_FIXED, SLOT_STEP, SYMPTOM_ONLY, Exercise, get, warm
 
 
@@ -85,7 +85,7 @@ def _routing_right(s: Any) -> bool:
 
 
 def _no_hang(s: Any) -> bool:
-    return not any(f.hang is not None or {"timeout", "died"} & f.kinds for f in s.frames) \
+    return not any(f.hang is not None or {"timeout", *LOST} & f.kinds for f in s.frames) \
         and len(_last_outputs(s, "loss")) == _ranks(s)
 
 
