@@ -354,10 +354,15 @@ def test_a_tie_that_breaks_at_materialisation_is_named_as_the_cause(healthy):
     assert ("`head.weight` and `embed.weight` were one tensor (tied) until step `materialize_tied` and are two "
             "after it") in d.sentence, d.sentence
     assert "`tie_weights()` after `to_empty`" in d.sentence, d.sentence
+    found = s.findings()
+    broke = found[found["detector"] == "tie broken"]
+    assert list(broke["step"]) == ["materialize_tied"] and "`model.embed.weight` and `model.head.weight` were one " \
+        "tensor (tied) before step `materialize_tied`" in broke["finding"].iloc[0], broke
     view = wb.viz.ties_view(s.history).data[0]  # the tie, step by step: held on meta, broken from to_empty on
     assert list(view.y) == ["`embed.weight` = `head.weight`"] and list(view.text[0]) == [
         "one tensor", "two tensors", "two tensors", "two tensors"], view.text
     fixed = s.compare("retie").fixed
     assert fixed.diagnose().clean, fixed.diagnose().sentence
+    assert not (fixed.findings()["detector"] == "tie broken").any()
     ties = fixed.frames[-1].tensors.set_index(["rank", "name"])["shares"]
     assert ties[(1, "model.embed.weight")] == "model.head.weight"  # the tie holds to the end

@@ -757,15 +757,7 @@ def _real_before(run: _Run, step: str, names: list[str], ranks: list[int]) -> st
     return f"{dt(first['dtype'])} on {first.get('device', '?')}{values}"
 
 
-def ties(t: pd.DataFrame) -> set[frozenset[str]]:
-    """The pairs of names one tensor is held under in a step's rows (the probe's ``shares``), any rank."""
-    if t.empty or "shares" not in t:
-        return set()
-    out: set[frozenset[str]] = set()
-    for name, shared in zip(t["name"], t["shares"]):
-        if isinstance(shared, str) and shared:
-            out |= {frozenset((name, other)) for other in shared.split(",") if other and other != name}
-    return out
+ties = findings.ties  # the pairs of names one tensor is held under in a step's rows
 
 
 def broken_tie(run: _Run, step: str, names: list[str]) -> tuple[str, str] | None:

@@ -295,7 +295,8 @@ def findings(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd
 
 def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame,
                      **extra: pd.DataFrame) -> pd.DataFrame:
-    """Findings of every step of a run, from its stacked tables (``step`` column)."""
+    """Findings of every step of a run, from its stacked tables (``step`` column); then ties that broke
+    between one step and the next (``broken_ties``)."""
     parts = []
     steps = list(dict.fromkeys(tensors["step"])) if "step" in tensors else []
     for step in dict.fromkeys(steps + (list(events["step"]) if "step" in events else [])):
@@ -303,7 +304,43 @@ def history_findings(tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.Da
             return (df[df["step"] == s].drop(columns=["step", "step_index"]) if "step" in df else df)
         more = {k: pick(v) for k, v in extra.items() if v is not None}
         parts.append(findings(step, pick(tensors), pick(outputs), pick(events), **more))
+    broke = broken_ties(tensors)
+    if len(broke):
+        parts.append(broke)
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=FINDING_COLUMNS)
+
+
+def ties(t: pd.DataFrame) -> set[frozenset[str]]:
+    """The pairs of names one tensor is held under in a step's rows (the probe's ``shares``), any rank."""
+    if t.empty or "shares" not in t:
+        return set()
+    out: set[frozenset[str]] = set()
+    for name, shared in zip(t["name"], t["shares"]):
+        if isinstance(shared, str) and shared:
+            out |= {frozenset((name, other)) for other in shared.split(",") if other and other != name}
+    return out
+
+
+def broken_ties(tensors: pd.DataFrame) -> pd.DataFrame:
+    """A tie that held in one step and not in the next, while both names are still probed: ``head.weight`` and
+    ``embed.weight`` one tensor until ``to_empty`` re-created each module's parameter. Whatever is then written
+    into one never reaches the other (a tied checkpoint, an optimizer step)."""
+    if tensors.empty or "shares" not in tensors or "step" not in tensors:
+        return pd.DataFrame(columns=FINDING_COLUMNS)
+    rows, before = [], set()
+    for step in dict.fromkeys(tensors["step"]):
+        t = tensors[tensors["step"] == step]
+        now, held = ties(t), set(t["name"])
+        for pair in sorted(before - now, key=sorted):
+            if pair <= held:
+                a, b = sorted(pair)
+                rows.append({"step": step, "severity": "warning", "rank": None, "name": a, "detector": "tie broken",
+                             "finding": f"`{a}` and `{b}` were one tensor (tied) before step `{step}` and are two "
+                                        "after it: what is written into one no longer reaches the other"})
+        before = now
+    out = pd.DataFrame(rows, columns=FINDING_COLUMNS)
+    out["rank"] = out["rank"].astype("Int64")
+    return out
 
 
 def deduplicated(found: pd.DataFrame, steps: list[str] | None = None) -> pd.DataFrame:

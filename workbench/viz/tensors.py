@@ -258,7 +258,7 @@ def ties_view(history: pd.DataFrame, rank: int | None = None, title: str = "Whic
     module's parameter: a head tied to the embedding comes out as a tensor of its own). ``history``: the
     session's tensor rows over steps (``s.history``, a bundle's ``rec.tensors``); ``rank``: whose rows (the
     lowest by default). Empty (with a title saying so) when no step held a tie."""
-    from workbench.analysis.diagnosis import ties
+    from workbench.analysis.findings import ties
 
     fig = go.Figure()
     if history is None or history.empty or "shares" not in history:
