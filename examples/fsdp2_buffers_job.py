@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -41,7 +42,8 @@ def main() -> None:
     cap = wj.capture(args.out)
     rank, device = dist.get_rank(), torch.device("cpu")
     config = qwen3_config()
-    ckpt = save_checkpoint(config, tempfile.mkdtemp(prefix=f"fsdp2-job-r{rank}-"), seed=0)
+    tmp = tempfile.mkdtemp(prefix=f"fsdp2-job-r{rank}-")  # this rank's tiny checkpoint; removed at the end
+    ckpt = save_checkpoint(config, tmp, seed=0)
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager").eval()
@@ -80,6 +82,7 @@ def main() -> None:
 
     cap.close()
     dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
