@@ -280,6 +280,9 @@ def test_an_argument_c10d_refuses_is_the_raising_ranks_cause():
     assert not cause.is_symptom(tb, msg, "ValueError")  # refused before anything went out: the cause
     assert cause.is_symptom(tb, "Connection closed by peer [127.0.0.1]:29572", "RuntimeError")
     assert cause.is_symptom(tb, "Group 'x' is not registered, please create group first", "ValueError")
+    assert not cause.is_symptom(tb, "ProcessGroupGloo::broadcast: invalid root rank: 3", "RuntimeError")
+    assert cause.is_symptom(tb, "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                                "8000ms for recv operation to complete", "RuntimeError")
     e = {"rank": 3, "error": "ValueError", "message": msg, "traceback": tb}
     assert cause.told([{**e, "rank": 0}, e], "exchange") == [
         "ranks 0,3 raised ValueError at w/my.py:18 exchange in step `exchange`: Global rank 1 is not part of group "

@@ -366,3 +366,24 @@ def test_a_tie_that_breaks_at_materialisation_is_named_as_the_cause(healthy):
     assert not (fixed.findings()["detector"] == "tie broken").any()
     ties = fixed.frames[-1].tensors.set_index(["rank", "name"])["shares"]
     assert ties[(1, "model.embed.weight")] == "model.head.weight"  # the tie holds to the end
+
+
+bad_root = wb.Scenario("a-root-out-of-range", probe=None)
+
+
+@bad_root.step
+def send_weights(ctx):
+    t = torch.ones(4)
+    if ctx.rank == 0:
+        dist.broadcast(t, group_src=3)  # the backend refuses it: the world has 2 ranks
+    else:
+        dist.broadcast(t, src=0)
+
+
+def test_an_argument_the_backend_refuses_leads_as_the_raising_ranks_cause(healthy):
+    s = healthy.session(bad_root)
+    s.run()
+    d = s.diagnose()
+    assert d.sentence.startswith("rank 0 raised RuntimeError at ") and "invalid root rank: 3; it left rank 1 " \
+        "waiting: " in d.sentence, d.sentence
+    assert "rank 1 hung in broadcast #1 (released by the workbench)" in d.sentence, d.sentence

@@ -49,6 +49,10 @@ _COLLECTIVE_ERROR = re.compile(
 # What c10d's Python wrappers raise when they refuse an argument (``src`` outside the group, a wrong tensor list):
 # raised before anything went out, so the rank's own cause even though it is raised inside torch.distributed.
 REFUSED = ("ValueError", "TypeError", "AssertionError", "KeyError", "IndexError", "AttributeError")
+# ... and what the backend says when it refuses one at the call, before anything is sent:
+# "ProcessGroupGloo::broadcast: invalid root rank: 3", "ProcessGroupGloo::scatter: Incorrect input list size 2"
+_REFUSED_WORDS = re.compile(r"^ProcessGroup\w*::\w+: (invalid|incorrect|unsupported|expected|requires|must|only)",
+                            re.I)
 
 
 def is_symptom(tb: str, message: str = "", error: str = "") -> bool:
@@ -60,7 +64,7 @@ def is_symptom(tb: str, message: str = "", error: str = "") -> bool:
     inner = fs[-1][0].replace("\\", "/") if fs else ""
     if _COLLECTIVE_ERROR.search((message or "").split("\n", 1)[0]):  # a backend's own words
         return True
-    if error in REFUSED:
+    if error in REFUSED or _REFUSED_WORDS.search(message or ""):
         return False
     return "/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
 
