@@ -114,6 +114,9 @@ class NoCapture:
     def trace(self, model: Any, run: str = "model") -> Iterator[None]:
         yield
 
+    def breakpoint(self, deadline: float = 600.0, controller: Any = None, **objects: Any) -> dict[str, Any]:
+        return {"by": "off", "seconds": 0.0}
+
     def close(self) -> None:
         return None
 
@@ -230,6 +233,7 @@ class Capture:
         atexit.register(self.close)
         self._closed = False
         self._latest: dict[str, Any] | None = None
+        self.objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
         _CURRENT[:] = [self]
         _register_handler()
         self._write_manifest()
@@ -282,6 +286,7 @@ class Capture:
             if isinstance(value, torch.Tensor):
                 self.ctx.output(key, value)
                 del objects[key]
+        self.objects = dict(objects)
         with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
             held: dict[str, list] = {}
             rows = probe.probe_objects(objects, self.rank, held)
@@ -307,6 +312,18 @@ class Capture:
         self._write_manifest()
         return {"point": name, "rows": len(rows) + len(outputs), "bytes": len(line),
                 "seconds": time.perf_counter() - t0}
+
+    def breakpoint(self, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+                   **objects: Any) -> dict[str, Any]:
+        """Every rank (at the same point) serves as an ipyparallel engine until ``cluster.resume()`` from a
+        client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
+        whatever the notebook changed. The engines see ``objects``, the last point's objects and ``cap``
+        (``workbench/job/attach.py`` says how it returns)."""
+        from workbench.job import attach
+
+        if self._closed:
+            raise RuntimeError("this capture is closed")
+        return attach.breakpoint(self, deadline=deadline, controller=controller, **objects)
 
     # -- the shard's own state --------------------------------------------------------------
     def _where(self) -> None:

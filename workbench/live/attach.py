@@ -18,6 +18,8 @@ with how to bring it back.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import time
@@ -279,10 +281,122 @@ class AttachedCluster(Cluster):
         return super().__repr__()[:-1] + f" attached to {self.where}, {hosts} host(s)>"
 
 
+class JobCluster(AttachedCluster):
+    """The ranks of the user's own job at ``cap.breakpoint()`` (``workbench/job/attach.py``): the engines run
+    inside the job's processes, so the job's own process group and rank order are used as they are (no group
+    is formed or re-formed here); ``resume()`` hands the ranks back to the script."""
+
+    def __init__(self, job: str | os.PathLike, *, timeout: float = 60.0, wait: float = WAIT_S):
+        from workbench.job.attach import ATTACH
+
+        self.job_dir = os.fspath(job)
+        path = os.path.join(self.job_dir, ATTACH)
+        try:
+            with open(path) as f:
+                self.attach_doc = json.load(f)
+        except (OSError, ValueError):
+            raise ClusterError(f"no breakpoint to attach to in {self.job_dir} (no readable {ATTACH}): is the job "
+                               "at cap.breakpoint()?") from None
+        if self.attach_doc.get("status") != "waiting":
+            raise ClusterError(f"the job in {self.job_dir} is not at a breakpoint now (its {ATTACH} says "
+                               f"{self.attach_doc.get('status')!r}, by {self.attach_doc.get('by')!r})")
+        super().__init__(ranks=int(self.attach_doc["world_size"]), timeout=timeout,
+                         url_file=self.attach_doc["client_file"], wait=wait)
+        self.resumed: dict[str, Any] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"the job at {self.job_dir}"
+
+    def _take_ranks(self) -> None:
+        from workbench.job.attach import whoami
+
+        ids = sorted(self._client.ids)
+        self._client[ids].use_cloudpickle()
+        try:
+            infos = dict(zip(ids, self._client[ids].apply_async(whoami).get(timeout=self.deadline)))
+        except Exception as exc:
+            raise ClusterError(f"the engines of {self.where} did not answer: {exc}") from None
+        by_rank = {i["rank"]: e for e, i in infos.items()}
+        world = next(iter(infos.values()))["world_size"]
+        if sorted(by_rank) != list(range(world)):
+            raise ClusterError(f"{self.where}: engines of ranks {sorted(by_rank)} registered, expected 0..{world - 1}")
+        self.world_size = world
+        self._ids = [by_rank[r] for r in range(world)]
+        self.info = {r: infos[e] for r, e in enumerate(self._ids)}
+        self.local_index = {r: i["local_rank"] for r, i in self.info.items()}
+        self.pids = {r: i["pid"] for r, i in self.info.items()}
+        self.hosts = {r: i["host"] for r, i in self.info.items()}
+        self.backend = self.info[0]["backend"] or "gloo"
+        self.names = self.info[0]["names"]
+
+    def form_group(self) -> None:
+        """The job's own group serves as it is: nothing to form."""
+        self.dirty = False
+        self.generation += 1
+        self.group_s = 0.0
+
+    def session(self, scenario: Any, fix: str | None = None, poison: bool = True, **params: Any) -> Any:
+        raise ClusterError("a job at a breakpoint runs its own script, not a scenario: use cluster.run(fn), "
+                           "cluster.probe(...) and %%px cells, then cluster.resume()")
+
+    def restart(self) -> AttachedCluster:
+        raise ClusterError("the workbench cannot restart the ranks of your own job; cluster.resume() hands them "
+                           "back to the script")
+
+    def recover(self, wait: float | None = None) -> dict[str, Any]:
+        raise ClusterError("the workbench cannot re-form your job's process group; wait for the stuck call to "
+                           "return, or cluster.resume() once it has")
+
+    def shutdown(self) -> None:
+        """Never ends the job's processes: resumes them."""
+        self.resume()
+
+    def resume(self, wait: float = 60.0) -> dict[str, Any]:
+        """Hand every rank back to the script (``cap.breakpoint()`` returns there) and detach; waits until the
+        job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that)."""
+        from workbench.job.attach import ATTACH
+        from workbench.job.attach import resume as resume_rank
+
+        if self._client is None:
+            raise ClusterError(f"not attached to {self.where}")
+        t0 = time.perf_counter()
+        try:
+            self._client[self._ids].apply_async(resume_rank).get(timeout=self.deadline)
+        except Exception as exc:
+            raise ClusterError(f"the ranks of {self.where} did not take the resume: {exc}") from None
+        path = os.path.join(self.job_dir, ATTACH)
+        end = time.monotonic() + wait
+        doc: dict[str, Any] = {}
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, ValueError):
+                with open(path) as f:
+                    doc = json.load(f)
+                if doc.get("status") != "waiting":
+                    break
+            time.sleep(0.05)
+        self.stop()
+        if doc.get("status") != "resumed":
+            raise ClusterError(f"the ranks of {self.where} took the resume but the job did not say it went on "
+                               f"within {wait:g}s (its {ATTACH}: {doc.get('status')!r})")
+        self.resumed = {**doc, "resume_s": time.perf_counter() - t0}
+        return self.resumed
+
+    def __repr__(self) -> str:
+        state = "resumed" if self.resumed else "attached" if self._client is not None else "detached"
+        return (f"<JobCluster ranks={self.world_size} backend={self.backend} {state} to the job at {self.job_dir}, "
+                f"point {self.attach_doc.get('point')!r}, names {', '.join(getattr(self, 'names', []))}>")
+
+
 def connect(profile: str | None = None, cluster_id: str = "", *, ranks: int | None = None, backend: str = "auto",
             timeout: float = 60.0, client: Any = None, url_file: str | None = None,
-            master_addr: str | None = None, wait: float = WAIT_S) -> AttachedCluster:
+            master_addr: str | None = None, wait: float = WAIT_S, job: str | os.PathLike | None = None
+            ) -> AttachedCluster:
     """Attach to a running ipyparallel cluster (by profile and cluster id, a connection file, or an
-    ``ipp.Client``) and form the process group over its engines; ``ranks`` takes the first N in rank order."""
+    ``ipp.Client``) and form the process group over its engines; ``ranks`` takes the first N in rank order.
+    ``job=<capture dir>``: the ranks of your own job at ``cap.breakpoint()``, over the job's own group
+    (``JobCluster``; ``cluster.resume()`` hands them back)."""
+    if job is not None:
+        return JobCluster(job, timeout=timeout, wait=wait).start()
     return AttachedCluster(profile, cluster_id, ranks=ranks, backend=backend, timeout=timeout, client=client,
                            url_file=url_file, master_addr=master_addr, wait=wait).start()

@@ -1,0 +1,297 @@
+"""``cap.breakpoint()``: every rank of the user's own job serves as an ipyparallel engine, then goes on.
+
+At a breakpoint (every rank calls it at the same point of the script) rank 0 starts an
+``ipcontroller`` (loopback when the job runs on one host, else the job's own ``MASTER_ADDR``;
+or the user names one: ``controller=<ipcontroller-engine.json>``), the engine file goes to the
+other ranks through the job's own store, and every rank runs ipyparallel's own engine
+(``IPEngine``) on its main thread, with the job's process group as it is and a namespace
+holding the capture, the objects passed to the capture's last point and to the breakpoint.
+``<dir>/attach.json`` says where a client finds the controller (``wb.connect(job=dir)``).
+
+The way back: the engine's loop runs a coroutine of ours (register, then wait for a stop
+event), not ``IPEngine.start``'s loop that never ends; a client's ``resume`` sets the event
+(after the reply has left), the deadline sets it too, and ``breakpoint`` returns to the script.
+The engine's output redirection, display hook, ``__main__`` and singletons are undone; the
+engine installs no signal handlers here (the launcher's SIGTERM still ends the rank). Every
+rank then meets the others in a barrier of the job's group; rank 0 stops the controller and
+marks ``attach.json`` resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ATTACH = "attach.json"
+_STATE: dict[str, Any] = {}  # the breakpoint in progress in this process: namespace, stop event, loop
+
+
+def here() -> dict[str, Any]:
+    """The namespace of the breakpoint this rank is in (what ``%%px`` cells see): for ``cluster.run``."""
+    if "ns" not in _STATE:
+        raise RuntimeError("this process is not at a workbench breakpoint")
+    return _STATE["ns"]
+
+
+def whoami() -> dict[str, Any]:
+    """The engine's place in the job (the client orders engines by it)."""
+    import torch.distributed as dist
+
+    cap = _STATE.get("cap")
+    init = dist.is_available() and dist.is_initialized()
+    return {"rank": dist.get_rank() if init else getattr(cap, "rank", 0),
+            "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
+            "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", [])}
+
+
+def resume(delay: float = 0.2) -> bool:
+    """Called on the engine by ``cluster.resume()``: the breakpoint returns once this reply has left."""
+    loop, event = _STATE.get("loop"), _STATE.get("event")
+    if loop is None or event is None:
+        return False
+    _STATE["by"] = "client"
+    loop.call_later(delay, event.set)
+    return True
+
+
+def _controller_ip() -> str:
+    """Loopback when the whole job is on this host, else the job's own rendezvous address."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    if local >= world:
+        return "127.0.0.1"
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        return socket.gethostbyname(addr)
+    except OSError:
+        return addr
+
+
+def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> tuple[subprocess.Popen, Path, Path]:
+    pdir = folder / "ipython"
+    sec = pdir / "security"
+    for f in (sec / f"ipcontroller-{cluster_id}-engine.json", sec / f"ipcontroller-{cluster_id}-client.json"):
+        f.unlink(missing_ok=True)
+    pdir.mkdir(parents=True, exist_ok=True)
+    log = open(folder / "controller.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={pdir}",
+                             f"--cluster-id={cluster_id}", f"--ip={_controller_ip()}", "--ping=500",
+                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    engine_file = sec / f"ipcontroller-{cluster_id}-engine.json"
+    client_file = sec / f"ipcontroller-{cluster_id}-client.json"
+    end = time.monotonic() + timeout
+    while not (engine_file.exists() and client_file.exists()):
+        if proc.poll() is not None or time.monotonic() > end:
+            _stop_controller(proc)
+            raise RuntimeError(f"the breakpoint's ipcontroller did not start (see {folder / 'controller.log'})")
+        time.sleep(0.05)
+    time.sleep(0.05)  # the files are written whole before the controller answers; a moment more
+    return proc, engine_file, client_file
+
+
+def _stop_controller(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    # its schedulers are its children and go with it; a straggler is ended by its own parent-death check
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
+    """Rank 0's value to every rank through the job's own store (none without a process group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value or ""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(key, value or "")
+        return value or ""
+    store.wait([key], datetime.timedelta(seconds=timeout))
+    return store.get(key).decode()
+
+
+def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+               **objects: Any) -> dict[str, Any]:
+    """Serve this rank as an ipyparallel engine until a client resumes it or ``deadline`` seconds pass.
+
+    Call it on every rank at the same point. ``objects`` (and the capture's last point's objects, the
+    capture as ``cap``) are the engine's namespace: ``cluster.probe("model")``, ``%%px`` cells, and
+    ``workbench.job.attach.here()`` inside ``cluster.run`` functions. Returns how it ended:
+    ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
+    """
+    import torch.distributed as dist
+
+    rank = getattr(cap, "rank", 0)
+    world = getattr(cap, "world_size", 1)
+    root = Path(getattr(cap, "root", "."))
+    n = _STATE.get("count", 0)
+    _STATE["count"] = n + 1
+    t0 = time.time()
+    folder = root / "attach"
+    proc = None
+    info = ""
+    if rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if controller is not None:
+                engine_file = Path(controller).resolve()
+                client_file = Path(str(engine_file).replace("-engine.json", "-client.json"))
+            else:
+                proc, engine_file, client_file = _start_controller(folder, f"bp{n}")
+            info = json.dumps({"engine": engine_file.read_text(), "client_file": str(client_file.resolve())})
+        except Exception as exc:  # every rank hears of it and goes on
+            info = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+    got = json.loads(_share(f"workbench/breakpoint/{n}", info, rank, timeout=120 + deadline))
+    if "error" in got:
+        return {"by": "error", "error": got["error"], "seconds": time.time() - t0, "attach_s": None}
+    if rank == 0:
+        _write(root / ATTACH, {
+            "status": "waiting", "breakpoint": n, "job": getattr(cap, "job", None), "world_size": world,
+            "client_file": got["client_file"], "controller_pid": proc.pid if proc else None,
+            "point": (getattr(cap, "points", None) or [None])[-1], "names": sorted(_namespace(cap, objects)),
+            "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname()})
+    try:
+        result = _serve(cap, got["engine"], deadline, objects)
+    except BaseException:
+        if rank == 0:
+            _stop_controller(proc)
+        raise
+    with contextlib.suppress(Exception):
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    if rank == 0:
+        _stop_controller(proc)
+        with contextlib.suppress(Exception):
+            doc = json.loads((root / ATTACH).read_text())
+            doc.update(status="resumed", by=result["by"], resumed_at=time.time(), seconds=result["seconds"])
+            _write(root / ATTACH, doc)
+    result["total_s"] = time.time() - t0
+    return result
+
+
+def _namespace(cap: Any, objects: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    ns: dict[str, Any] = {"torch": torch, "dist": dist, "cap": cap, "rank": getattr(cap, "rank", 0),
+                          "world_size": getattr(cap, "world_size", 1)}
+    ns.update(getattr(cap, "objects", None) or {})
+    ns.update(objects)
+    return ns
+
+
+def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any]) -> dict[str, Any]:
+    """Run ipyparallel's engine on this thread until ``resume`` or the deadline; undo what it changed."""
+    import asyncio
+
+    from ipyparallel.engine.app import IPEngine
+
+    tmp = Path(tempfile.mkdtemp(prefix="wb-bp-"))
+    (tmp / "engine.json").write_text(engine_json)
+    (tmp / "profile").mkdir()
+    saved = {"stdout": sys.stdout, "stderr": sys.stderr, "displayhook": sys.displayhook,
+             "main": sys.modules.get("__main__"), "path": list(sys.path)}
+    ns = _namespace(cap, objects)
+    _STATE.update(ns=ns, cap=cap, by="deadline", names=sorted(ns))
+    from workbench.rank import context
+
+    fill_rank = not context._RANK  # what %%px cells' ``wbr.here()`` reads, where no live group set it
+    if fill_rank:
+        context._RANK.update(rank=getattr(cap, "rank", 0), world_size=getattr(cap, "world_size", 1),
+                             backend=ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
+                             device=getattr(getattr(cap, "ctx", None), "device", "cpu"), timeout_s=deadline)
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"by": "deadline", "attach_s": None}
+    engine = None
+    try:
+        engine = IPEngine.instance()
+        engine.user_ns = ns
+        engine.init_signal = lambda: None  # the launcher's SIGTERM keeps ending the rank
+        engine.initialize([f"--file={tmp / 'engine.json'}", "--IPEngine.enable_nanny=False",
+                           f"--profile-dir={tmp / 'profile'}", "--log-level=ERROR", "--IPEngine.timeout=60"])
+
+        async def main() -> None:
+            event = asyncio.Event()
+            _STATE.update(loop=asyncio.get_running_loop(), event=event)
+            await engine.register()
+            out["attach_s"] = time.perf_counter() - t0
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), max(0.0, deadline - (time.perf_counter() - t0)))
+            out["by"] = _STATE.get("by", "deadline") if event.is_set() else "deadline"
+
+        engine.loop.run_sync(main)
+    except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
+        out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
+    finally:
+        sys.stdout, sys.stderr, sys.displayhook = saved["stdout"], saved["stderr"], saved["displayhook"]
+        if saved["main"] is not None:
+            sys.modules["__main__"] = saved["main"]
+        sys.path[:] = saved["path"]
+        _teardown(engine)
+        if fill_rank:
+            context._RANK.clear()
+        for k in ("ns", "cap", "loop", "event", "by", "names"):
+            _STATE.pop(k, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _teardown(engine: Any) -> None:
+    """Close the engine's sockets and threads and forget its singletons, so a later breakpoint starts fresh."""
+    from ipykernel.kernelapp import IPKernelApp
+    from ipyparallel.engine.app import IPEngine
+    from ipyparallel.engine.kernel import IPythonParallelKernel
+
+    if engine is None:
+        return
+    with contextlib.suppress(Exception):
+        unreg = engine.session.send(engine.registrar, "unregistration_request", content={"id": engine.id})
+        del unreg
+    for name in ("_hb_reporter",):
+        with contextlib.suppress(Exception):
+            getattr(engine, name).stop()
+    kernel = getattr(engine, "kernel", None)
+    if kernel is not None:
+        with contextlib.suppress(Exception):
+            kernel.control_thread.stop()
+        with contextlib.suppress(Exception):
+            kernel.iopub_socket.stop()
+        with contextlib.suppress(Exception):
+            kernel.shell_stream.close()
+        with contextlib.suppress(Exception):
+            kernel.control_stream.close()
+    for attr in ("_hb_listener", "registrar", "shell_socket", "control_socket"):
+        with contextlib.suppress(Exception):
+            getattr(engine, attr).close(linger=0)
+    with contextlib.suppress(Exception):
+        from IPython.core.interactiveshell import InteractiveShell
+
+        InteractiveShell.clear_instance()
+    for cls in (IPythonParallelKernel, IPKernelApp, IPEngine):
+        with contextlib.suppress(Exception):
+            cls.clear_instance()
