@@ -50,6 +50,7 @@ def main() -> None:
         nn.init.constant_(p, 0.5)
     cap.point("built", model=model)
     how = cap.breakpoint(deadline=args.deadline)  # every rank; returns when a client resumes, or at the deadline
+    print(f"rank {rank}: back from the breakpoint ({how['by']}), scale {model.scale.item()}", flush=True)
     out = model(torch.ones(2, 4)).sum()
     dist.all_reduce(out)
     scales = [torch.zeros(()) for _ in range(dist.get_world_size())]

@@ -118,6 +118,9 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
         got = cluster.run(_all_reduce_rank)
         assert got == {0: 1.0, 1: 1.0}
         assert cluster.run(_double_scale) == {0: 2.0, 1: 2.0}
+        # a cell's print comes back to the client (and the job's own fds stay the job's: see the log below)
+        ar = cluster._client[cluster._ids].execute("print('scale', float(model.scale), rank)", block=True)
+        assert [s.strip() for s in ar.stdout] == ["scale 2.0 0", "scale 2.0 1"]
         with pytest.raises(ClusterError, match="runs its own script"):
             cluster.session(None)
         done = cluster.resume()
@@ -129,6 +132,7 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     res = job.result()
     assert res["by"] == "client" and res["scale"] == [2.0, 2.0]
     assert res["out"] == pytest.approx(2 * 2.0 * 2 * 4 * (4 * 0.5 + 0.5))  # 2 ranks, the buffer doubled
+    assert "rank 1: back from the breakpoint (client), scale 2.0" in job.log()
     print(f"attach {attach_s:.2f}s (engines registered {res['attach_s']:.2f}s into the breakpoint), "
           f"resume {done['resume_s']:.2f}s")
     with pytest.raises(ClusterError, match="not at a breakpoint now"):
@@ -150,7 +154,19 @@ def test_no_client_the_job_resumes_at_its_deadline(job_factory):
     assert job.wait(120) == 0, job.log()
     res = job.result()
     assert res["by"] == "deadline" and res["scale"] == [1.0, 1.0] and res["seconds"] >= 3
+    assert "rank 0: back from the breakpoint (deadline), scale 1.0" in job.log()
     doc = json.loads((job.out / "attach.json").read_text())
     assert doc["status"] == "resumed" and doc["by"] == "deadline"
     assert not psutil.pid_exists(doc["controller_pid"]) or \
         psutil.Process(doc["controller_pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_notebook_that_detaches_leaves_the_job_to_its_deadline(job_factory):
+    job = job_factory("--deadline", "15")
+    job.at_breakpoint()
+    cluster = wb.connect(job=job.out)
+    assert cluster.run(_double_scale) == {0: 2.0, 1: 2.0}
+    cluster.stop()  # the notebook goes away without resuming
+    assert job.wait(120) == 0, job.log()
+    res = job.result()
+    assert res["by"] == "deadline" and res["scale"] == [2.0, 2.0]

@@ -231,6 +231,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
         engine = IPEngine.instance()
         engine.user_ns = ns
         engine.init_signal = lambda: None  # the launcher's SIGTERM keeps ending the rank
+        engine.out_stream_factory = _out_stream()  # cells' prints go to the client; the job's own fds stay its own
         engine.initialize([f"--file={tmp / 'engine.json'}", "--IPEngine.enable_nanny=False",
                            f"--profile-dir={tmp / 'profile'}", "--log-level=ERROR", "--IPEngine.timeout=60"])
 
@@ -247,6 +248,11 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
     except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
         out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
     finally:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not saved["stdout"] and stream is not saved["stderr"]:
+                with contextlib.suppress(Exception):
+                    stream.flush()
+                    stream.close()
         sys.stdout, sys.stderr, sys.displayhook = saved["stdout"], saved["stderr"], saved["displayhook"]
         if saved["main"] is not None:
             sys.modules["__main__"] = saved["main"]
@@ -259,6 +265,20 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _out_stream() -> type:
+    """ipykernel's ``OutStream`` without its fd capture: that moves fd 1 and 2 onto a pipe for good (the
+    job's own output after the breakpoint vanished, measured), and would swallow the C-level logs of the
+    job's threads while it waits."""
+    from ipykernel.iostream import OutStream
+
+    class JobOutStream(OutStream):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["watchfd"] = False
+            super().__init__(*args, **kwargs)
+
+    return JobOutStream
 
 
 def _teardown(engine: Any) -> None:
