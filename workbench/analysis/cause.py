@@ -90,7 +90,7 @@ def message(e: dict[str, Any]) -> str:
 def told(errors: list[dict[str, Any]], step: str) -> list[str]:
     """One clause per distinct exception, its ranks together: ``ranks 0,3 raised ValueError at f.py:18 exchange in
     step `s`: Global rank 1 is not part of group <ProcessGroup>``."""
-    from workbench.analysis.diagnosis import _ranks  # the sentence's own way to name ranks (ranges on a mesh)
+    from workbench.analysis.rankgroups import ranks_words as _ranks  # ranges on a mesh, as the sentence names them
 
     alike: dict[tuple[str, str, str], list[int]] = {}
     for e in errors:

@@ -34,6 +34,7 @@ import pandas as pd
 from workbench.analysis import cause, collectives, findings, floor, weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.frames import fmt
+from workbench.analysis.rankgroups import ranks_words as _ranks
 from workbench.errors import LOST
 
 BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
@@ -104,18 +105,6 @@ def _names(names: list[str], among: list[str], n: int = 3) -> str:
     return out + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``rank 3``, ``ranks 0,1``, ``ranks 1-63`` (a run of three or more reads as a range: a sentence about
-    a 64-rank mesh must stay one line)."""
-    ranks = sorted({int(r) for r in ranks})
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
-        i = j + 1
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
 
 
 def _possessive(ranks: list[int]) -> str:

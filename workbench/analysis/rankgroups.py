@@ -37,6 +37,20 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
+def ranks_words(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0,1``, ``ranks 1-63`` (a run of three or more reads as a range: a sentence about
+    a 64-rank mesh must stay one line)."""
+    ranks = sorted({int(r) for r in ranks})
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
 def rank_label(ranks: Iterable[int], how: str = "identical") -> str:
     """``rank 3``; ``ranks 1-15 (15 identical)``; ``ranks 8-63 (56, same status)``; ``... (20, mixed)``."""
     rs = sorted({int(r) for r in ranks})

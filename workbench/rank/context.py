@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.rank import control, stacks
+from workbench.rank import control, stacks, state
 from workbench.rank.columns import KERNEL_KNOBS
 
 RESERVED = frozenset(
@@ -73,7 +73,7 @@ class RankContext:
         return {k: v for k, v in vars(self).items() if k not in RESERVED and not k.startswith("_")}
 
 
-_RANK: dict[str, Any] = {}
+_RANK: dict[str, Any] = state.RANK  # the same dict: low modules read it from rank.state
 _SESSIONS: dict[str, RankContext] = {}
 
 

@@ -256,7 +256,7 @@ def _sync_limit() -> float | None:
     env = os.environ.get("WORKBENCH_PROBE_SYNC_TIMEOUT")
     if env:
         return float(env)
-    from workbench.rank import context
+    from workbench.rank import state
 
-    t = context._RANK.get("timeout_s")
+    t = state.RANK.get("timeout_s")
     return float(t) if t else None
