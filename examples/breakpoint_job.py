@@ -8,7 +8,7 @@ A tiny model with a buffer (``scale``, 1.0) is built and recorded at a point; at
 every rank serves as an engine until a client resumes it (or ``--deadline`` seconds pass); then
 each rank computes ``model(x).sum()`` with the buffer as it now is, the ranks all-reduce it, and
 rank 0 writes ``<out>/result.json`` (the buffer each rank ended with, the reduced output, how the
-breakpoint ended).
+breakpoint ended). ``--again``: a second breakpoint right after the first.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", help="the capture directory")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds the breakpoint waits for a client")
+    ap.add_argument("--again", action="store_true", help="a second breakpoint after the first (attach twice)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -51,6 +52,7 @@ def main() -> None:
     cap.point("built", model=model)
     how = cap.breakpoint(deadline=args.deadline)  # every rank; returns when a client resumes, or at the deadline
     print(f"rank {rank}: back from the breakpoint ({how['by']}), scale {model.scale.item()}", flush=True)
+    again = cap.breakpoint(deadline=args.deadline, first=how["by"]) if args.again else None
     out = model(torch.ones(2, 4)).sum()
     dist.all_reduce(out)
     scales = [torch.zeros(()) for _ in range(dist.get_world_size())]
@@ -58,7 +60,8 @@ def main() -> None:
     if rank == 0:
         Path(args.out, "result.json").write_text(json.dumps({
             "scale": [s.item() for s in scales], "out": out.item(), "by": how["by"],
-            "seconds": how["seconds"], "attach_s": how.get("attach_s"), "pid": os.getpid()}))
+            "seconds": how["seconds"], "attach_s": how.get("attach_s"), "pid": os.getpid(),
+            "again": again and again["by"]}))
     cap.close()
     dist.destroy_process_group()
 

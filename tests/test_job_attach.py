@@ -46,13 +46,15 @@ class Job:
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]
 
-    def at_breakpoint(self, timeout: float = 120) -> dict:
+    def at_breakpoint(self, timeout: float = 120, when=lambda doc: True) -> dict:
         end = time.monotonic() + timeout
         path = self.out / "attach.json"
         while time.monotonic() < end:
             assert self.proc.poll() is None, self.log()
             if path.exists():
-                return json.loads(path.read_text())
+                doc = json.loads(path.read_text())
+                if when(doc):
+                    return doc
             time.sleep(0.1)
         raise AssertionError(f"no attach.json after {timeout}s\n{self.log()}")
 
@@ -101,7 +103,7 @@ def _double_scale() -> float:
 
 
 def test_attach_probe_change_a_buffer_resume(job_factory):
-    job = job_factory("--deadline", "120")
+    job = job_factory("--deadline", "120", "--again")
     doc = job.at_breakpoint()
     assert doc["status"] == "waiting" and doc["world_size"] == 2 and doc["point"] == "built"
     assert "model" in doc["names"]
@@ -128,15 +130,30 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
         if cluster.alive:
             cluster.stop()
     assert done["status"] == "resumed" and done["by"] == "client"
+    # the second breakpoint of the same processes: a fresh controller, the change still there
+    job.at_breakpoint(when=lambda d: d["breakpoint"] == 1 and d["status"] == "waiting")
+    again = wb.connect(job=job.out)
+    try:
+        assert again.run(_scale_and_first) == {0: [2.0, "client"], 1: [2.0, "client"]}
+        assert again.resume()["by"] == "client"
+    finally:
+        if again.alive:
+            again.stop()
     assert job.wait(120) == 0, job.log()
     res = job.result()
-    assert res["by"] == "client" and res["scale"] == [2.0, 2.0]
+    assert res["by"] == "client" and res["again"] == "client" and res["scale"] == [2.0, 2.0]
     assert res["out"] == pytest.approx(2 * 2.0 * 2 * 4 * (4 * 0.5 + 0.5))  # 2 ranks, the buffer doubled
     assert "rank 1: back from the breakpoint (client), scale 2.0" in job.log()
     print(f"attach {attach_s:.2f}s (engines registered {res['attach_s']:.2f}s into the breakpoint), "
           f"resume {done['resume_s']:.2f}s")
     with pytest.raises(ClusterError, match="not at a breakpoint now"):
         wb.connect(job=job.out)
+
+
+def _scale_and_first() -> list:
+    from workbench.job.attach import here
+
+    return [float(here()["model"].scale), here()["first"]]
 
 
 def _all_reduce_rank() -> float:
@@ -170,3 +187,12 @@ def test_a_notebook_that_detaches_leaves_the_job_to_its_deadline(job_factory):
     assert job.wait(120) == 0, job.log()
     res = job.result()
     assert res["by"] == "deadline" and res["scale"] == [2.0, 2.0]
+
+
+def test_a_killed_job_leaves_no_controller(job_factory):
+    job = job_factory("--deadline", "120")
+    doc = job.at_breakpoint()
+    controller = psutil.Process(doc["controller_pid"])
+    os.kill(doc["pid"], signal.SIGKILL)  # rank 0, the controller's parent, dies at the breakpoint
+    controller.wait(timeout=30)  # it goes with its parent (PR_SET_PDEATHSIG), not with the test's cleanup
+    assert job.wait(120) != 0

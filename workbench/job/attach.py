@@ -86,7 +86,8 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
     log = open(folder / "controller.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={pdir}",
                              f"--cluster-id={cluster_id}", f"--ip={_controller_ip()}", "--ping=500",
-                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     log.close()
     engine_file = sec / f"ipcontroller-{cluster_id}-engine.json"
     client_file = sec / f"ipcontroller-{cluster_id}-client.json"
@@ -98,6 +99,15 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
         time.sleep(0.05)
     time.sleep(0.05)  # the files are written whole before the controller answers; a moment more
     return proc, engine_file, client_file
+
+
+def _die_with_parent() -> None:
+    """In the controller's child, before exec: SIGTERM when rank 0 dies (a killed job leaves no controller)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 def _stop_controller(proc: subprocess.Popen | None) -> None:
@@ -173,7 +183,8 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
             "status": "waiting", "breakpoint": n, "job": getattr(cap, "job", None), "world_size": world,
             "client_file": got["client_file"], "controller_pid": proc.pid if proc else None,
             "point": (getattr(cap, "points", None) or [None])[-1], "names": sorted(_namespace(cap, objects)),
-            "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname()})
+            "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname(), "pid": os.getpid(),
+            "ready_s": time.time() - t0})
     try:
         result = _serve(cap, got["engine"], deadline, objects)
     except BaseException:
