@@ -15,6 +15,10 @@ functions only (no cost per op; ``torch.compile`` compiles); where the job runs 
 ``ask(url)`` / ``fetch(urls, dir)`` (and ``workbench report URL,URL``) read a running rank's shard
 through it. ``load(dir)`` is ``wb.load``; ``merge(dir, out)`` writes one ``.wbundle``.
 
+``cap.breakpoint(deadline=...)`` (every rank) serves the ranks as ipyparallel engines for a notebook
+(``wb.connect(job=dir)``) until its ``cluster.resume()`` or the deadline, then returns to the script
+(``attach.py``); ``here()`` is the namespace the engines see, for functions ``cluster.run`` sends.
+
 Layer: above ``postmortem`` (whose shard format it writes) and below ``live``, which it never
 imports; what runs in the job is rank-side code (``rank/``), and importing this package pulls
 neither pandas nor ipyparallel.
@@ -24,9 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.job.attach import here
 from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture, fetch
 
-__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "load", "merge"]
+__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "here", "load", "merge"]
 
 
 def load(path: Any) -> Any:
