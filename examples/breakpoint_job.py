@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ def main() -> None:
     for p in model.parameters():
         nn.init.constant_(p, 0.5)
     cap.point("built", model=model)
+    threads = sorted(t.name for t in threading.enumerate())
     how = cap.breakpoint(deadline=args.deadline)  # every rank; returns when a client resumes, or at the deadline
     print(f"rank {rank}: back from the breakpoint ({how['by']}), scale {model.scale.item()}", flush=True)
     again = cap.breakpoint(deadline=args.deadline, first=how["by"]) if args.again else None
@@ -61,7 +63,8 @@ def main() -> None:
         Path(args.out, "result.json").write_text(json.dumps({
             "scale": [s.item() for s in scales], "out": out.item(), "by": how["by"],
             "seconds": how["seconds"], "attach_s": how.get("attach_s"), "pid": os.getpid(),
-            "again": again and again["by"]}))
+            "again": again and again["by"],
+            "threads_left": sorted(set(t.name for t in threading.enumerate()) - set(threads))}))
     cap.close()
     dist.destroy_process_group()
 

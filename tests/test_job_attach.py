@@ -142,6 +142,7 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     assert job.wait(120) == 0, job.log()
     res = job.result()
     assert res["by"] == "client" and res["again"] == "client" and res["scale"] == [2.0, 2.0]
+    assert res["threads_left"] == []  # no engine thread (heartbeat, control, iopub) outlives its breakpoint
     assert res["out"] == pytest.approx(2 * 2.0 * 2 * 4 * (4 * 0.5 + 0.5))  # 2 ranks, the buffer doubled
     assert "rank 1: back from the breakpoint (client), scale 2.0" in job.log()
     print(f"attach {attach_s:.2f}s (engines registered {res['attach_s']:.2f}s into the breakpoint), "

@@ -235,9 +235,12 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
         context._RANK.update(rank=getattr(cap, "rank", 0), world_size=getattr(cap, "world_size", 1),
                              backend=ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
                              device=getattr(getattr(cap, "ctx", None), "device", "cpu"), timeout_s=deadline)
+    import threading
+
     t0 = time.perf_counter()
     out: dict[str, Any] = {"by": "deadline", "attach_s": None}
     engine = None
+    threads_before = set(threading.enumerate())
     try:
         engine = IPEngine.instance()
         engine.user_ns = ns
@@ -269,6 +272,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
             sys.modules["__main__"] = saved["main"]
         sys.path[:] = saved["path"]
         _teardown(engine)
+        _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
             context._RANK.clear()
         for k in ("ns", "cap", "loop", "event", "by", "names"):
@@ -290,6 +294,23 @@ def _out_stream() -> type:
             super().__init__(*args, **kwargs)
 
     return JobOutStream
+
+
+def _end_heart(threads: set) -> None:
+    """The engine's heartbeat runs as a zmq device thread on a context of its own, held nowhere: ending that
+    context ends the thread (it closes its sockets on ETERM); else each breakpoint left one thread behind."""
+    import threading
+
+    from zmq.devices import Device
+
+    for t in threads:
+        dev = getattr(getattr(t, "_target", None), "__self__", None)
+        ctx = getattr(dev, "_context", None)
+        if isinstance(dev, Device) and ctx is not None:
+            ender = threading.Thread(target=ctx.term, daemon=True, name="wb-end-heart")
+            ender.start()
+            ender.join(2.0)
+            t.join(2.0)
 
 
 def _teardown(engine: Any) -> None:
