@@ -145,8 +145,14 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     assert res["threads_left"] == []  # no engine thread (heartbeat, control, iopub) outlives its breakpoint
     assert res["out"] == pytest.approx(2 * 2.0 * 2 * 4 * (4 * 0.5 + 0.5))  # 2 ranks, the buffer doubled
     assert "rank 1: back from the breakpoint (client), scale 2.0" in job.log()
-    print(f"attach {attach_s:.2f}s (engines registered {res['attach_s']:.2f}s into the breakpoint), "
-          f"resume {done['resume_s']:.2f}s")
+    print(f"controller up {doc['ready_s']:.2f}s into the breakpoint, engines registered {res['attach_s']:.2f}s "
+          f"into it, wb.connect {attach_s:.2f}s, resume {done['resume_s']:.2f}s")
+    # the capture directory still opens as the job's shards (attach.json and the controller's files beside them)
+    b = wb.load(job.out)
+    assert b.problems == [] and b.bug.steps[0] == "built"  # then "after built": the calls since, the notebook's too
+    frames = list(b.bug.ledger["user_frame"])
+    assert any("test_job_attach.py" in f for f in frames)  # the notebook's all_reduce, on the job's own group
+    assert not any("workbench/job" in f for f in frames)  # the breakpoint itself issues no collective
     with pytest.raises(ClusterError, match="not at a breakpoint now"):
         wb.connect(job=job.out)
 

@@ -12,9 +12,9 @@ The way back: the engine's loop runs a coroutine of ours (register, then wait fo
 event), not ``IPEngine.start``'s loop that never ends; a client's ``resume`` sets the event
 (after the reply has left), the deadline sets it too, and ``breakpoint`` returns to the script.
 The engine's output redirection, display hook, ``__main__`` and singletons are undone; the
-engine installs no signal handlers here (the launcher's SIGTERM still ends the rank). Every
-rank then meets the others in a barrier of the job's group; rank 0 stops the controller and
-marks ``attach.json`` resumed.
+engine installs no signal handlers here (the launcher's SIGTERM still ends the rank) and leaves
+the job's file descriptors alone. Rank 0 waits (through the job's store, no collective) until
+every rank's engine has stopped, stops the controller and marks ``attach.json`` resumed.
 """
 
 from __future__ import annotations
@@ -144,6 +144,23 @@ def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
     return store.get(key).decode()
 
 
+def _all_done(n: int, rank: int, timeout: float) -> None:
+    """Rank 0 waits, through the job's store (no collective: the job's group and ledger see nothing), until
+    every rank's engine has stopped serving, before it stops the controller the others still talk to."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"workbench/breakpoint/{n}/done/{rank}", "1")
+        if rank == 0:
+            store.wait([f"workbench/breakpoint/{n}/done/{r}" for r in range(dist.get_world_size())],
+                       datetime.timedelta(seconds=timeout))
+
+
 def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
                **objects: Any) -> dict[str, Any]:
     """Serve this rank as an ipyparallel engine until a client resumes it or ``deadline`` seconds pass.
@@ -153,8 +170,6 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
     ``workbench.job.attach.here()`` inside ``cluster.run`` functions. Returns how it ended:
     ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
     """
-    import torch.distributed as dist
-
     rank = getattr(cap, "rank", 0)
     world = getattr(cap, "world_size", 1)
     root = Path(getattr(cap, "root", "."))
@@ -191,9 +206,7 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
         if rank == 0:
             _stop_controller(proc)
         raise
-    with contextlib.suppress(Exception):
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+    _all_done(n, rank, timeout=60.0)
     if rank == 0:
         _stop_controller(proc)
         with contextlib.suppress(Exception):
@@ -261,6 +274,8 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
         engine.loop.run_sync(main)
     except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
         out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
+    except RuntimeError as exc:  # the engine stopped its loop itself (its controller's heartbeats stopped)
+        out.update(by="error", error=f"the engine stopped: {exc}")
     finally:
         for stream in (sys.stdout, sys.stderr):
             if stream is not saved["stdout"] and stream is not saved["stderr"]:
