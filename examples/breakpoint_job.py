@@ -40,6 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", help="the capture directory")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds the breakpoint waits for a client")
+    ap.add_argument("--controller", help="a running ipcontroller's engine file to register with (default: rank 0 "
+                    "starts one)")
     ap.add_argument("--again", action="store_true", help="a second breakpoint after the first (attach twice)")
     args = ap.parse_args()
 
@@ -52,7 +54,8 @@ def main() -> None:
         nn.init.constant_(p, 0.5)
     cap.point("built", model=model)
     threads = sorted(t.name for t in threading.enumerate())
-    how = cap.breakpoint(deadline=args.deadline)  # every rank; returns when a client resumes, or at the deadline
+    # every rank; returns when a client resumes, or at the deadline
+    how = cap.breakpoint(deadline=args.deadline, controller=args.controller)
     print(f"rank {rank}: back from the breakpoint ({how['by']}), scale {model.scale.item()}", flush=True)
     again = cap.breakpoint(deadline=args.deadline, first=how["by"]) if args.again else None
     out = model(torch.ones(2, 4)).sum()

@@ -203,3 +203,34 @@ def test_a_killed_job_leaves_no_controller(job_factory):
     os.kill(doc["pid"], signal.SIGKILL)  # rank 0, the controller's parent, dies at the breakpoint
     controller.wait(timeout=30)  # it goes with its parent (PR_SET_PDEATHSIG), not with the test's cleanup
     assert job.wait(120) != 0
+
+
+def test_a_controller_the_user_named(job_factory, tmp_path):
+    """``controller=<ipcontroller-engine.json>``: the ranks register there; resuming leaves it running."""
+    pdir = tmp_path / "ctl"
+    ctl = subprocess.Popen([sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={pdir}", "--ip=127.0.0.1",
+                            "--cluster-id=mine", "--log-level=WARN"], env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        engine_file = pdir / "security" / "ipcontroller-mine-engine.json"
+        end = time.monotonic() + 60
+        while not (engine_file.exists() and (pdir / "security" / "ipcontroller-mine-client.json").exists()):
+            assert ctl.poll() is None and time.monotonic() < end
+            time.sleep(0.1)
+        time.sleep(0.2)
+        job = job_factory("--deadline", "120", "--controller", str(engine_file))
+        doc = job.at_breakpoint()
+        assert doc["controller_pid"] is None and doc["client_file"].endswith("ipcontroller-mine-client.json")
+        cluster = wb.connect(job=job.out)
+        try:
+            assert cluster.run(_double_scale) == {0: 2.0, 1: 2.0}
+            cluster.resume()
+        finally:
+            if cluster.alive:
+                cluster.stop()
+        assert job.wait(120) == 0, job.log()
+        assert job.result()["scale"] == [2.0, 2.0]
+        assert ctl.poll() is None  # the user's controller is the user's to stop
+    finally:
+        os.killpg(ctl.pid, signal.SIGKILL)
+        ctl.wait(timeout=30)

@@ -51,7 +51,8 @@ def whoami() -> dict[str, Any]:
     return {"rank": dist.get_rank() if init else getattr(cap, "rank", 0),
             "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", [])}
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", []),
+            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("count", 0) - 1 if cap is not None else None}
 
 
 def resume(delay: float = 0.2) -> bool:

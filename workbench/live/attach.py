@@ -281,12 +281,17 @@ class AttachedCluster(Cluster):
         return super().__repr__()[:-1] + f" attached to {self.where}, {hosts} host(s)>"
 
 
+# A hub registers an engine once it has seen its heartbeat: a controller the user started with the default
+# 3 s ping took ~10 s for the job's engines (measured), where rank 0's own (``--ping=500``) takes ~0.2 s.
+JOB_WAIT_S = 30.0
+
+
 class JobCluster(AttachedCluster):
     """The ranks of the user's own job at ``cap.breakpoint()`` (``workbench/job/attach.py``): the engines run
     inside the job's processes, so the job's own process group and rank order are used as they are (no group
     is formed or re-formed here); ``resume()`` hands the ranks back to the script."""
 
-    def __init__(self, job: str | os.PathLike, *, timeout: float = 60.0, wait: float = WAIT_S):
+    def __init__(self, job: str | os.PathLike, *, timeout: float = 60.0, wait: float = JOB_WAIT_S):
         from workbench.job.attach import ATTACH
 
         self.job_dir = os.fspath(job)
@@ -313,10 +318,19 @@ class JobCluster(AttachedCluster):
 
         ids = sorted(self._client.ids)
         self._client[ids].use_cloudpickle()
-        try:
-            infos = dict(zip(ids, self._client[ids].apply_async(whoami).get(timeout=self.deadline)))
-        except Exception as exc:
-            raise ClusterError(f"the engines of {self.where} did not answer: {exc}") from None
+        asked = {e: self._client[e].apply_async(whoami) for e in ids}
+        end = time.monotonic() + self.deadline
+        while not all(ar.ready() for ar in asked.values()) and time.monotonic() < end:
+            time.sleep(0.02)
+        infos = {}
+        for e, ar in asked.items():  # a controller the user named may hold other engines: only this breakpoint's
+            with contextlib.suppress(Exception):
+                info = ar.get(timeout=0)
+                if (info.get("job"), info.get("breakpoint")) == (self.attach_doc.get("job"),
+                                                                  self.attach_doc.get("breakpoint")):
+                    infos[e] = info
+        if not infos:
+            raise ClusterError(f"no engine of {self.where} answered within {self.deadline:g}s")
         by_rank = {i["rank"]: e for e, i in infos.items()}
         world = next(iter(infos.values()))["world_size"]
         if sorted(by_rank) != list(range(world)):
@@ -397,6 +411,6 @@ def connect(profile: str | None = None, cluster_id: str = "", *, ranks: int | No
     ``job=<capture dir>``: the ranks of your own job at ``cap.breakpoint()``, over the job's own group
     (``JobCluster``; ``cluster.resume()`` hands them back)."""
     if job is not None:
-        return JobCluster(job, timeout=timeout, wait=wait).start()
+        return JobCluster(job, timeout=timeout, wait=max(wait, JOB_WAIT_S)).start()
     return AttachedCluster(profile, cluster_id, ranks=ranks, backend=backend, timeout=timeout, client=client,
                            url_file=url_file, master_addr=master_addr, wait=wait).start()
