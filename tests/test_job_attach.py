@@ -202,6 +202,8 @@ def test_a_killed_job_leaves_no_controller(job_factory):
     controller = psutil.Process(doc["controller_pid"])
     os.kill(doc["pid"], signal.SIGKILL)  # rank 0, the controller's parent, dies at the breakpoint
     controller.wait(timeout=30)  # it goes with its parent (PR_SET_PDEATHSIG), not with the test's cleanup
+    with pytest.raises(ClusterError, match="is gone"):
+        wb.connect(job=job.out)
     assert job.wait(120) != 0
 
 

@@ -305,6 +305,13 @@ class JobCluster(AttachedCluster):
         if self.attach_doc.get("status") != "waiting":
             raise ClusterError(f"the job in {self.job_dir} is not at a breakpoint now (its {ATTACH} says "
                                f"{self.attach_doc.get('status')!r}, by {self.attach_doc.get('by')!r})")
+        pid, host = self.attach_doc.get("pid"), self.attach_doc.get("host")
+        if pid and host == socket.gethostname() and not _alive(pid):
+            raise ClusterError(f"the job in {self.job_dir} is gone (its rank 0, pid {pid}, exited at the breakpoint)")
+        late = time.time() - float(self.attach_doc.get("deadline_at") or time.time())
+        if late > 5:
+            raise ClusterError(f"the breakpoint of the job in {self.job_dir} passed its deadline {late:.0f}s ago; "
+                               "the ranks went on (or the job died there)")
         super().__init__(ranks=int(self.attach_doc["world_size"]), timeout=timeout,
                          url_file=self.attach_doc["client_file"], wait=wait)
         self.resumed: dict[str, Any] | None = None
@@ -400,6 +407,15 @@ class JobCluster(AttachedCluster):
         state = "resumed" if self.resumed else "attached" if self._client is not None else "detached"
         return (f"<JobCluster ranks={self.world_size} backend={self.backend} {state} to the job at {self.job_dir}, "
                 f"point {self.attach_doc.get('point')!r}, names {', '.join(getattr(self, 'names', []))}>")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def connect(profile: str | None = None, cluster_id: str = "", *, ranks: int | None = None, backend: str = "auto",
