@@ -85,10 +85,9 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
         f.unlink(missing_ok=True)
     pdir.mkdir(parents=True, exist_ok=True)
     log = open(folder / "controller.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={pdir}",
+    proc = subprocess.Popen([sys.executable, "-c", _CONTROLLER, str(os.getpid()), f"--profile-dir={pdir}",
                              f"--cluster-id={cluster_id}", f"--ip={_controller_ip()}", "--ping=500",
-                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
     engine_file = sec / f"ipcontroller-{cluster_id}-engine.json"
     client_file = sec / f"ipcontroller-{cluster_id}-client.json"
@@ -102,13 +101,18 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
     return proc, engine_file, client_file
 
 
-def _die_with_parent() -> None:
-    """In the controller's child, before exec: SIGTERM when rank 0 dies (a killed job leaves no controller)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+# The controller's own first lines: SIGTERM when rank 0 dies (PR_SET_PDEATHSIG: a killed job leaves no
+# controller), set in the child itself rather than through preexec_fn (not safe in a job with threads).
+_CONTROLLER = """import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+sys.argv = ["ipcontroller", *sys.argv[2:]]
+runpy.run_module("ipyparallel.controller", run_name="__main__", alter_sys=True)
+"""
 
 
 def _stop_controller(proc: subprocess.Popen | None) -> None:
