@@ -123,6 +123,8 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
         # a cell's print comes back to the client (and the job's own fds stay the job's: see the log below)
         ar = cluster._client[cluster._ids].execute("print('scale', float(model.scale), rank)", block=True)
         assert [s.strip() for s in ar.stdout] == ["scale 2.0 0", "scale 2.0 1"]
+        stacks = cluster.stacks()  # through each rank's control thread: the main thread sits in the breakpoint
+        assert set(stacks) == {0, 1} and all("breakpoint_job.py" in s and "in breakpoint" in s for s in stacks.values())
         with pytest.raises(ClusterError, match="runs its own script"):
             cluster.session(None)
         done = cluster.resume()
@@ -142,7 +144,9 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     assert job.wait(120) == 0, job.log()
     res = job.result()
     assert res["by"] == "client" and res["again"] == "client" and res["scale"] == [2.0, 2.0]
-    assert res["threads_left"] == []  # no engine thread (heartbeat, control, iopub) outlives its breakpoint
+    # no engine thread (heartbeat, control, iopub) outlives its breakpoint; the rank's own control thread (once
+    # per process, started when a client first attached) stays
+    assert res["threads_left"] == ["workbench-control"]
     assert res["out"] == pytest.approx(2 * 2.0 * 2 * 4 * (4 * 0.5 + 0.5))  # 2 ranks, the buffer doubled
     assert "rank 1: back from the breakpoint (client), scale 2.0" in job.log()
     print(f"controller up {doc['ready_s']:.2f}s into the breakpoint, engines registered {res['attach_s']:.2f}s "

@@ -52,7 +52,21 @@ def whoami() -> dict[str, Any]:
             "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", []),
-            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("count", 0) - 1 if cap is not None else None}
+            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("count", 0) - 1 if cap is not None else None,
+            "control": _control()}
+
+
+def _control() -> dict[str, Any] | None:
+    """The rank's control thread (``rank/control.py``: Python stacks while a cell hangs), started when a client
+    first attaches, once per process: on loopback when the job is on one host, else on this host's address
+    toward the job's ``MASTER_ADDR``; every request carries its token."""
+    from workbench.rank import control
+
+    try:
+        ip = _controller_ip()
+        return control.start(ip, int(os.environ.get("MASTER_PORT", "0") or 0) if ip != "127.0.0.1" else 0)
+    except Exception:
+        return None
 
 
 def resume(delay: float = 0.2) -> bool:

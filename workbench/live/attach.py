@@ -350,6 +350,7 @@ class JobCluster(AttachedCluster):
         self.hosts = {r: i["host"] for r, i in self.info.items()}
         self.backend = self.info[0]["backend"] or "gloo"
         self.names = self.info[0]["names"]
+        self.controls = {r: i.get("control") for r, i in self.info.items()}  # cluster.stacks() while a cell hangs
 
     def form_group(self) -> None:
         """The job's own group serves as it is: nothing to form."""
