@@ -70,12 +70,19 @@ def _fr_trace(directory: Path) -> subprocess.CompletedProcess:
 def _torch_db(directory: Path, caplog: pytest.LogCaptureFixture | None = None):
     """PyTorch's analyser through its Python API (what ``torchfrtrace`` runs, in-process): the database of
     paired collectives, and with ``caplog`` also what it printed."""
+    import gc
+
     from torch.distributed.flight_recorder.components.builder import build_db
     from torch.distributed.flight_recorder.components.config_manager import JobConfig
     from torch.distributed.flight_recorder.components.loader import read_dir
 
     args = JobConfig().parse_args([str(directory), "-p", PREFIX])
-    details, version = read_dir(args)
+    was = gc.isenabled()
+    try:
+        details, version = read_dir(args)
+    finally:  # torch's loader disables the garbage collector and never turns it back on (a CLI's shortcut)
+        if was:
+            gc.enable()
     if caplog is None:
         return build_db(details, args, version)
     caplog.clear()
