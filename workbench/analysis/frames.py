@@ -224,3 +224,15 @@ def shorten(names: list[str]) -> dict[str, str]:
     else:
         return {n: short(n) for n in names}
     return {n: ".".join(p[k:]) for n, p in zip(names, parts)}
+
+
+def stack(frames: list[Frame], attr: str) -> pd.DataFrame:
+    """One table of ``attr`` (tensors, outputs, events, trace) over ``frames``, each row with its step and step
+    index: a run's history, as a live session and a captured job's shards both build it."""
+    parts = []
+    for f in frames:
+        df = getattr(f, attr).copy()
+        df.insert(0, "step_index", f.index)
+        df.insert(0, "step", f.step)
+        parts.append(df)
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()

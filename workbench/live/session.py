@@ -24,6 +24,7 @@ from workbench import scenarios
 from workbench.analysis import collectives, diagnosis
 from workbench.analysis.collectives import describe
 from workbench.analysis.frames import Frame, last_step
+from workbench.analysis.frames import stack as _stack
 from workbench.errors import LOST, RankFailure, UnknownName, WorkbenchError
 from workbench.live import progress as live_progress
 from workbench.live.release import Release
@@ -554,16 +555,6 @@ def _recovery_note(info: dict[str, Any]) -> str:
             f"the cursor stood at {info['cursor']!r}")
 
 
-def _stack(frames: list[Frame], attr: str) -> pd.DataFrame:
-    parts = []
-    for f in frames:
-        df = getattr(f, attr).copy()
-        df.insert(0, "step_index", f.index)
-        df.insert(0, "step", f.step)
-        parts.append(df)
-    if not parts:
-        return pd.DataFrame()
-    return pd.concat(parts, ignore_index=True)
 
 
 @dataclass

@@ -207,10 +207,10 @@ def _step_of(token: Any, names: list[str], planned: list[str] | None = None) -> 
 
 def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """The run the shards hold as a ``RunRecord``, and the problems found on the way."""
-    import pandas as pd
 
     from workbench.analysis import collectives
     from workbench.analysis.frames import Frame
+    from workbench.analysis.frames import stack as frame_stack
     from workbench.errors import RankFailure
     from workbench.postmortem.record import SCHEMA_VERSION, RunRecord
 
@@ -297,17 +297,8 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "problems": list(found.problems),
     }
 
-    def stack(attr: str) -> pd.DataFrame:
-        parts = []
-        for f in frames:
-            df = getattr(f, attr).copy()
-            df.insert(0, "step_index", f.index)
-            df.insert(0, "step", f.step)
-            parts.append(df)
-        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-
-    rec = RunRecord(manifest, stack("tensors"), stack("outputs"), stack("events"), notes, trace=stack("trace"),
-                    ledger=ledger)
+    rec = RunRecord(manifest, *(frame_stack(frames, t) for t in ("tensors", "outputs", "events")), notes,
+                    trace=frame_stack(frames, "trace"), ledger=ledger)
     return rec, list(found.problems)
 
 

@@ -102,6 +102,18 @@ def _at_exit() -> None:
         remove_listed(_OWN["path"])
 
 
+def remove(path: str) -> bool:
+    """A file or a folder tree gone; False when it could not be removed (gone already, or not ours to remove)."""
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
 def remove_listed(manifest: str) -> int:
     """Remove the paths a manifest lists (this user's, directly in its directory, never a link), then it."""
     directory = os.path.dirname(manifest)
@@ -116,14 +128,7 @@ def remove_listed(manifest: str) -> int:
         if os.path.dirname(path) != directory or not name.startswith("wb-") or name.startswith(NEVER) \
                 or os.path.islink(path) or not _mine(path):
             continue
-        try:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            n += 1
-        except OSError:
-            pass
+        n += remove(path)
     try:
         os.unlink(manifest)
     except OSError:

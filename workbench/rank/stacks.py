@@ -13,7 +13,6 @@ import faulthandler
 import glob
 import os
 import re
-import shutil
 import signal
 import tempfile
 from typing import Any
@@ -73,12 +72,5 @@ def sweep_stale(directory: str | None = None, pids: Any = None) -> int:
         m = next((m for rx in STALE if (m := rx.fullmatch(name))), None)
         if m is None or not (int(m.group(1)) in killed or _gone(int(m.group(1)))) or os.path.islink(path):
             continue
-        try:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            n += 1
-        except OSError:
-            pass
+        n += leftovers.remove(path)
     return n
