@@ -10,7 +10,7 @@ and float32 router bias, and the worker's tensors read back from vLLM's paramete
 before any sync (vLLM serving the trainer's own weights: kernel numerics only, ~0.01-0.02).
 The broadcast scenarios train between syncs, and the floor moves with the weights (near-tied
 router picks flip between vLLM's and the trainer's kernels): there the level is the round
-trip of vLLM serving the trainer's weights of that sync (``floor_gap``).
+trip of vLLM serving the trainer's weights of that sync (``ref_floor``).
 """
 
 from __future__ import annotations
@@ -107,12 +107,12 @@ def test_order_desync_bug_and_fix_through_vllm(vllm_cluster):
     o = out(bug, "score", "logprob_gap", 1)
     wrong = out(bug, "score", "names_wrong", 1)
     assert o["receiver"] == "vllm" and wrong["head"][0] > 0
-    assert not o["head"][0] < 10 * o["floor_gap"]  # NaN/inf or far off: bytes under the wrong names
+    assert not o["head"][0] < 10 * o["ref_floor"]  # NaN/inf or far off: bytes under the wrong names
     fix = run(vllm_cluster, "weight-sync-order-desync", "one-chunk-plan")
     for step in ("score", "score_2"):
         o = out(fix, step, "logprob_gap", 1)
         assert out(fix, step, "names_wrong", 1)["head"][0] == 0
-        assert o["head"][0] <= LEVEL * o["floor_gap"] and o["head"][0] <= LEVEL * o["presync_gap"], (step, o)
+        assert o["head"][0] <= LEVEL * o["ref_floor"] and o["head"][0] <= LEVEL * o["presync_gap"], (step, o)
 
 
 def test_stale_cache_silent_direction_and_fix_through_vllm(vllm_cluster):
@@ -121,11 +121,11 @@ def test_stale_cache_silent_direction_and_fix_through_vllm(vllm_cluster):
     fix = run(vllm_cluster, "stale-conversion-cache", "rebuild-tasks-per-sync", **kw)
     b1, b2 = out(bug, "score_1", "logprob_gap", 1), out(bug, "score_2", "logprob_gap", 1)
     assert out(bug, "score_2", "names_wrong", 1)["head"][0] >= 1  # the bias, read back from vLLM
-    assert b1["head"][0] <= LEVEL * b1["floor_gap"]
-    assert not b2["head"][0] <= 2 * b2["floor_gap"]
+    assert b1["head"][0] <= LEVEL * b1["ref_floor"]
+    assert not b2["head"][0] <= 2 * b2["ref_floor"]
     f2 = out(fix, "score_2", "logprob_gap", 1)
     assert out(fix, "score_2", "names_wrong", 1)["head"][0] == 0
-    assert f2["head"][0] <= LEVEL * f2["floor_gap"] and math.isfinite(f2["head"][0])
+    assert f2["head"][0] <= LEVEL * f2["ref_floor"] and math.isfinite(f2["head"][0])
 
 
 def _guard_round_trip() -> tuple[float, float, float, bool]:

@@ -281,7 +281,7 @@ def score(ctx, sync: int) -> None:
     gap, wrong, total = compare_vllm(ctx) if ctx.receiver == "vllm" else compare(ctx.inference, ctx.trainer, ctx.tokens)
     floor = kernel_floor(ctx) if ctx.receiver == "vllm" else float("nan")
     ctx.output("logprob_gap", torch.tensor([gap]), sync=sync, ref_max_abs_diff=gap, ref_floor=floor,
-               receiver=ctx.receiver, presync_gap=getattr(ctx, "presync_gap", float("nan")), floor_gap=floor)
+               receiver=ctx.receiver, presync_gap=getattr(ctx, "presync_gap", float("nan")))
     ctx.output("names_wrong", torch.tensor([float(len(wrong))]), sync=sync, names=total)
     who = "vLLM" if ctx.receiver == "vllm" else "stand-in"
     ctx.note(f"sync {sync} ({who}): {total - len(wrong)}/{total} names hold the trainer's bytes; log-prob gap "
