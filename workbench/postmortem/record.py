@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import diagnosis, findings, flightrecorder
-from workbench.rank.columns import KERNEL_KNOBS
+from workbench.rank.columns import KERNEL_KNOBS, kernel_knobs
 
 SCHEMA_VERSION = 1
 
@@ -63,9 +63,8 @@ def versions(kernels: dict[str, str] | None = None) -> dict[str, str]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    knobs = kernels if kernels is not None else {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}
+    knobs = kernels if kernels is not None else kernel_knobs()
     return out | {k: knobs[k] for k in KERNEL_KNOBS if knobs.get(k)}  # the float kernels (SIMD width, oneDNN ISA)
-
 
 
 def _cpu() -> str:

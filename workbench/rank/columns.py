@@ -23,3 +23,10 @@ WINDOW_OFFSETS = (128, 256, 512, 4096)
 WINDOW = 32
 
 KERNEL_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # settings that let one CPU run another's kernels
+
+
+def kernel_knobs() -> dict[str, str]:
+    """This process's settings of the knobs that pick its float kernels (a record names what the ranks ran with)."""
+    import os
+
+    return {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}

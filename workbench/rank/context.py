@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.rank import control, stacks, state
-from workbench.rank.columns import KERNEL_KNOBS
+from workbench.rank.columns import kernel_knobs
 
 RESERVED = frozenset(
     {"rank", "world_size", "device", "backend", "fix", "params", "poison", "workdir", "group", "outputs",
@@ -115,12 +115,6 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
     _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
             "stacks_file": stacks.install(), "control": where, "kernels": kernel_knobs()}
-
-
-
-def kernel_knobs() -> dict[str, str]:
-    """This rank's settings of the knobs that pick its float kernels: a record names what the ranks ran with."""
-    return {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}
 
 
 def new_group(ranks: list[int]) -> Any:
