@@ -15,7 +15,9 @@ drift from the code.
   a shell block's ``workbench`` subcommands and ``--flags`` exist in the CLI's parser, and its ``make``
   targets in the Makefile.
 
-Also: every repository path a page names in backticks exists, every relative link and image
+Also: every ``wb.``/``workbench.`` name in a page's prose resolves; every ``cluster.``, ``s.`` (session) and
+``frame.`` attribute a page names, in code or prose, exists;
+every repository path a page names in backticks exists, every relative link and image
 resolves, and the README stays one screen (under 150 lines, one image under 200 KB).
 """
 
@@ -182,6 +184,47 @@ def test_shell_block_names_real_subcommands_flags_and_targets(block):
                 flag = w.split("=")[0]
                 if flag.startswith("-"):
                     assert any(flag in flags for flags in cli.values()), f"{block}: no subcommand has {flag}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+def test_every_workbench_name_in_a_pages_prose_exists(page):
+    prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    name = re.compile(r"(?<![\w/.])(wb|workbench)((?:\.\w+)+)")
+    named = {"workbench" + m.group(2) for span in re.findall(r"`([^`]+)`", prose) for m in name.finditer(span)}
+    for name in sorted(named):
+        try:
+            _resolve(name)
+        except (AttributeError, ImportError) as e:
+            pytest.fail(f"{page.name}: `{name}` does not exist ({e})")
+
+
+# -- the objects the pages talk about: cluster, s (a session), frame --------------------------------------
+OBJECTS = {"cluster": ("workbench.live.attach", "JobCluster"), "s": ("workbench.live.session", "Session"),
+           "frame": ("workbench.analysis.frames", "Frame")}
+
+
+def _members(var: str) -> set[str]:
+    """What ``var`` has: the class's attributes (``JobCluster`` is the widest cluster), what its methods assign
+    to ``self.`` and what the package assigns to a variable of that name (``frame.released = ...``)."""
+    import inspect
+
+    module, name = OBJECTS[var]
+    cls = getattr(importlib.import_module(module), name)
+    out = set(dir(cls))
+    for k in inspect.getmro(cls):
+        if k.__module__.startswith("workbench"):
+            out |= set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=", inspect.getsource(k)))
+    for path in (ROOT / "workbench").rglob("*.py"):
+        out |= set(re.findall(rf"(?<![\w.]){var}\.(\w+)\s*=(?!=)", path.read_text()))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+def test_every_cluster_session_and_frame_attribute_a_page_names_exists(page):
+    members = {var: _members(var) for var in OBJECTS}
+    named = re.findall(r"(?<![\w.])(cluster|s|frame)\.(\w+)", page.read_text())
+    missing = sorted({f"{var}.{attr}" for var, attr in named if attr not in members[var]})
+    assert not missing, f"{page.name} names attributes that do not exist: {missing}"
 
 
 # -- paths, links, the README's size ---------------------------------------------------------------------
