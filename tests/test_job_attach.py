@@ -25,6 +25,7 @@ from workbench.errors import ClusterError
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "breakpoint_job.py"
+POSTMORTEM = ROOT / "examples" / "postmortem_job.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -37,10 +38,10 @@ def _env() -> dict[str, str]:
 class Job:
     """torchrun in a session of its own: everything it started goes with ``kill()``."""
 
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, script: Path = SCRIPT):
         self.out = tmp / "runs" / "bp"
         self.log_path = tmp / "torchrun.log"
-        self.proc = subprocess.Popen([*TORCHRUN, str(SCRIPT), str(self.out), *args], env=_env(), cwd=tmp,
+        self.proc = subprocess.Popen([*TORCHRUN, str(script), str(self.out), *args], env=_env(), cwd=tmp,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
@@ -85,8 +86,8 @@ class Job:
 def job_factory(tmp_path):
     jobs: list[Job] = []
 
-    def make(*args: str) -> Job:
-        jobs.append(Job(tmp_path, *args))
+    def make(*args: str, script: Path = SCRIPT) -> Job:
+        jobs.append(Job(tmp_path, *args, script=script))
         return jobs[-1]
 
     yield make
@@ -157,7 +158,7 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     frames = list(b.bug.ledger["user_frame"])
     assert any("test_job_attach.py" in f for f in frames)  # the notebook's all_reduce, on the job's own group
     assert not any("workbench/job" in f for f in frames)  # the breakpoint itself issues no collective
-    with pytest.raises(ClusterError, match="not at a breakpoint now"):
+    with pytest.raises(ClusterError, match="not attachable now"):
         wb.connect(job=job.out)
 
 
@@ -240,3 +241,119 @@ def test_a_controller_the_user_named(job_factory, tmp_path):
     finally:
         os.killpg(ctl.pid, signal.SIGKILL)
         ctl.wait(timeout=30)
+
+
+def _hang_cell_started(cluster, code: str):
+    """A cell that never returns on its own, sent without waiting for it (as a notebook's %%px would hang)."""
+    ar = cluster._client[cluster._ids].execute(code, block=False)
+    time.sleep(0.5)
+    assert not ar.ready()
+    return ar
+
+
+def test_a_hung_cell_does_not_hold_the_breakpoint_past_its_deadline(job_factory):
+    """The deadline wins over a %%px cell that never returns: it is interrupted (the cell fails with
+    KeyboardInterrupt, the notebook sees it) and the ranks go on. Before, the engine's loop ran the deadline's
+    timer on the thread the cell held: the job stayed at the breakpoint as long as the cell ran."""
+    job = job_factory("--deadline", "8")
+    doc = job.at_breakpoint()
+    cluster = wb.connect(job=job.out)
+    try:
+        ar = _hang_cell_started(cluster, "import time\ntime.sleep(600)")  # rank 0 and 1, on their main threads
+        assert job.wait(60) == 0, job.log()
+        with pytest.raises(Exception, match="KeyboardInterrupt"):
+            ar.get(timeout=30)
+    finally:
+        cluster.stop()
+    res = job.result()
+    assert res["by"] == "deadline" and res["scale"] == [1.0, 1.0]
+    done = json.loads((job.out / "attach.json").read_text())
+    assert done["status"] == "resumed" and done["by"] == "deadline"
+    assert done["hung"]["interrupted"] is True
+    assert done["resumed_at"] - doc["deadline_at"] < 15
+
+
+def _postmortem_view() -> list:
+    import threading
+
+    from workbench.job.attach import here
+
+    ns = here()
+    exc = ns.get("exc")
+    return [type(exc).__name__ if exc is not None else None, list(ns["batch"].shape), ns["frame"].f_code.co_name,
+            threading.current_thread() is threading.main_thread()]
+
+
+def _gone(pids) -> bool:
+    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_post_mortem_after_one_rank_raises(job_factory):
+    """Rank 1 raises in its step while rank 0 waits in the step's all-reduce: both ranks attach (rank 1 on its
+    main thread at the exception, rank 0 from its watcher thread), the account names the raise and the wait,
+    and after resume the job fails with rank 1's own exception, leaving no process."""
+    job = job_factory("--deadline", "120", script=POSTMORTEM)
+    t0 = time.perf_counter()
+    doc = job.at_breakpoint()
+    attachable_s = time.perf_counter() - t0
+    assert doc["kind"] == "post-mortem" and doc["status"] == "waiting"
+    t1 = time.perf_counter()
+    cluster = wb.connect(job=job.out)
+    connect_s = time.perf_counter() - t1
+    try:
+        pm = cluster.post_mortem
+        assert pm["reason"] == "error" and pm["rank"] == 1
+        assert pm["error"].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+        assert pm["where"].endswith("postmortem_job.py:30 in step")
+        waits = pm["ranks"]["0"]
+        assert waits["role"] == "waiting" and waits["where"].endswith("postmortem_job.py:32 in step")
+        assert [(c["op"], c["group"]) for c in waits["open_calls"]] == [("all_reduce", "0")]
+        assert "rank 1 raised RuntimeError" in pm["line"] and "rank 0 waits in all_reduce #3" in pm["line"]
+        rows = cluster.probe("model")
+        assert set(rows["rank"]) == {0, 1} and "model.0.weight" in set(rows["name"])
+        # rank 1: the exception and the failing frame's locals, on its main thread; rank 0: the locals of the
+        # frame that waits, from its watcher thread (its main thread is still in the all-reduce)
+        assert cluster.run(_postmortem_view) == {0: [None, [4, 8], "step", False],
+                                                 1: ["RuntimeError", [4, 6], "step", True]}
+        main0 = cluster.stacks([0])[0].split("\n\n")[0]
+        assert "all_reduce" in main0 and "postmortem_job.py" in main0
+        done = cluster.resume()
+    finally:
+        if cluster.alive:
+            cluster.stop()
+    assert done["status"] == "resumed" and done["by"] == "client"
+    t2 = time.perf_counter()
+    assert job.wait(60) != 0
+    exit_s = time.perf_counter() - t2
+    log = job.log_path.read_text()
+    assert "[rank1]: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x6 and 8x8)" in log
+    assert _gone([*cluster.pids.values(), doc["controller_pid"]])
+    print(f"post mortem: attachable {attachable_s:.2f}s after the job started (controller up {doc['ready_s']:.2f}s "
+          f"after the raise), wb.connect {connect_s:.2f}s, resume {done['resume_s']:.2f}s, job ended "
+          f"{exit_s:.2f}s later")
+
+
+def test_post_mortem_after_a_deadlock_the_ledgers_prove(job_factory):
+    """Rank 1 reduces on a subgroup while rank 0 reduces on the world: past --hang-after every rank waits and
+    the calls differ, so the ledgers prove it; both ranks serve from their watcher threads, the proof names
+    each call. A cell that hangs on those threads (pure Python) is interrupted at the deadline too."""
+    job = job_factory("--deadline", "8", "--deadlock", "--hang-after", "1", "--timeout", "14", script=POSTMORTEM)
+    doc = job.at_breakpoint()
+    cluster = wb.connect(job=job.out)
+    try:
+        proof = cluster.post_mortem["proof"]
+        assert cluster.post_mortem["reason"] == "deadlock" and proof["kind"] == "mismatched collectives"
+        calls = proof["calls"]
+        assert (calls["0"]["op"], calls["0"]["group"], calls["0"]["seq"]) == ("all_reduce", "0", 3)
+        assert (calls["1"]["op"], calls["1"]["group"], calls["1"]["seq"]) == ("all_reduce", "1", 1)
+        assert "rank 1 waits in all_reduce #1 on group 1" in proof["line"]
+        assert set(cluster.probe("model")["rank"]) == {0, 1}
+        ar = _hang_cell_started(cluster, "while True:\n    pass")
+        with pytest.raises(Exception, match="KeyboardInterrupt"):
+            ar.get(timeout=40)
+    finally:
+        cluster.stop()
+    done = job.at_breakpoint(timeout=30, when=lambda d: d["status"] == "resumed")
+    assert done["by"] == "deadline" and done["hung"]["interrupted"] is True
+    assert done["resumed_at"] - doc["deadline_at"] < 15
+    assert job.wait(60) != 0  # the ranks stayed in their calls, as they would have: the group's timeout ends them

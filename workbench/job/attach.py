@@ -52,7 +52,7 @@ def whoami() -> dict[str, Any]:
             "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", []),
-            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("count", 0) - 1 if cap is not None else None,
+            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("id") if cap is not None else None,
             "control": _control()}
 
 
@@ -163,7 +163,7 @@ def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
     return store.get(key).decode()
 
 
-def _all_done(n: int, rank: int, timeout: float) -> None:
+def _all_done(key: str, rank: int, timeout: float) -> None:
     """Rank 0 waits, through the job's store (no collective: the job's group and ledger see nothing), until
     every rank's engine has stopped serving, before it stops the controller the others still talk to."""
     import datetime
@@ -174,9 +174,9 @@ def _all_done(n: int, rank: int, timeout: float) -> None:
         return
     with contextlib.suppress(Exception):
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"workbench/breakpoint/{n}/done/{rank}", "1")
+        store.set(f"{key}/done/{rank}", "1")
         if rank == 0:
-            store.wait([f"workbench/breakpoint/{n}/done/{r}" for r in range(dist.get_world_size())],
+            store.wait([f"{key}/done/{r}" for r in range(dist.get_world_size())],
                        datetime.timedelta(seconds=timeout))
 
 
@@ -189,11 +189,25 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
     ``workbench.job.attach.here()`` inside ``cluster.run`` functions. Returns how it ended:
     ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
     """
+    n = _STATE.get("count", 0)
+    _STATE["count"] = n + 1
+    return attach(cap, n, f"workbench/breakpoint/{n}", f"bp{n}", deadline=deadline, controller=controller,
+                  objects=objects)
+
+
+def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: float,
+           controller: str | os.PathLike | None = None, objects: dict[str, Any] | None = None,
+           doc: Any = None) -> dict[str, Any]:
+    """Every rank serves as an engine of one controller (rank 0 starts it) until resumed or the deadline.
+
+    ``ident`` names this attach in ``attach.json`` and in each engine's ``whoami`` (a breakpoint's number,
+    or ``"post-mortem"``); ``key`` prefixes its keys in the job's store; ``doc()`` (rank 0) adds to
+    ``attach.json``. Rank 0 sets ``<key>/closed`` once the controller is stopped and ``attach.json`` says
+    resumed (a rank that then exits may have the launcher end the rest)."""
+    objects = objects or {}
     rank = getattr(cap, "rank", 0)
     world = getattr(cap, "world_size", 1)
     root = Path(getattr(cap, "root", "."))
-    n = _STATE.get("count", 0)
-    _STATE["count"] = n + 1
     t0 = time.time()
     folder = root / "attach"
     proc = None
@@ -205,33 +219,42 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
                 engine_file = Path(controller).resolve()
                 client_file = Path(str(engine_file).replace("-engine.json", "-client.json"))
             else:
-                proc, engine_file, client_file = _start_controller(folder, f"bp{n}")
+                proc, engine_file, client_file = _start_controller(folder, cluster_id)
             info = json.dumps({"engine": engine_file.read_text(), "client_file": str(client_file.resolve())})
         except Exception as exc:  # every rank hears of it and goes on
             info = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-    got = json.loads(_share(f"workbench/breakpoint/{n}", info, rank, timeout=120 + deadline))
+    got = json.loads(_share(key, info, rank, timeout=120 + deadline))
     if "error" in got:
         return {"by": "error", "error": got["error"], "seconds": time.time() - t0, "attach_s": None}
+    _STATE["id"] = ident
     if rank == 0:
+        extra: dict[str, Any] = {}
+        if doc is not None:
+            with contextlib.suppress(Exception):
+                extra = doc()
         _write(root / ATTACH, {
-            "status": "waiting", "breakpoint": n, "job": getattr(cap, "job", None), "world_size": world,
+            "status": "waiting", "breakpoint": ident, "kind": "breakpoint" if isinstance(ident, int) else ident,
+            "job": getattr(cap, "job", None), "world_size": world,
             "client_file": got["client_file"], "controller_pid": proc.pid if proc else None,
             "point": (getattr(cap, "points", None) or [None])[-1], "names": sorted(_namespace(cap, objects)),
             "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname(), "pid": os.getpid(),
-            "ready_s": time.time() - t0})
+            "ready_s": time.time() - t0, **extra})
     try:
         result = _serve(cap, got["engine"], deadline, objects)
     except BaseException:
         if rank == 0:
             _stop_controller(proc)
         raise
-    _all_done(n, rank, timeout=60.0)
+    _all_done(key, rank, timeout=60.0)
     if rank == 0:
         _stop_controller(proc)
         with contextlib.suppress(Exception):
-            doc = json.loads((root / ATTACH).read_text())
-            doc.update(status="resumed", by=result["by"], resumed_at=time.time(), seconds=result["seconds"])
-            _write(root / ATTACH, doc)
+            doc_now = json.loads((root / ATTACH).read_text())
+            doc_now.update(status="resumed", by=result["by"], resumed_at=time.time(), seconds=result["seconds"])
+            if result.get("hung"):
+                doc_now["hung"] = result["hung"]
+            _write(root / ATTACH, doc_now)
+        _share(f"{key}/closed", "1", rank, timeout=0)
     result["total_s"] = time.time() - t0
     return result
 
@@ -272,6 +295,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
     t0 = time.perf_counter()
     out: dict[str, Any] = {"by": "deadline", "attach_s": None}
     engine = None
+    watchdog = None
     threads_before = set(threading.enumerate())
     try:
         engine = IPEngine.instance()
@@ -285,17 +309,25 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
             event = asyncio.Event()
             _STATE.update(loop=asyncio.get_running_loop(), event=event)
             await engine.register()
+            _track_cells(engine.kernel)
             out["attach_s"] = time.perf_counter() - t0
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, deadline - (time.perf_counter() - t0)))
             out["by"] = _STATE.get("by", "deadline") if event.is_set() else "deadline"
 
+        watchdog = _Watchdog(t0 + deadline, out)
         engine.loop.run_sync(main)
     except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
         out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
     except RuntimeError as exc:  # the engine stopped its loop itself (its controller's heartbeats stopped)
         out.update(by="error", error=f"the engine stopped: {exc}")
+    except KeyboardInterrupt:  # the deadline's interrupt landed between a cell's end and the kernel's hook
+        if not out.get("hung"):
+            raise
+        out["by"] = "deadline"
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         for stream in (sys.stdout, sys.stderr):
             if stream is not saved["stdout"] and stream is not saved["stderr"]:
                 with contextlib.suppress(Exception):
@@ -309,11 +341,94 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
         _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
             context._RANK.clear()
-        for k in ("ns", "cap", "loop", "event", "by", "names"):
+        for k in ("ns", "cap", "loop", "event", "by", "names", "busy"):
             _STATE.pop(k, None)
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _track_cells(kernel: Any) -> None:
+    """Mark while the kernel runs a client's request (a ``%%px`` cell, a ``cluster.run`` function): what the
+    deadline's watchdog interrupts. The kernel's own SIGINT hook stays (it raises on a thread that is not the
+    main one, and the kernel logs and ignores that)."""
+    pre, post = kernel.pre_handler_hook, kernel.post_handler_hook
+
+    def pre_hook() -> None:
+        _STATE["busy"] = time.monotonic()
+        pre()
+
+    def post_hook() -> None:
+        _STATE.pop("busy", None)
+        post()
+
+    kernel.pre_handler_hook, kernel.post_handler_hook = pre_hook, post_hook
+
+
+class _Watchdog:
+    """The deadline wins over a cell that never returns: the engine's loop runs the cells on the serving thread,
+    so a hung cell would hold the breakpoint past its deadline. At the deadline, while a cell still runs, this
+    thread raises ``KeyboardInterrupt`` into it (asynchronously, and on the main thread also by SIGINT, which
+    ends a blocking ``time.sleep`` or socket wait there); the cell fails with it, the loop sees the deadline and
+    the rank goes on. A cell blocked inside a C call that never returns to Python (a collective the other ranks
+    never join) cannot be interrupted: one line on stderr says so, and ``attach.json`` records it."""
+
+    GRACE_S = 10.0
+
+    def __init__(self, at: float, out: dict[str, Any]) -> None:
+        import threading
+
+        self.at, self.out = at, out  # ``at``: time.perf_counter() of the deadline
+        self.target = threading.get_ident()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="workbench-deadline", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import ctypes
+        import signal
+
+        if self.done.wait(max(0.0, self.at - time.perf_counter())):
+            return
+        tries, end = 0, time.perf_counter() + self.GRACE_S
+        while not self.done.is_set() and _STATE.get("busy") is not None:
+            if tries == 0:
+                self.out["hung"] = {"cell_s": round(time.monotonic() - _STATE["busy"], 2)}
+                loop, event = _STATE.get("loop"), _STATE.get("event")
+                if loop is not None and event is not None:
+                    _STATE["by"] = "deadline"
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(event.set)
+                if not self.main:  # a thread takes it at its next bytecode (not inside a blocking C call)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.target),
+                                                               ctypes.py_object(KeyboardInterrupt))
+            if self.main:  # a signal also ends a blocking sleep or socket wait; its handler raises the interrupt
+                with contextlib.suppress(Exception):
+                    signal.pthread_kill(self.target, signal.SIGINT)
+            tries += 1
+            if time.perf_counter() > end:
+                self.out["hung"]["interrupted"] = False
+                with contextlib.suppress(Exception):
+                    sys.__stderr__.write(f"workbench: a notebook's cell still runs {self.GRACE_S:g}s past the "
+                                         "breakpoint's deadline and cannot be interrupted (blocked in C: a "
+                                         "collective?); this rank goes on when it returns\n")
+                    sys.__stderr__.flush()
+                return
+            self.done.wait(0.5)
+        if "hung" in self.out:
+            self.out["hung"].setdefault("interrupted", True)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(2.0)
+        if self.thread.is_alive():
+            return
+        # an interrupt set but not yet taken would land in the script: clear it
+        import ctypes
+
+        if self.out.get("hung") and not self.main:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.target), None)
 
 
 def _out_stream() -> type:

@@ -61,7 +61,9 @@ _CURRENT: list[Capture] = []  # the open capture of this process, for the handle
 
 def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = True,
             ledger: bool | str = True,
-            name: str | None = None, job: str | None = None, points: list[str] | None = None) -> Capture | NoCapture:
+            name: str | None = None, job: str | None = None, points: list[str] | None = None,
+            attach: bool | str | None = None, attach_deadline: float = 600.0,
+            hang_after: float = 60.0) -> Capture | NoCapture:
     """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
@@ -76,7 +78,14 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     id, else one the ranks agree on through the process group's store). ``points``: the names of the points
     the job will reach, in order (optional): a rank stuck on its way to one is read as stuck in that step
     (else in ``after <the last point reached>``), and a run that stopped early reads "k of n steps".
+    ``attach``: post mortem, every rank attachable from a notebook (``wb.connect(job=path)``) for
+    ``attach_deadline`` seconds: ``"on-error"`` once a rank raises, ``"on-deadlock"`` once the ledgers prove a
+    deadlock (every rank in a call open past ``hang_after`` seconds, not one collective), ``"post-mortem"``
+    both (``postmortem.py`` says how; the raising rank then fails as it would have).
     """
+    from workbench.job import postmortem
+
+    triggers = postmortem.modes(attach)
     if enabled is None:
         enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
     if os.environ.get(ENV_LEDGER):
@@ -85,9 +94,16 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
         raise ValueError(f"poison must be True, False or 'to_empty'; got {poison!r}")
     if ledger not in (True, False, "calls"):
         raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
+    if "deadlock" in triggers and not ledger:
+        raise ValueError("attach='on-deadlock' reads the ledger: it needs ledger=True or 'calls'")
+    if not (isinstance(attach_deadline, (int, float)) and attach_deadline > 0 and hang_after > 0):
+        raise ValueError(f"attach_deadline and hang_after must be positive seconds; got {attach_deadline!r}, "
+                         f"{hang_after!r}")
     if not enabled:
         return NoCapture()
-    return Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points)
+    cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points)
+    postmortem.install(cap, triggers, attach_deadline, hang_after)
+    return cap
 
 
 class NoCapture:
@@ -116,6 +132,9 @@ class NoCapture:
 
     def breakpoint(self, deadline: float = 600.0, controller: Any = None, **objects: Any) -> dict[str, Any]:
         return {"by": "off", "seconds": 0.0}
+
+    def post_mortem(self, exc: BaseException | None = None) -> None:
+        return None
 
     def close(self) -> None:
         return None
@@ -325,6 +344,20 @@ class Capture:
             raise RuntimeError("this capture is closed")
         return attach.breakpoint(self, deadline=deadline, controller=controller, **objects)
 
+    def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
+        """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
+        ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
+        handled), as ``capture(attach="on-error")`` does for an uncaught one. Returns how it ended."""
+        from workbench.job import postmortem
+
+        exc = exc if exc is not None else sys.exc_info()[1]
+        if exc is None:
+            raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
+        if "error" not in (getattr(self, "_pm", None) or {}).get("triggers", ()):
+            raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
+                             "every rank: their threads serve the ranks that did not raise")
+        return postmortem.on_exception(self, exc, exc.__traceback__)
+
     # -- the shard's own state --------------------------------------------------------------
     def _where(self) -> None:
         import torch
@@ -358,6 +391,14 @@ class Capture:
             self._write_manifest()
         except Exception:
             pass
+        if getattr(self, "_pm", None) and not self._closed:
+            from workbench.job import postmortem
+
+            try:
+                postmortem.on_exception(self, exc, tb)
+            except BaseException as pm_exc:  # never in the way of the job's own failure
+                with contextlib.suppress(Exception):
+                    sys.__stderr__.write(f"workbench: the post-mortem attach failed: {pm_exc!r}\n")
         self._hook(kind, exc, tb)
 
     def snapshot(self) -> dict[str, Any]:
@@ -404,6 +445,10 @@ class Capture:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if getattr(self, "_pm", None):
+            from workbench.job import postmortem
+
+            postmortem.uninstall(self)
         with contextlib.suppress(Exception):
             self._stack.close()
         if sys.excepthook == self._excepthook:

@@ -303,7 +303,7 @@ class JobCluster(AttachedCluster):
             raise ClusterError(f"no breakpoint to attach to in {self.job_dir} (no readable {ATTACH}): is the job "
                                "at cap.breakpoint()?") from None
         if self.attach_doc.get("status") != "waiting":
-            raise ClusterError(f"the job in {self.job_dir} is not at a breakpoint now (its {ATTACH} says "
+            raise ClusterError(f"the job in {self.job_dir} is not attachable now (its {ATTACH} says "
                                f"{self.attach_doc.get('status')!r}, by {self.attach_doc.get('by')!r})")
         pid, host = self.attach_doc.get("pid"), self.attach_doc.get("host")
         if pid and host == socket.gethostname() and not _alive(pid):
@@ -315,6 +315,9 @@ class JobCluster(AttachedCluster):
         super().__init__(ranks=int(self.attach_doc["world_size"]), timeout=timeout,
                          url_file=self.attach_doc["client_file"], wait=wait)
         self.resumed: dict[str, Any] | None = None
+        # post mortem (``capture(attach=...)``): which rank raised and where, where each other rank waits, or the
+        # deadlock's proof (which call on which rank); ``line`` says it in one line. None at a breakpoint.
+        self.post_mortem: dict[str, Any] | None = self.attach_doc.get("post_mortem")
 
     @property
     def where(self) -> str:
@@ -376,7 +379,9 @@ class JobCluster(AttachedCluster):
 
     def resume(self, wait: float = 60.0) -> dict[str, Any]:
         """Hand every rank back to the script (``cap.breakpoint()`` returns there) and detach; waits until the
-        job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that)."""
+        job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that). Post mortem:
+        the rank that raised then fails with its exception (the launcher ends the others); after a deadlock
+        the ranks stay in their calls, as they would have."""
         from workbench.job.attach import ATTACH
         from workbench.job.attach import resume as resume_rank
 
@@ -406,8 +411,9 @@ class JobCluster(AttachedCluster):
 
     def __repr__(self) -> str:
         state = "resumed" if self.resumed else "attached" if self._client is not None else "detached"
+        pm = f", post mortem: {self.post_mortem.get('line')}" if self.post_mortem else ""
         return (f"<JobCluster ranks={self.world_size} backend={self.backend} {state} to the job at {self.job_dir}, "
-                f"point {self.attach_doc.get('point')!r}, names {', '.join(getattr(self, 'names', []))}>")
+                f"point {self.attach_doc.get('point')!r}, names {', '.join(getattr(self, 'names', []))}{pm}>")
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,351 @@
+"""Post mortem: every rank of the job attachable after one rank raises, or once the ledgers prove a deadlock.
+
+    cap = wj.capture("runs/train", attach="on-error")      # or "on-deadlock", or "post-mortem" (both)
+
+An exception that would end a rank (``sys.excepthook``; or ``cap.post_mortem(exc)`` in an ``except``)
+first serves that rank as an ipyparallel engine on its main thread (its namespace: the exception as
+``exc``, the failing frame's locals, the last point's objects, ``cap``), and sets a key in the job's own
+store. Every rank runs one daemon thread (``workbench-postmortem``) that polls that store; the ranks
+that did not raise are stuck in a collective on their main thread (gloo and NCCL wait with the GIL
+released), so their thread serves them instead, with the locals of the main thread's innermost frame
+of the job's own code. ``wb.connect(job=dir)`` attaches as at a breakpoint; ``attach.json`` says
+which rank raised, where (file, line, function) and where each other rank waits (its open calls from
+its own ledger, its main thread's line). Nothing here issues a collective: the trigger, the engine
+file and the "all done" marks go through the store. ``cluster.resume()`` (or the deadline) ends the
+serving: the raising rank then runs the excepthook it would have run (the traceback is printed, the
+process exits 1), so the job fails exactly as it would have and the launcher ends the others.
+
+``on-deadlock``: each rank's thread follows its own ledger file (the lines since its last read); a
+call open past ``hang_after`` seconds is published in the store; rank 0's thread reads them, and once
+every rank waits in a call that is not the same collective (another group, another op, another
+sequence number or shape) the deadlock is proven: the calls go to ``attach.json`` as the proof and
+every rank serves from its thread. The ranks stay in their calls afterwards (as they would have: the
+group's own timeout, or the launcher, ends them). A rank that waits while another issues no call at
+all is not a proof (that one may be computing) and attaches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from typing import Any
+
+KEY = "workbench/post-mortem"
+MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
+         True: ("error", "deadlock")}
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
+
+
+def modes(attach: Any) -> tuple[str, ...]:
+    """``capture(attach=...)`` as the set of triggers; one clear line for anything else."""
+    if attach in (None, False, "", "off"):
+        return ()
+    if attach not in MODES:
+        raise ValueError(f"attach must be 'on-error', 'on-deadlock' or 'post-mortem' (both); got {attach!r}")
+    return MODES[attach]
+
+
+def install(cap: Any, triggers: tuple[str, ...], deadline: float, hang_after: float, poll: float = 0.5) -> None:
+    """Start this rank's watcher thread (once per capture)."""
+    if not triggers:
+        return
+    cap._pm = {"triggers": triggers, "deadline": float(deadline), "hang_after": float(hang_after)}
+    stop = threading.Event()
+    cap._pm["stop"] = stop
+    t = threading.Thread(target=_watch, args=(cap, stop, poll), name="workbench-postmortem", daemon=True)
+    cap._pm["thread"] = t
+    t.start()
+
+
+def uninstall(cap: Any) -> None:
+    pm = getattr(cap, "_pm", None)
+    if pm and pm.get("stop") is not None:
+        pm["stop"].set()
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _has(store: Any, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return False
+
+
+def _get(store: Any, key: str) -> Any:
+    try:
+        return json.loads(store.get(key).decode())
+    except Exception:
+        return None
+
+
+# -- the rank that raised ------------------------------------------------------------------------
+def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None:
+    """Serve this rank (and have every rank serve) for ``exc``; returns how it ended, None when it did not
+    serve (post mortem off, already served in this job, a KeyboardInterrupt or SystemExit)."""
+    pm = getattr(cap, "_pm", None)
+    if not pm or "error" not in pm["triggers"] or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return None
+    with _LOCK:
+        if _STATE.get("role"):  # this process serves already (its thread, for another rank's error) or did
+            busy = _STATE.get("role") != "served"
+        else:
+            busy = None
+            _STATE["role"] = "raised"
+    if busy is not None:
+        if busy:  # wait for that attach to end, then fail as the job would have
+            while _STATE.get("role") != "served":
+                time.sleep(0.1)
+        return None
+    store = _store()  # where another rank raised first, this one serves too, as a rank that raised
+    error = _error(exc, tb)
+    trigger = {"reason": "error", "rank": cap.rank, "error": f"{error['type']}: {error['message']}"[:300],
+               "where": error["where"], "t": time.time()}
+    frame = _failing_frame(tb)
+    objects = dict(frame.f_locals) if frame is not None else {}
+    objects.update(exc=exc, tb=tb, frame=frame)
+    me = {"rank": cap.rank, "role": "raised", "error": error, "where": error["where"],
+          "open_calls": _open_calls(cap)}
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{KEY}/rank/{cap.rank}", json.dumps(me, default=str))
+            if store.add(f"{KEY}/claim", 1) == 1:
+                store.set(f"{KEY}/go", json.dumps(trigger))
+    return _serve(cap, objects, trigger if store is None else None)
+
+
+def _error(exc: BaseException, tb: Any) -> dict[str, Any]:
+    frame = _failing_frame(tb)
+    where = _where(frame, tb_line(tb, frame)) if frame is not None else "?"
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "where": where,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, tb))[-6000:]}
+
+
+def tb_line(tb: Any, frame: Any) -> int | None:
+    """The line ``frame`` was at when the exception passed it."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame is frame:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+_LIBRARY = tuple(p for p in {sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("purelib", ""),
+                             sysconfig.get_paths().get("platlib", ""),
+                             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))} if p)
+
+
+def _user(filename: str) -> bool:
+    """The job's own code: not the standard library, not an installed package, not the workbench."""
+    f = os.path.abspath(filename)
+    return not f.startswith(_LIBRARY) and not filename.startswith("<")
+
+
+def _failing_frame(tb: Any) -> Any:
+    """The innermost frame of the job's own code in the traceback (else the innermost frame)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for f in reversed(frames):
+        if _user(f.f_code.co_filename):
+            return f
+    return frames[-1] if frames else None
+
+
+def _where(frame: Any, line: int | None = None) -> str:
+    """``file:line in function``, the file relative to the job's working directory where it lies below it."""
+    code = frame.f_code
+    name = code.co_filename
+    if not name.startswith("<"):
+        rel = os.path.relpath(name)
+        name = name if rel.startswith("..") else rel
+    return f"{name}:{line or frame.f_lineno} in {code.co_name}"
+
+
+def _open_calls(cap: Any) -> list[dict[str, Any]]:
+    with contextlib.suppress(Exception):
+        return cap.open_calls()
+    return []
+
+
+# -- the ranks that wait ---------------------------------------------------------------------------
+def _main_frame() -> Any:
+    """The innermost frame of the job's own code on the main thread (where it waits)."""
+    f = sys._current_frames().get(threading.main_thread().ident)
+    while f is not None and not _user(f.f_code.co_filename):
+        f = f.f_back
+    return f
+
+
+def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
+    pm = cap._pm
+    tail = _Tail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
+    published = None
+    store = None
+    while not stop.wait(poll):
+        if getattr(cap, "_closed", False):
+            return
+        if store is None:
+            with contextlib.suppress(Exception):
+                store = _store()
+            if store is None:
+                continue
+        if _has(store, f"{KEY}/go"):
+            trigger = _get(store, f"{KEY}/go") or {}
+            with _LOCK:
+                if _STATE.get("role"):
+                    return  # this process raised (its main thread serves) or served already
+                _STATE["role"] = "waiting"
+            frame = _main_frame()
+            objects = dict(frame.f_locals) if frame is not None else {}
+            objects["frame"] = frame
+            me = {"rank": cap.rank, "role": "waiting", "where": _where(frame) if frame is not None else "?",
+                  "open_calls": _open_calls(cap)}
+            with contextlib.suppress(Exception):
+                store.set(f"{KEY}/rank/{cap.rank}", json.dumps(me, default=str))
+            del frame
+            _serve(cap, objects, None, trigger=trigger)
+            return
+        if tail is None:
+            continue
+        now = time.time()
+        calls = tail.read()
+        old = [c for c in calls if now - float(c.get("t") or now) > pm["hang_after"]]
+        mine = json.dumps(old[:4], default=str) if old else "[]"
+        if mine != published:
+            with contextlib.suppress(Exception):
+                store.set(f"{KEY}/open/{cap.rank}", mine)
+                published = mine
+        if cap.rank == 0 and old:
+            proof = _prove(store, cap.world_size)
+            if proof is not None:
+                with contextlib.suppress(Exception):
+                    if store.add(f"{KEY}/claim", 1) == 1:
+                        store.set(f"{KEY}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
+                                                           "t": time.time()}))
+
+
+class _Tail:
+    """This rank's open collectives, from its own ledger file: only the lines since the last read."""
+
+    KEEP = ("group", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step", "attempt")
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.offset, self.open = path, 0, {}
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path:
+            return []
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            key = (ev.get("attempt"), ev.get("group"), ev.get("seq"))
+            if ev.get("ev") == "start":
+                self.open[key] = {k: ev.get(k) for k in self.KEEP}
+            elif ev.get("ev") == "end":
+                self.open.pop(key, None)
+        return sorted(self.open.values(), key=lambda c: float(c.get("t") or 0))
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("group", "seq", "op", "shapes", "dtypes"))
+
+
+def _prove(store: Any, world: int) -> dict[str, Any] | None:
+    """Every rank waits past the window, and their earliest open calls are not one collective: the proof."""
+    calls: dict[int, dict[str, Any]] = {}
+    for r in range(world):
+        if not _has(store, f"{KEY}/open/{r}"):
+            return None
+        got = _get(store, f"{KEY}/open/{r}") or []
+        if not got:
+            return None
+        calls[r] = got[0]
+    first = calls[0]
+    if all(_same(first, c) for c in calls.values()):
+        return None  # one collective that does not complete: no mismatch the ledgers show
+    line = "; ".join(f"rank {r} waits in {c.get('op')} #{c.get('seq')} on group {c.get('group')} "
+                     f"{c.get('shapes')} {','.join(c.get('dtypes') or [])} ({c.get('user_frame') or '?'}, "
+                     f"{time.time() - float(c.get('t') or time.time()):.0f}s)" for r, c in sorted(calls.items()))
+    return {"kind": "mismatched collectives", "calls": {str(r): c for r, c in calls.items()}, "line": line}
+
+
+# -- serving -----------------------------------------------------------------------------------------
+def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
+           trigger: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every rank's part: the attach of the whole job (``attach.attach``), rank 0 writing the post-mortem's
+    account into ``attach.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
+    from workbench.job import attach
+
+    pm = cap._pm
+    store = _store()
+
+    def account() -> dict[str, Any]:
+        go = alone or (_get(store, f"{KEY}/go") if store is not None else None) or trigger or {}
+        ranks: dict[str, Any] = {}
+        end = time.monotonic() + 10.0
+        for r in range(cap.world_size):
+            while store is not None and not _has(store, f"{KEY}/rank/{r}") and time.monotonic() < end:
+                time.sleep(0.05)
+            got = _get(store, f"{KEY}/rank/{r}") if store is not None else None
+            ranks[str(r)] = got or {"rank": r, "role": "?", "where": "?"}
+        if alone:
+            ranks[str(cap.rank)] = {"rank": cap.rank, "role": "raised", "where": alone.get("where")}
+        return {"post_mortem": {"reason": go.get("reason"), "rank": go.get("rank"), "error": go.get("error"),
+                                "where": go.get("where"), "proof": go.get("proof"), "ranks": ranks,
+                                "line": _line(go, ranks)}}
+
+    try:
+        result = attach.attach(cap, "post-mortem", KEY, "pm", deadline=pm["deadline"], objects=objects,
+                               doc=account)
+        if store is not None and cap.rank != 0 and _STATE.get("role") == "raised":
+            with contextlib.suppress(Exception):
+                import datetime
+
+                store.wait([f"{KEY}/closed"], datetime.timedelta(seconds=30))
+        return result
+    finally:
+        _STATE["role"] = "served"
+
+
+def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
+    """One line: who raised where, or the deadlock's proof; where each other rank waits."""
+    if go.get("reason") == "deadlock":
+        return f"deadlock (the ledgers): {(go.get('proof') or {}).get('line', '?')}"
+    parts = []
+    for r, info in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+        if info.get("role") == "raised":
+            err = info.get("error") or {}
+            parts.append(f"rank {r} raised {err.get('type', '?')}: {str(err.get('message', ''))[:160]} "
+                         f"at {info.get('where')}")
+        else:
+            calls = info.get("open_calls") or []
+            in_call = (f" in {calls[0].get('op')} #{calls[0].get('seq')} on group {calls[0].get('group')}"
+                       if calls else "")
+            parts.append(f"rank {r} waits{in_call} at {info.get('where')}")
+    return "; ".join(parts)
