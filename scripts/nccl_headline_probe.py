@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="append one JSON line per rank here")
     a = ap.parse_args()
 
+    from workbench.lab.fsdp_cpu import allow_cpu_sync_module_states
+    from workbench.lab.models import QWEN3_SHAPE, build_on_meta, load_pretrained, qwen3_config, save_checkpoint
     from workbench.rank import poison
-    from workbench.rank.fsdp_cpu import allow_cpu_sync_module_states
-    from workbench.rank.models import QWEN3_SHAPE, build_on_meta, load_pretrained, qwen3_config, save_checkpoint
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     t0 = time.time()
@@ -174,7 +174,7 @@ def main() -> None:
         log("received:", {k: res[k] for k in ("tensors_exact", "tensors_total", "inv_freq_head", "shift_match")})
     both = res["stream_done_s"] is not None and other_done and not res["flushed"]
     if a.forward and both and wrapped is not None:
-        from workbench.rank.models import token_batch
+        from workbench.lab.models import token_batch
 
         ids = token_batch(shape["vocab_size"], 16, 0, dev)
         ref = load_pretrained(ckpt, torch.bfloat16, dev)

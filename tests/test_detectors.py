@@ -8,8 +8,8 @@ from torch import nn
 
 from workbench.analysis import findings
 from workbench.analysis.frames import COLUMNS, table
+from workbench.lab.models import qwen3_config
 from workbench.rank import poison, reference
-from workbench.rank.models import qwen3_config
 from workbench.rank.probe import probe_tensors
 
 EMPTY = pd.DataFrame()

@@ -1,9 +1,11 @@
 """The package's import rules, read from the source with ``ast`` (lazy imports count).
 
 Layers, bottom up: the public face and declarations (``workbench``, ``errors``,
-``scenario``), ``rank`` (inside a rank), ``scenarios``, ``analysis``, ``viz``,
+``scenario``), ``rank`` (the instrumentation inside a rank), ``lab`` (what scenarios are built
+from: models, FSDP helpers, the weight-sync roles), ``scenarios``, ``analysis``, ``viz``,
 ``postmortem``, ``job``, ``live``, ``teach``, ``cli``. A module may import its own layer or lower ones;
-``rank`` only itself and the declarations; nothing imports ``teach`` (``workbench/__init__``
+``rank`` only itself and the declarations (never ``lab``); ``lab`` only itself, ``rank`` and the
+declarations; ``job`` no ``lab``; nothing imports ``teach`` (``workbench/__init__``
 reaches it lazily, by name); no import cycle anywhere.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "workbench"
-LAYERS = ["", "rank", "scenarios", "analysis", "viz", "postmortem", "job", "live", "teach", "cli"]
+LAYERS = ["", "rank", "lab", "scenarios", "analysis", "viz", "postmortem", "job", "live", "teach", "cli"]
 BASE = {"workbench", "workbench.errors", "workbench.scenario"}
 
 
@@ -82,6 +84,27 @@ def test_rank_imports_only_rank_and_declarations():
     assert not bad, f"rank/ reaches outside rank/: {bad}"
 
 
+def test_rank_imports_nothing_from_the_lab():
+    """The instrumentation stands alone: a user's own job (``job/``) loads ``rank/`` without the lab."""
+    bad = [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.rank")
+           for t in ts if t.startswith("workbench.lab")]
+    assert not bad, f"rank/ imports the lab: {bad}"
+
+
+def test_lab_imports_only_lab_rank_and_declarations():
+    bad = [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.lab")
+           for t in ts if not (t.startswith(("workbench.lab", "workbench.rank")) or t in BASE - {"workbench"})]
+    assert not bad, f"lab/ reaches outside lab/ and rank/: {bad}"
+
+
+def test_job_imports_rank_not_the_lab():
+    """The capture inside the user's training process needs the instrumentation, never the tiny models."""
+    bad = [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.job") for t in ts
+           if t.startswith("workbench.lab")]
+    assert not bad, f"job/ imports the lab: {bad}"
+    assert any(t.startswith("workbench.rank") for m, ts in GRAPH.items() if m.startswith("workbench.job") for t in ts)
+
+
 def test_imports_only_go_down_the_layers():
     bad = [(m, t) for m, ts in GRAPH.items() for t in ts if layer(t) > layer(m)]
     assert not bad, f"imports that go up a layer: {bad}"
@@ -135,7 +158,8 @@ def test_nothing_imports_teach():
     assert not bad, f"teach/ is the top of the client: {bad}"
 
 
-@pytest.mark.parametrize("folder", ["rank", "live", "analysis", "postmortem", "viz", "scenarios", "teach", "job"])
+@pytest.mark.parametrize("folder", [
+    "rank", "lab", "live", "analysis", "postmortem", "viz", "scenarios", "teach", "job"])
 def test_each_folder_says_what_lives_there(folder):
     doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
     assert doc and len(doc.split()) >= 15, f"workbench/{folder}/__init__.py needs a docstring"
@@ -145,6 +169,7 @@ def test_the_checker_sees_lazy_imports_and_cycles():
     """The rules above would pass vacuously if the walker missed function-level imports."""
     assert "workbench.postmortem.bundle" in GRAPH["workbench.live.session"]
     assert "workbench.rank.context" in GRAPH["workbench.live.engines"]  # imported inside form_group
+    assert "workbench.lab.weightsync.model" in GRAPH["workbench.lab.weightsync.vllm_role"]  # inside functions
     GRAPH["workbench.errors"].add("workbench.live.session")
     try:
         assert _cycle() is not None

@@ -21,7 +21,7 @@ import pytest
 from conftest import ANOTHER_CPU, ready
 
 from workbench.analysis import weightsync as ws
-from workbench.rank.weightsync import vllm_role
+from workbench.lab.weightsync import vllm_role
 
 if vllm_role.unavailable():  # only where vLLM cannot be imported at all (e.g. the GPU image)
     pytest.skip(vllm_role.unavailable(), allow_module_level=True)
@@ -132,8 +132,8 @@ def _guard_round_trip() -> tuple[float, float, float, bool]:
     """On a rank: the round trip before, after an update without the guard, after one with it."""
     import torch
 
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     m = wm.build_model(wm.vllm_config(), 0)
     llm, _ = vr.engine(m)

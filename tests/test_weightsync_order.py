@@ -13,7 +13,7 @@ import pytest
 
 from workbench.analysis import weightsync_order as wo
 from workbench.analysis.collectives import first_divergence
-from workbench.rank.weightsync import broadcast as bc
+from workbench.lab.weightsync import broadcast as bc
 
 SCENARIO = "weight-sync-order-desync"
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync import ipc, receive
-from workbench.rank.weightsync import model as wm
-from workbench.rank.weightsync import pack as wp
+from workbench.lab.weightsync import ipc, receive
+from workbench.lab.weightsync import model as wm
+from workbench.lab.weightsync import pack as wp
 
 ROOT = Path(__file__).resolve().parents[1]
 BIAS = "model.layers.0.mlp.gate.e_score_correction_bias"
@@ -74,7 +74,7 @@ def test_bf16_cast_collapses_the_router_bias(trainer):
 def test_handle_rebuilds_in_another_process_on_the_same_memory():
     t = torch.arange(10, dtype=torch.bfloat16)
     h = ipc.make_handle(t, "w")
-    code = ("import sys, pickle; from workbench.rank.weightsync import ipc; "
+    code = ("import sys, pickle; from workbench.lab.weightsync import ipc; "
             "t = ipc.rebuild(pickle.loads(sys.stdin.buffer.read())); print(t.tolist()); t[0] = 42")
     p = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(h), capture_output=True, timeout=120,
                        env={"PYTHONPATH": str(ROOT), "PATH": ""})

@@ -15,8 +15,8 @@ import pytest
 import workbench as wb
 from workbench import viz
 from workbench.analysis import weightsync as ws
+from workbench.lab.weightsync import ipc
 from workbench.postmortem import bundle
-from workbench.rank.weightsync import ipc
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
 GAP_BOUND = 1e-3

@@ -18,7 +18,7 @@ from workbench.analysis.collectives import short_path
 from workbench.analysis.stacks import _NOT_USER  # a library's, Python's or the rank plumbing's frame
 
 _TORCH = re.compile(r"(site|dist)-packages>?[/\\]torch[/\\]")  # also a bundle's scrubbed <site-packages>
-_PLUMBING = re.compile(r"[/\\]workbench[/\\](rank|live)[/\\]|/lib/python\d[^/]*/[^/]+\.py$|^<(string|frozen)"
+_PLUMBING = re.compile(r"[/\\]workbench[/\\](rank|lab|live)[/\\]|/lib/python\d[^/]*/[^/]+\.py$|^<(string|frozen)"
                        r"|[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client|asyncio)[/\\]")
 _TB_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$', re.M)
 

@@ -56,10 +56,10 @@ def innermost(dump: str, n: int = INNERMOST) -> str:
     return "\n".join(out)
 
 
-# libraries, Python's own files, code compiled from a string, the rank plumbing (bundles scrub paths to
+# libraries, Python's own files, code compiled from a string, the rank plumbing and the lab (bundles scrub paths to
 # <site-packages>, <python>, <workbench>: those still match)
 _NOT_USER = re.compile(r"site-packages|dist-packages|/lib/python\d|^<(string|frozen)"
-                       r"|[/\\]workbench[/\\](rank|live)[/\\]"
+                       r"|[/\\]workbench[/\\](rank|lab|live)[/\\]"
                        r"|[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client|asyncio)[/\\]")
 
 

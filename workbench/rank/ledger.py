@@ -66,6 +66,9 @@ PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKBENCH = os.path.dirname(_HERE)
+# The lab's models, roles and receivers stand where a library would in the incident: never the user's line.
+# A path, not an import: rank/ never imports lab/.
+_LAB = os.path.join(_WORKBENCH, "lab")
 _TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed")
 _STDLIB = sysconfig.get_paths().get("stdlib", "")
 _PLUMBING = (
@@ -490,7 +493,7 @@ def traceback_text(exc: BaseException) -> str:
 def _library(fn: str) -> bool:
     if fn.startswith(_USER_PREFIXES):
         return False
-    return ("site-packages" in fn or "dist-packages" in fn or fn.startswith(_HERE)
+    return ("site-packages" in fn or "dist-packages" in fn or fn.startswith((_HERE, _LAB))
             or (bool(_STDLIB) and fn.startswith(_STDLIB)) or fn.startswith("<"))
 
 

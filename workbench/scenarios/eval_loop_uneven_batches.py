@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from workbench.rank.models import QWEN3_SHAPE, qwen3_config
+from workbench.lab.models import QWEN3_SHAPE, qwen3_config
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:

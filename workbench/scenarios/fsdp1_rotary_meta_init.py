@@ -39,8 +39,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from workbench.rank.fsdp_cpu import allow_cpu_sync_module_states
-from workbench.rank.models import (
+from workbench.lab.fsdp_cpu import allow_cpu_sync_module_states
+from workbench.lab.models import (
     QWEN3_SHAPE,
     build_on_meta,
     load_pretrained,
@@ -147,12 +147,12 @@ def wrap_fsdp1(ctx) -> None:
             use_orig_params=True,
         )
     if ctx.fix == RECOMPUTE_AFTER_WRAP:
-        from workbench.rank.buffers import recompute_rope
+        from workbench.lab.buffers import recompute_rope
 
         recompute_rope(ctx.model)
         ctx.note("recomputed inv_freq in fp32 after the wrap")
     if ctx.fix == SYNC_BUFFERS_AFTER_WRAP:
-        from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+        from workbench.lab.buffers import recompute_rope, sync_non_persistent_buffers
 
         if ctx.rank == 0:
             recompute_rope(ctx.model)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from workbench.rank.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
+from workbench.lab.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def load_state_dict(ctx) -> None:
 def sync_buffers(ctx) -> None:
     """Broadcast non-persistent buffers from rank 0 (rank0-garbage and the fixes); never-synced skips it."""
     variant = ctx.params["variant"]
-    from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+    from workbench.lab.buffers import recompute_rope, sync_non_persistent_buffers
 
     if ctx.fix == INIT_BEFORE_BROADCAST and ctx.rank == 0:
         recompute_rope(ctx.model)

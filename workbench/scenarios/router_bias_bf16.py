@@ -29,7 +29,7 @@ requests per bucket, each with its own metadata.
 
 from __future__ import annotations
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
@@ -60,7 +60,7 @@ KEEP_FP32 = SCENARIO.fix(
 @SCENARIO.step
 def build(ctx) -> None:
     """Trainer shard (router bias fp32: offset ~41, per-expert std 7e-4), the worker's stale copy."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     colocated.build(ctx)
     for name, b in wm.router_biases(ctx._trainer_model):
@@ -71,7 +71,7 @@ def build(ctx) -> None:
 @SCENARIO.step
 def pack(ctx) -> None:
     """Export and cast for the sync: everything to bf16 (the fix: the router bias keeps fp32, packed apart)."""
-    from workbench.rank.weightsync import pack as wp
+    from workbench.lab.weightsync import pack as wp
 
     colocated.pack(ctx, wp.ROUTING_SUFFIXES if ctx.fix == KEEP_FP32 else ())
 
@@ -85,7 +85,7 @@ def share(ctx) -> None:
 @SCENARIO.step
 def load(ctx) -> None:
     """The worker loads by name; a bf16 bias lands in its fp32 buffer with the bf16 values."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     colocated.load(ctx)
     for name, b in colocated.worker_router(ctx)[1].items():

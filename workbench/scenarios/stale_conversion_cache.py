@@ -32,7 +32,7 @@ bias values without any error (the silent outcome the incident saw on NCCL).
 
 from __future__ import annotations
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
 from workbench.scenarios.weight_sync_order_desync import (
     build_roles,
@@ -71,8 +71,8 @@ REBUILD = SCENARIO.fix(
 
 def sync(ctx, n: int) -> None:
     """Metadata walk, stream walk and delivery, as one sync; notes what the mapping caches hold."""
-    from workbench.rank.weightsync import broadcast as bc
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import broadcast as bc
+    from workbench.lab.weightsync import conversion as cv
 
     forget_expectations(ctx)
     if not ctx.roles.is_trainer(ctx.rank):  # an inference worker on its own rank: the delivery only
@@ -96,7 +96,7 @@ def sync(ctx, n: int) -> None:
 @SCENARIO.step
 def build(ctx) -> None:
     """Trainer replica (bf16, the router bias bf16 as after the mixed-precision wrapper); the worker's copy."""
-    from workbench.rank.weightsync.pack import dtype_of
+    from workbench.lab.weightsync.pack import dtype_of
 
     build_roles(ctx, bias_dtype=dtype_of(ctx.params["bias_dtype_sync1"]))
     if ctx.roles.is_trainer(ctx.rank):
@@ -122,8 +122,8 @@ def train_step(ctx) -> None:
     only the owner's copy is exported.)"""
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
-    from workbench.rank.weightsync.pack import dtype_of
+    from workbench.lab.weightsync import conversion as cv
+    from workbench.lab.weightsync.pack import dtype_of
 
     forget_expectations(ctx)
     g = torch.Generator().manual_seed(ctx.params["seed"] + 1000)

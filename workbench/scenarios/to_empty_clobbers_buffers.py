@@ -55,7 +55,7 @@ def build(ctx) -> None:
     """Build on meta; the router's expert_bias is created on the rank's device (zeros)."""
     import torch
 
-    from workbench.rank.toy_moe import TinyMoE
+    from workbench.lab.toy_moe import TinyMoE
 
     p = ctx.params
     with torch.device("meta"):
@@ -114,7 +114,7 @@ def train(ctx) -> None:
     import torch
     import torch.distributed as dist
 
-    from workbench.rank.toy_moe import update_expert_bias
+    from workbench.lab.toy_moe import update_expert_bias
 
     p = ctx.params
     g = torch.Generator().manual_seed(p["seed"] + 1)

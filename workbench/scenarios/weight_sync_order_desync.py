@@ -10,7 +10,7 @@ then the fp32 chunk) while ``get_weight_metadata`` still lists names in raw expo
 Roles on 2 ranks: rank 0 is trainer stage 0 and the sender (rank 0 of the transfer
 group); rank 1 is trainer stage 1 (it owns the MoE layer, hence the router bias) and
 the inference worker. The routed experts are expert-parallel over both trainer ranks, so
-exporting them all-gathers (see ``workbench.rank.weightsync.conversion``). Because rank 1
+exporting them all-gathers (see ``workbench.lab.weightsync.conversion``). Because rank 1
 plays both roles, the sender packs its buffers in ``stream`` and broadcasts them in
 ``deliver``: the same bytes and cuts as streaming, in two steps.
 
@@ -51,13 +51,13 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES, DEFAULT_THRESHOLD, RECEIVERS, TOY_SHAPE
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import conversion as cv
 
 # torch and the rank helpers are imported inside the steps, which run on the ranks: the client imports
 # this module only for its declaration (tests/test_client_imports.py keeps it that way).
@@ -141,8 +141,8 @@ def build_roles(ctx, bias_dtype: torch.dtype | None = None) -> None:
     reference a right sync reaches); each worker's own model."""
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import conversion as cv
+    from workbench.lab.weightsync import vllm_role as vr
 
     p = ctx.params
     ctx.receiver = vr.resolve(p["receiver"], ctx.device)
@@ -187,7 +187,7 @@ def forget_expectations(ctx) -> None:
 def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExtractor:
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import conversion as cv
 
     p = ctx.params
     return cv.ConversionExtractor(ctx.trainer, ctx.mesh, torch.bfloat16, p["bucket_bytes"], reuse_tasks, metadata)
@@ -195,7 +195,7 @@ def extractor(ctx, metadata: str, reuse_tasks: bool = False) -> cv.ConversionExt
 
 def make_plan(ctx, metadata: str, stage: int) -> None:
     """Every trainer rank builds the metadata (walking the export: collectives); the sender keeps it."""
-    from workbench.rank.weightsync import broadcast as bc
+    from workbench.lab.weightsync import broadcast as bc
 
     forget_expectations(ctx)
     if not ctx.roles.is_trainer(ctx.rank):
@@ -210,7 +210,7 @@ def make_plan(ctx, metadata: str, stage: int) -> None:
 
 def stream(ctx, stage: int) -> None:
     """Every trainer rank walks ``extract_weights``; the sender packs the stream, the others drain it."""
-    from workbench.rank.weightsync import broadcast as bc
+    from workbench.lab.weightsync import broadcast as bc
 
     forget_expectations(ctx)
     if not ctx.roles.is_trainer(ctx.rank):
@@ -234,8 +234,8 @@ def deliver(ctx, check: bool) -> None:
     """The update request (the plan) goes to the worker, then the packed bytes."""
     import torch.distributed as dist
 
-    from workbench.rank.weightsync import broadcast as bc
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import broadcast as bc
+    from workbench.lab.weightsync import conversion as cv
 
     forget_expectations(ctx)
     roles = ctx.roles
@@ -248,7 +248,7 @@ def deliver(ctx, check: bool) -> None:
         sent = bc.send_packed(ctx.buffers, group=group, src=SENDER, plan=ctx.plan, check=check, threshold=threshold)
         ctx.note(f"sent {len(sent.buffers)} buffer(s), {sent.bytes} bytes")
     elif ctx.receiver == "vllm":
-        from workbench.rank.weightsync import vllm_role as vr
+        from workbench.lab.weightsync import vllm_role as vr
 
         plan = bc.Plan.from_metadata(box[0])
         with vr.WeightUpdate(ctx._llm) as up:
@@ -292,8 +292,8 @@ def score(ctx, sync: int) -> None:
 
 def start_vllm(ctx, stale: torch.nn.Module) -> None:
     """vLLM's engine serving the worker's stale copy (reused engines reload it); the round trip before any sync."""
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     ctx._llm, took = vr.engine(stale)
     if took is None:
@@ -310,9 +310,9 @@ def compare_vllm(ctx) -> tuple[float, list[str], int]:
     """vLLM's prompt log-probs against the trainer's on the fixed tokens; names read back from vLLM."""
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import conversion as cv
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     want = cv.hf_state(ctx.trainer, torch.bfloat16)
     have = vr.hf_state(ctx._llm, ctx.config)
@@ -326,8 +326,8 @@ def kernel_floor(ctx) -> float:
 
     After a right sync the gap is this floor by construction; it moves with the weights (near-tied router
     picks flip between vLLM's and the trainer's kernels), so it is the level a fix must return to."""
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     lp = vr.floor_logprobs(ctx._llm, ctx.trainer, ctx.tokens, ctx.config)
     return float((lp - wm.token_logprobs(ctx.trainer, ctx.tokens)).abs().mean())
@@ -336,7 +336,7 @@ def kernel_floor(ctx) -> float:
 def compare(inference: torch.nn.Module, trainer: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, list[str], int]:
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import conversion as cv
 
     want = cv.hf_state(trainer, torch.bfloat16)
     have = cv.hf_state(inference, torch.bfloat16)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES, RECEIVERS, TINY
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -89,9 +89,9 @@ def build(ctx) -> None:
     """Trainer model (bf16, router bias fp32) one training step ahead of the hosted worker's copy."""
     import torch
 
-    from workbench.rank.weightsync import ipc
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import ipc
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     p = ctx.params
     sync_dtype = getattr(torch, SYNC_DTYPE)
@@ -135,7 +135,7 @@ def pack(ctx, keep_suffixes: tuple[str, ...]) -> None:
     """Export this trainer rank's shard, cast for the sync, bucket and pack per dtype."""
     import torch
 
-    from workbench.rank.weightsync import pack as wp
+    from workbench.lab.weightsync import pack as wp
 
     p = ctx.params
     sync_dtype = getattr(torch, SYNC_DTYPE)
@@ -148,7 +148,7 @@ def pack(ctx, keep_suffixes: tuple[str, ...]) -> None:
 
 def share(ctx, per_rank: bool) -> None:
     """Per buffer: a handle, all-gathered with (fix) or without this rank's metadata; rank 0's request out."""
-    from workbench.rank.weightsync import ipc
+    from workbench.lab.weightsync import ipc
 
     ctx.requests = []
     key = ipc.device_key(ctx.device, ctx.rank)
@@ -167,8 +167,8 @@ def load(ctx) -> None:
     """The hosted worker rebuilds its device's handles, slices them in metadata order, loads by name."""
     import torch.distributed as dist
 
-    from workbench.rank.weightsync import ipc, receive
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import ipc, receive
+    from workbench.lab.weightsync import model as wm
 
     key = ipc.device_key(ctx.worker_device, ctx.worker)
     written: list[str] = []
@@ -193,7 +193,7 @@ def load(ctx) -> None:
 
 def check(ctx) -> None:
     """Log-prob gap after the sync; routing of the fixed tokens with the trainer's vs the worker's bias."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     lp = worker_logprobs(ctx)
     gap = (lp - ctx.reference_lp).abs()
@@ -239,7 +239,7 @@ def engine_floor(ctx) -> torch.Tensor:
     no floor (NaN), the fixed rounding tolerance applies."""
     import torch
 
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import vllm_role as vr
 
     if ctx.receiver != "vllm":
         return torch.full((1,), float("nan"))
@@ -252,15 +252,15 @@ def warm_vllm(cluster, timeout: float = 600.0) -> dict[int, dict]:
 
     An engine start takes seconds (minutes on a loaded box); inside a step it counts against the
     step's deadline. The sessions after it reuse the engine and reload every weight."""
-    from workbench.rank.weightsync.vllm_role import warm
+    from workbench.lab.weightsync.vllm_role import warm
 
     return cluster.run(warm, timeout=timeout)
 
 
 def start_vllm(ctx) -> None:
     """vLLM's engine from the trainer's checkpoint (reused engines reload it); the round trip before any sync."""
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     ctx._llm, took = vr.engine(ctx._trainer_model)
     if took is None:
@@ -276,8 +276,8 @@ def start_vllm(ctx) -> None:
 
 def load_vllm(ctx, key: str) -> list[str]:
     """vLLM's update: start, the other workers' experts, this device's slices by the request's metadata, finish."""
-    from workbench.rank.weightsync import receive
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import receive
+    from workbench.lab.weightsync import vllm_role as vr
 
     written: list[str] = []
     with vr.WeightUpdate(ctx._llm) as up:
@@ -289,7 +289,7 @@ def load_vllm(ctx, key: str) -> list[str]:
 
 def vllm_view(ctx, names: list[str]) -> dict[str, torch.Tensor]:
     """The worker's tensors under ``names``, read back from vLLM's parameters."""
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import vllm_role as vr
 
     state = vr.hf_state(ctx._llm, ctx.config)
     ctx._inference = vr.as_module(vr.fused_state(state))  # module tensors, what worker<w>_model probes
@@ -297,8 +297,8 @@ def vllm_view(ctx, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def worker_logprobs(ctx) -> torch.Tensor:
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     if ctx.receiver == "vllm":
         return vr.prompt_logprobs(ctx._llm, ctx.tokens)
@@ -307,8 +307,8 @@ def worker_logprobs(ctx) -> torch.Tensor:
 
 def worker_router(ctx) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The worker's router scores for the fixed tokens and its router biases (vLLM's own under vLLM)."""
-    from workbench.rank.weightsync import model as wm
-    from workbench.rank.weightsync import vllm_role as vr
+    from workbench.lab.weightsync import model as wm
+    from workbench.lab.weightsync import vllm_role as vr
 
     if ctx.receiver == "vllm":
         return vr.router_scores(ctx._llm, ctx.tokens), vr.router_biases(ctx._llm)
@@ -333,7 +333,7 @@ def expose_worker(ctx, loaded: dict[str, torch.Tensor]) -> None:
 
 
 def _experts(ctx, rank: int) -> str:
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     if ctx.params["layout"] == "replicated":
         return "all"
@@ -342,7 +342,7 @@ def _experts(ctx, rank: int) -> str:
 
 
 def _module_name(hf_name: str) -> str:
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     m = wm.EXPERT_RE.match(hf_name)
     return f"{m['prefix']}.{m['w']}" if m else hf_name
@@ -350,7 +350,7 @@ def _module_name(hf_name: str) -> str:
 
 def _fused_expected(trainer, name: str, t: torch.Tensor) -> torch.Tensor:
     """The worker's module tensor a right sync leaves: the trainer's (fused experts whole)."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     m = wm.EXPERT_RE.match(name)
     return trainer.get_parameter(f"{m['prefix']}.{m['w']}").detach() if m else t.detach()
@@ -373,7 +373,7 @@ def build_step(ctx) -> None:
 @SCENARIO.step(name="pack")
 def pack_step(ctx) -> None:
     """Export this rank's shard (its experts first), bf16 with the router bias kept fp32, pack per dtype."""
-    from workbench.rank.weightsync import pack as wp
+    from workbench.lab.weightsync import pack as wp
 
     pack(ctx, wp.ROUTING_SUFFIXES if ctx.params["keep_fp32_routing"] else ())
 

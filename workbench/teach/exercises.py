@@ -111,7 +111,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
          "`compute_default_rope_parameters` ignores `rope_type`. Use the module's own init: "
          "`transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[module.rope_type](module.config)` returns "
          "`(inv_freq, scaling)`; set `inv_freq` and `original_inv_freq` on rank 0, then broadcast "
-         "(`workbench.rank.buffers.sync_non_persistent_buffers`)."],
+         "(`workbench.lab.buffers.sync_non_persistent_buffers`)."],
         solutions.ref_02, solutions.nonfix_02, None, SYMPTOM_ONLY,
         swap={"load": steps.load_scaled_rope}, params={"variant": "rank0-garbage"}, symptom="finite-logits"),
     Exercise(
@@ -149,7 +149,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
          "Per pack: gather `{key: {'handle': ipc.make_handle(pk.data, pk.names[0]), 'metadata': pk.metadata()}}` "
          "with `ipc.gather_handles(entry, device=ctx.device)`; rank 0 builds `ipc.request_per_rank(gathered)`; "
          "`ipc.broadcast_request(req, src=0, device=ctx.device)` into `ctx.requests` "
-         "(`from workbench.rank.weightsync import ipc`, `key = ipc.device_key(ctx.device, ctx.rank)`)."],
+         "(`from workbench.lab.weightsync import ipc`, `key = ipc.device_key(ctx.device, ctx.rank)`)."],
         solutions.ref_05, solutions.nonfix_05, ("replace", "load"), SYMPTOM_ONLY,
         params={"n_routed_experts": 4, "bucket_bytes": 4096}, symptom="own-names"),
     Exercise(

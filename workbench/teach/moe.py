@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.rank.toy_moe import Router, TinyMoE
+from workbench.lab.toy_moe import Router, TinyMoE
 
 
 class ScaledRouter(Router):

@@ -26,7 +26,7 @@ def ref_01(ctx) -> None:
 
 def nonfix_01(ctx) -> None:
     """Recompute inv_freq after the wrap (slot: after ``wrap_fsdp1``): the buffer is right, the rest is not."""
-    from workbench.rank.buffers import recompute_rope
+    from workbench.lab.buffers import recompute_rope
 
     recompute_rope(ctx.model)
 
@@ -36,7 +36,7 @@ def ref_02(ctx) -> None:
     """Rank 0 recomputes the buffers with the module's own rope init (linear scaling included), then broadcasts."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from workbench.rank.buffers import sync_non_persistent_buffers
+    from workbench.lab.buffers import sync_non_persistent_buffers
 
     if ctx.rank == 0:
         for module in ctx.model.modules():
@@ -51,7 +51,7 @@ def ref_02(ctx) -> None:
 
 def nonfix_02(ctx) -> None:
     """The notebook's ``init-buffers-before-broadcast``: default rope frequencies, blind to the scaling."""
-    from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
+    from workbench.lab.buffers import recompute_rope, sync_non_persistent_buffers
 
     if ctx.rank == 0:
         recompute_rope(ctx.model)
@@ -127,7 +127,7 @@ def nonfix_04(ctx) -> None:
 # -- 05 --------------------------------------------------------------------------------------------
 def ref_05(ctx) -> None:
     """Every handle travels with its own rank's metadata; each worker slices with its own device's lists."""
-    from workbench.rank.weightsync import ipc
+    from workbench.lab.weightsync import ipc
 
     ctx.requests = []
     key = ipc.device_key(ctx.device, ctx.rank)
@@ -143,8 +143,8 @@ def nonfix_05(ctx) -> None:
     foreign name any more, but the worker's own experts stay stale (their bytes were never addressed)."""
     import torch.distributed as dist
 
-    from workbench.rank.weightsync import ipc, receive
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import ipc, receive
+    from workbench.lab.weightsync import model as wm
     from workbench.scenarios import weight_sync_rank0_metadata as colocated
 
     key = ipc.device_key(ctx.worker_device, ctx.worker)
@@ -171,7 +171,7 @@ def ref_06(ctx) -> None:
     """Cast for the sync, but routing-critical names (``e_score_correction_bias``) keep fp32, packed apart."""
     import torch
 
-    from workbench.rank.weightsync import pack as wp
+    from workbench.lab.weightsync import pack as wp
 
     exported = list(ctx.trainer.items())
     ctx.sent = dict(wp.cast_for_sync(exported, torch.bfloat16, wp.ROUTING_SUFFIXES))
@@ -182,7 +182,7 @@ def nonfix_06(ctx) -> None:
     """Sync everything in fp16 ("more mantissa bits"): at an offset of ~41 fp16 steps are 0.03, still too coarse."""
     import torch
 
-    from workbench.rank.weightsync import pack as wp
+    from workbench.lab.weightsync import pack as wp
 
     exported = list(ctx.trainer.items())
     ctx.sent = dict(wp.cast_for_sync(exported, torch.float16, ()))
@@ -217,7 +217,7 @@ def nonfix_08(ctx) -> None:
     right, the mis-sized pipeline broadcast that wrote stage 0's copy still happened."""
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import conversion as cv
     from workbench.scenarios.weight_sync_order_desync import WORKER
 
     if ctx.rank != WORKER:

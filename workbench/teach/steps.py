@@ -31,7 +31,7 @@ def load_scaled_rope(ctx) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workbench.rank.models import qwen3_config, save_checkpoint
+    from workbench.lab.models import qwen3_config, save_checkpoint
 
     config = qwen3_config(**ctx.params)
     config.rope_parameters = {"rope_type": "linear", "factor": ROPE_FACTOR,
@@ -85,7 +85,7 @@ def build_three_dtypes(ctx) -> None:
     """Three layers (one dense, two MoE): the first router bias stays fp32, the second was converted to fp16."""
     import torch
 
-    from workbench.rank.weightsync import conversion as cv
+    from workbench.lab.weightsync import conversion as cv
     from workbench.scenarios.weight_sync_order_desync import WORKER, build_roles
 
     build_roles(ctx)

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
+from workbench.lab.weightsync import model as model_mod
+from workbench.lab.weightsync import pack
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES, TOY_SHAPE  # noqa: F401  (re-exported)
+from workbench.lab.weightsync.pack import dtype_name
 from workbench.rank.ledger import label
-from workbench.rank.weightsync import model as model_mod
-from workbench.rank.weightsync import pack
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES, TOY_SHAPE  # noqa: F401  (re-exported)
-from workbench.rank.weightsync.pack import dtype_name
 
 METADATA_MODES = ("raw", "mirrored-local", "one-plan")
 

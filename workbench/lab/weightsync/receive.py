@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync import ipc
-from workbench.rank.weightsync.pack import check_metadata, dtype_of
+from workbench.lab.weightsync import ipc
+from workbench.lab.weightsync.pack import check_metadata, dtype_of
 
 
 class ReceiveError(WorkbenchError):

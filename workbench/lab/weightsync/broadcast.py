@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync.defaults import DEFAULT_THRESHOLD
-from workbench.rank.weightsync.pack import dtype_name, dtype_of
+from workbench.lab.weightsync.defaults import DEFAULT_THRESHOLD
+from workbench.lab.weightsync.pack import dtype_name, dtype_of
 
 
 class StreamPlanMismatch(WorkbenchError):

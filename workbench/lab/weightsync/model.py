@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync.defaults import TINY, VLLM_SHAPE
+from workbench.lab.weightsync.defaults import TINY, VLLM_SHAPE
 
 BIAS_SUFFIX = "e_score_correction_bias"
 EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>gate_up_proj|down_proj)$")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync.defaults import DEFAULT_BUCKET_BYTES
+from workbench.lab.weightsync.defaults import DEFAULT_BUCKET_BYTES
 
 ROUTING_SUFFIXES = ("e_score_correction_bias",)  # PR #1816's _FP32_SYNC_SUFFIXES
 

@@ -12,5 +12,5 @@ Small pieces a user can step their own sync through, one concern each:
 - ``broadcast`` and ``conversion``: the non-colocated packed broadcast and the exporting
   extractor (part 2).
 
-Imports only ``rank/``, ``workbench.errors`` and ``workbench.scenario``.
+Imports only ``rank/``, ``lab/``, ``workbench.errors`` and ``workbench.scenario``.
 """

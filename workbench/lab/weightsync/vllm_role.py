@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank.weightsync.defaults import RECEIVERS
+from workbench.lab.weightsync.defaults import RECEIVERS
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 KV_CACHE_BYTES = 32 << 20
@@ -103,7 +103,7 @@ def _own_world() -> Iterator[None]:
 # -- the engine --------------------------------------------------------------------------------------
 def _key(config) -> str:
     """What decides the engine's shapes (not the values, which every session reloads)."""
-    from workbench.rank.weightsync.defaults import VLLM_SHAPE
+    from workbench.lab.weightsync.defaults import VLLM_SHAPE
 
     return json.dumps({"model_type": config.model_type, **{k: getattr(config, k, None) for k in VLLM_SHAPE}},
                       sort_keys=True, default=str)
@@ -112,7 +112,7 @@ def _key(config) -> str:
 def warm(seed: int = 0) -> dict[str, Any]:
     """Start this rank's engine for the default ``VLLM_SHAPE`` model ahead of a session (tests, notebooks):
     the start then happens under the caller's timeout, not inside a step's deadline."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     _, took = engine(wm.build_model(wm.vllm_config(), seed))
     return {"vllm": vllm_version(), "start_s": _ENGINE["start_s"], "started_now": took is not None}
@@ -227,7 +227,7 @@ def repack_experts(model: torch.nn.Module) -> int:
 
 def reload_all(llm, model: torch.nn.Module) -> None:
     """Every weight of ``model`` through the update path: a reused engine now serves this checkpoint."""
-    from workbench.rank.weightsync import model as wm
+    from workbench.lab.weightsync import model as wm
 
     with WeightUpdate(llm) as up:
         up.update(wm.hf_state(model).items())
