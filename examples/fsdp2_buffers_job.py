@@ -28,8 +28,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import workbench.job as wj
-from workbench.rank.buffers import recompute_rope, sync_non_persistent_buffers
-from workbench.rank.models import load_pretrained, qwen3_config, save_checkpoint, token_batch
+from workbench.lab.buffers import recompute_rope, sync_non_persistent_buffers
+from workbench.lab.models import load_pretrained, qwen3_config, save_checkpoint, token_batch
 
 
 def main() -> None:
