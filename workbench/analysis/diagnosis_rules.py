@@ -104,12 +104,17 @@ def always(*_: Any) -> bool:
     return True
 
 
+def first(stage: str, facts: Any) -> Rule:
+    """The rule that tells ``stage``'s story from ``facts``: the first of the stage whose ``when`` holds (each stage
+    ends with one that always does)."""
+    return next(r for r in RULES if r.stage == stage and not r.adds and r.when(facts))
+
+
 def tell(stage: str, facts: Any) -> Diagnosis:
     """The story of ``stage``: the first of its rules that fires says it, then each adding rule that fires adds."""
-    rules = [r for r in RULES if r.stage == stage]
-    d = next(r.says(facts) for r in rules if not r.adds and r.when(facts))
-    for r in rules:
-        if r.adds and r.when(facts, d):
+    d = first(stage, facts).says(facts)
+    for r in RULES:
+        if r.stage == stage and r.adds and r.when(facts, d):
             d = r.says(facts, d)
     return d
 
