@@ -63,12 +63,16 @@ def load_pretrained(directory: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def build_on_meta(config):
+def build_on_meta(config, dtype: torch.dtype | None = None):
+    """The model of ``config`` on the meta device (eager attention, eval mode): shapes and dtypes, no memory.
+    ``dtype``: the weights' dtype (default: what ``from_config`` picks); buffers computed in ``__init__``
+    (rotary ``inv_freq``) keep their own."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    kw = {} if dtype is None else {"dtype": dtype}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", **kw).eval()
 
 
 def token_batch(vocab_size: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:

@@ -64,3 +64,22 @@ class TinyMoE(nn.Module):
             if tok.numel():
                 out.index_add_(0, tok, gates[tok, slot, None] * expert(x[tok]))
         return out, chosen
+
+
+def route_beside_reference(ctx, model: TinyMoE, reference: TinyMoE) -> tuple[torch.Tensor, ...]:
+    """One batch (the same on every rank: ``ctx.params``' seed, tokens and vocab size) through ``model``
+    and ``reference``, each traced (the reference as run ``"reference"``): (hidden, reference hidden,
+    tokens per expert, the reference's tokens per expert)."""
+    from workbench.rank.trace import trace_forward
+
+    p = ctx.params
+    g = torch.Generator().manual_seed(p["seed"])
+    ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
+    with torch.no_grad():
+        with trace_forward(ctx, model):
+            hidden, chosen = model(ids)
+        with trace_forward(ctx, reference, run="reference"):
+            ref_hidden, ref_chosen = reference(ids)
+    load = torch.bincount(chosen.reshape(-1), minlength=p["experts"])
+    expected = torch.bincount(ref_chosen.reshape(-1), minlength=p["experts"])
+    return hidden, ref_hidden, load, expected

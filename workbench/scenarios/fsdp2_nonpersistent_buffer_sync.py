@@ -27,7 +27,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from workbench.lab.models import QWEN3_SHAPE, load_pretrained, qwen3_config, save_checkpoint, token_batch
+from workbench.lab.models import (
+    QWEN3_SHAPE,
+    build_on_meta,
+    load_pretrained,
+    qwen3_config,
+    save_checkpoint,
+    token_batch,
+)
 from workbench.scenario import Scenario
 
 if TYPE_CHECKING:
@@ -75,11 +82,7 @@ def load(ctx) -> None:
     config = qwen3_config(**ctx.params)
     ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
     if meta_rank(ctx):
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            ctx.model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                         attn_implementation="eager").eval()
+        ctx.model = build_on_meta(config, torch.bfloat16)
         ctx.note("built on meta (bf16 weights, fp32 inv_freq): inv_freq has no data yet")
     else:
         ctx.model = load_pretrained(ctx.checkpoint, torch.bfloat16, ctx.device)

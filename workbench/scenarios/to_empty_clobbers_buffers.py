@@ -82,23 +82,13 @@ def materialize(ctx) -> None:
 @SCENARIO.step
 def route(ctx) -> None:
     """Route one batch (the same on every rank), traced, next to a reference with the zero bias."""
-    import torch
     import torch.distributed as dist
 
-    from workbench.rank.trace import trace_forward
+    from workbench.lab.toy_moe import route_beside_reference
 
-    p = ctx.params
-    g = torch.Generator().manual_seed(p["seed"])
-    ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
     reference = copy.deepcopy(ctx.model)
     reference.router.expert_bias.zero_()  # the value the router was created with
-    with torch.no_grad():
-        with trace_forward(ctx, ctx.model):
-            hidden, chosen = ctx.model(ids)
-        with trace_forward(ctx, reference, run="reference"):
-            _, ref_chosen = reference(ids)
-    load = torch.bincount(chosen.reshape(-1), minlength=p["experts"])
-    expected = torch.bincount(ref_chosen.reshape(-1), minlength=p["experts"])
+    hidden, _, load, expected = route_beside_reference(ctx, ctx.model, reference)
     ctx.output("expert_load", load, ref_max_abs_diff=float((load - expected).abs().max()))
     total = load.clone()
     dist.all_reduce(total)  # what aux-loss-free balancing would update the bias from

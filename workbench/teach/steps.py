@@ -1,8 +1,9 @@
 """The exercises' variant steps: what each exercise changes in its incident, run on the ranks.
 
-Rank side, like a catalogue scenario file: torch and the rank helpers are imported inside the
-functions (the client pickles them by reference and never runs them). Each variant reuses the
-catalogue's own steps and changes one thing the incident notebook did not show.
+Rank side, like a catalogue scenario file: torch and the lab (``workbench.lab``: the models, the toy
+MoE's traced routing) are imported inside the functions (the client pickles them by reference and never
+runs them). Each variant builds on the lab and the catalogue's own steps, and changes one thing the
+incident notebook did not show.
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ ROPE_FACTOR = 4.0
 def load_scaled_rope(ctx) -> None:
     """Every rank builds on meta from a config with ``rope_type="linear"``; the checkpoint carries it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from workbench.lab.models import qwen3_config, save_checkpoint
+    from workbench.lab.models import build_on_meta, qwen3_config, save_checkpoint
 
     config = qwen3_config(**ctx.params)
     config.rope_parameters = {"rope_type": "linear", "factor": ROPE_FACTOR,
                               "rope_theta": float(ctx.params["rope_theta"])}
     ctx.checkpoint = save_checkpoint(config, os.path.join(ctx.workdir, "ckpt"), ctx.params["seed"])
-    with torch.device("meta"):
-        ctx.model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ctx.model = build_on_meta(config, torch.bfloat16)
     ctx.note(f"built on meta, rope_type=linear factor {ROPE_FACTOR:g}: inv_freq has no data yet")
 
 
@@ -57,23 +56,12 @@ def build_scaled_moe(ctx) -> None:
 
 def route_scaled(ctx) -> None:
     """Route one batch, traced, next to a reference whose two real buffers hold their creation values."""
-    import torch
+    from workbench.lab.toy_moe import route_beside_reference
 
-    from workbench.rank.trace import trace_forward
-
-    p = ctx.params
-    g = torch.Generator().manual_seed(p["seed"])
-    ids = torch.randint(0, p["vocab_size"], (p["tokens"],), generator=g).to(ctx.device)
     reference = copy.deepcopy(ctx.model)
     reference.router.expert_bias.zero_()
     reference.router.gate_scale.fill_(1.0)
-    with torch.no_grad():
-        with trace_forward(ctx, ctx.model):
-            hidden, chosen = ctx.model(ids)
-        with trace_forward(ctx, reference, run="reference"):
-            ref_hidden, ref_chosen = reference(ids)
-    load = torch.bincount(chosen.reshape(-1), minlength=p["experts"])
-    expected = torch.bincount(ref_chosen.reshape(-1), minlength=p["experts"])
+    hidden, ref_hidden, load, expected = route_beside_reference(ctx, ctx.model, reference)
     ctx.output("expert_load", load, ref_max_abs_diff=float((load - expected).abs().max()))
     gap = (hidden - ref_hidden).abs().nan_to_num(nan=float("inf")).max().item()
     ctx.output("hidden", hidden, ref_max_abs_diff=gap)
