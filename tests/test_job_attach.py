@@ -302,6 +302,7 @@ def test_post_mortem_after_one_rank_raises(job_factory):
     connect_s = time.perf_counter() - t1
     try:
         pm = cluster.post_mortem
+        ready_s = doc["started_at"] + doc["ready_s"] - pm["t"]  # from the raise to attach.json
         assert pm["reason"] == "error" and pm["rank"] == 1
         assert pm["error"].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
         assert pm["where"].endswith("postmortem_job.py:30 in step")
@@ -328,9 +329,12 @@ def test_post_mortem_after_one_rank_raises(job_factory):
     log = job.log_path.read_text()
     assert "[rank1]: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x6 and 8x8)" in log
     assert _gone([*cluster.pids.values(), doc["controller_pid"]])
-    print(f"post mortem: attachable {attachable_s:.2f}s after the job started (controller up {doc['ready_s']:.2f}s "
-          f"after the raise), wb.connect {connect_s:.2f}s, resume {done['resume_s']:.2f}s, job ended "
-          f"{exit_s:.2f}s later")
+    # the shards' ledgers: rank 0's all-reduce #3 never ended, and the attach issued no collective of its own
+    ledger = wb.load(job.out).bug.ledger
+    assert not any("workbench/job" in str(f) for f in ledger["user_frame"])
+    assert list(ledger[ledger["rank"] == 1]["seq"]) == [1, 2]
+    print(f"post mortem: attach.json {ready_s:.2f}s after the raise ({attachable_s:.2f}s after the launch), "
+          f"wb.connect {connect_s:.2f}s, resume {done['resume_s']:.2f}s, job ended {exit_s:.2f}s later")
 
 
 def test_post_mortem_after_a_deadlock_the_ledgers_prove(job_factory):
@@ -339,9 +343,13 @@ def test_post_mortem_after_a_deadlock_the_ledgers_prove(job_factory):
     each call. A cell that hangs on those threads (pure Python) is interrupted at the deadline too."""
     job = job_factory("--deadline", "8", "--deadlock", "--hang-after", "1", "--timeout", "14", script=POSTMORTEM)
     doc = job.at_breakpoint()
+    t0 = time.perf_counter()
     cluster = wb.connect(job=job.out)
+    connect_s = time.perf_counter() - t0
     try:
         proof = cluster.post_mortem["proof"]
+        late_s = cluster.post_mortem["t"] - max(c["t"] for c in proof["calls"].values()) - 1.0  # past --hang-after
+        ready_s = doc["started_at"] + doc["ready_s"] - cluster.post_mortem["t"]
         assert cluster.post_mortem["reason"] == "deadlock" and proof["kind"] == "mismatched collectives"
         calls = proof["calls"]
         assert (calls["0"]["op"], calls["0"]["group"], calls["0"]["seq"]) == ("all_reduce", "0", 3)
@@ -357,3 +365,17 @@ def test_post_mortem_after_a_deadlock_the_ledgers_prove(job_factory):
     assert done["by"] == "deadline" and done["hung"]["interrupted"] is True
     assert done["resumed_at"] - doc["deadline_at"] < 15
     assert job.wait(60) != 0  # the ranks stayed in their calls, as they would have: the group's timeout ends them
+    print(f"deadlock: proven {late_s:.2f}s past the window, attach.json {ready_s:.2f}s after, wb.connect "
+          f"{connect_s:.2f}s, a hung cell interrupted {done['resumed_at'] - doc['deadline_at']:.2f}s past the deadline")
+
+
+def test_attach_takes_only_what_it_names(tmp_path):
+    import workbench.job as wj
+
+    with pytest.raises(ValueError, match="attach must be 'on-error', 'on-deadlock' or 'post-mortem'"):
+        wj.capture(tmp_path / "x", attach="sometimes")
+    with pytest.raises(ValueError, match="needs ledger=True or 'calls'"):
+        wj.capture(tmp_path / "x", attach="on-deadlock", ledger=False)
+    with pytest.raises(ValueError, match="positive seconds"):
+        wj.capture(tmp_path / "x", attach="on-error", attach_deadline=0)
+    assert not (tmp_path / "x").exists()

@@ -191,8 +191,14 @@ def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLi
     """
     n = _STATE.get("count", 0)
     _STATE["count"] = n + 1
-    return attach(cap, n, f"workbench/breakpoint/{n}", f"bp{n}", deadline=deadline, controller=controller,
-                  objects=objects)
+    return attach(cap, n, f"{store_prefix(cap)}/breakpoint/{n}", f"bp{n}", deadline=deadline,
+                  controller=controller, objects=objects)
+
+
+def store_prefix(cap: Any) -> str:
+    """This attempt's keys in the job's store: an elastic restart keeps the store and its keys, so a restarted
+    rank must not read the engine file or the trigger its earlier attempt left there."""
+    return f"workbench/attempt{getattr(cap, 'doc', {}).get('attempt', 0)}"
 
 
 def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: float,

@@ -36,7 +36,6 @@ import time
 import traceback
 from typing import Any
 
-KEY = "workbench/post-mortem"
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
 _LOCK = threading.Lock()
@@ -68,6 +67,12 @@ def uninstall(cap: Any) -> None:
     pm = getattr(cap, "_pm", None)
     if pm and pm.get("stop") is not None:
         pm["stop"].set()
+
+
+def _key(cap: Any) -> str:
+    from workbench.job.attach import store_prefix
+
+    return f"{store_prefix(cap)}/post-mortem"
 
 
 def _store() -> Any:
@@ -111,6 +116,12 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
                 time.sleep(0.1)
         return None
     store = _store()  # where another rank raised first, this one serves too, as a rank that raised
+    if store is None and cap.world_size > 1:  # no process group (not yet, or destroyed): no way to the others
+        sys.__stderr__.write("workbench: no post-mortem attach: the job's process group is not initialized, so "
+                             "the other ranks cannot be told\n")
+        _STATE["role"] = "served"
+        return None
+    key = _key(cap)
     error = _error(exc, tb)
     trigger = {"reason": "error", "rank": cap.rank, "error": f"{error['type']}: {error['message']}"[:300],
                "where": error["where"], "t": time.time()}
@@ -121,9 +132,9 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
           "open_calls": _open_calls(cap)}
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(f"{KEY}/rank/{cap.rank}", json.dumps(me, default=str))
-            if store.add(f"{KEY}/claim", 1) == 1:
-                store.set(f"{KEY}/go", json.dumps(trigger))
+            store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
+            if store.add(f"{key}/claim", 1) == 1:
+                store.set(f"{key}/go", json.dumps(trigger))
     return _serve(cap, objects, trigger if store is None else None)
 
 
@@ -193,7 +204,16 @@ def _main_frame() -> Any:
 
 
 def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
+    try:
+        _watch_loop(cap, stop, poll)
+    except Exception as exc:  # one line, never a thread's traceback in the job's log
+        with contextlib.suppress(Exception):
+            sys.__stderr__.write(f"workbench: rank {cap.rank}'s post-mortem watcher stopped: {exc!r}\n")
+
+
+def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
     pm = cap._pm
+    key = _key(cap)
     tail = _Tail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
     published = None
     store = None
@@ -205,8 +225,8 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
                 store = _store()
             if store is None:
                 continue
-        if _has(store, f"{KEY}/go"):
-            trigger = _get(store, f"{KEY}/go") or {}
+        if _has(store, f"{key}/go"):
+            trigger = _get(store, f"{key}/go") or {}
             with _LOCK:
                 if _STATE.get("role"):
                     return  # this process raised (its main thread serves) or served already
@@ -217,7 +237,7 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
             me = {"rank": cap.rank, "role": "waiting", "where": _where(frame) if frame is not None else "?",
                   "open_calls": _open_calls(cap)}
             with contextlib.suppress(Exception):
-                store.set(f"{KEY}/rank/{cap.rank}", json.dumps(me, default=str))
+                store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             del frame
             _serve(cap, objects, None, trigger=trigger)
             return
@@ -229,21 +249,22 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
         mine = json.dumps(old[:4], default=str) if old else "[]"
         if mine != published:
             with contextlib.suppress(Exception):
-                store.set(f"{KEY}/open/{cap.rank}", mine)
+                store.set(f"{key}/open/{cap.rank}", mine)
                 published = mine
         if cap.rank == 0 and old:
-            proof = _prove(store, cap.world_size)
+            proof = _prove(store, key, cap.world_size)
             if proof is not None:
                 with contextlib.suppress(Exception):
-                    if store.add(f"{KEY}/claim", 1) == 1:
-                        store.set(f"{KEY}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
+                    if store.add(f"{key}/claim", 1) == 1:
+                        store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
                                                            "t": time.time()}))
 
 
 class _Tail:
     """This rank's open collectives, from its own ledger file: only the lines since the last read."""
 
-    KEEP = ("group", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step", "attempt")
+    KEEP = ("group", "group_ranks", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step",
+            "attempt")
 
     def __init__(self, path: str | None) -> None:
         self.path, self.offset, self.open = path, 0, {}
@@ -273,26 +294,59 @@ class _Tail:
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("group", "seq", "op", "shapes", "dtypes"))
+    """One collective seen from two ranks (a send and its receive are one call of their channel)."""
+    ops = {a.get("op"), b.get("op")}
+    return (all(a.get(k) == b.get(k) for k in ("group", "seq", "shapes", "dtypes"))
+            and (len(ops) == 1 or ops == {"send", "recv"}))
 
 
-def _prove(store: Any, world: int) -> dict[str, Any] | None:
-    """Every rank waits past the window, and their earliest open calls are not one collective: the proof."""
+def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
+    """The ledgers' proof of a deadlock: ranks that wait past the window, each for a member of its call's group
+    that waits in another call, in a cycle (so none of their calls can ever complete). A rank that issued no
+    call (it may be computing) or whose calls match ends every chain: no proof."""
     calls: dict[int, dict[str, Any]] = {}
     for r in range(world):
-        if not _has(store, f"{KEY}/open/{r}"):
-            return None
-        got = _get(store, f"{KEY}/open/{r}") or []
-        if not got:
-            return None
-        calls[r] = got[0]
-    first = calls[0]
-    if all(_same(first, c) for c in calls.values()):
-        return None  # one collective that does not complete: no mismatch the ledgers show
-    line = "; ".join(f"rank {r} waits in {c.get('op')} #{c.get('seq')} on group {c.get('group')} "
-                     f"{c.get('shapes')} {','.join(c.get('dtypes') or [])} ({c.get('user_frame') or '?'}, "
-                     f"{time.time() - float(c.get('t') or time.time()):.0f}s)" for r, c in sorted(calls.items()))
-    return {"kind": "mismatched collectives", "calls": {str(r): c for r, c in calls.items()}, "line": line}
+        got = _get(store, f"{key}/open/{r}") if _has(store, f"{key}/open/{r}") else None
+        if got:
+            calls[r] = got[0]  # its earliest open call
+    waits = {r: [p for p in (c.get("group_ranks") or range(world)) if p != r and p in calls
+                 and not _same(c, calls[p])] for r, c in calls.items()}
+    cycle = _cycle(waits)
+    if not cycle:
+        return None
+    now = time.time()
+    line = "; ".join(f"rank {r} waits in {calls[r].get('op')} #{calls[r].get('seq')} on group "
+                     f"{calls[r].get('group')} {calls[r].get('shapes')} {','.join(calls[r].get('dtypes') or [])} "
+                     f"({calls[r].get('user_frame') or '?'}, {now - float(calls[r].get('t') or now):.0f}s)"
+                     for r in cycle)
+    return {"kind": "mismatched collectives", "ranks": cycle, "calls": {str(r): calls[r] for r in cycle},
+            "waits_for": {str(r): waits[r] for r in cycle}, "line": line}
+
+
+def _cycle(waits: dict[int, list[int]]) -> list[int]:
+    """The ranks of one cycle in the wait-for graph, sorted (empty when there is none)."""
+    state: dict[int, int] = {}  # 1: on the path, 2: done
+
+    def visit(r: int, path: list[int]) -> list[int]:
+        state[r] = 1
+        path.append(r)
+        for p in waits.get(r, []):
+            if state.get(p) == 1:
+                return path[path.index(p):]
+            if p not in state:
+                found = visit(p, path)
+                if found:
+                    return found
+        path.pop()
+        state[r] = 2
+        return []
+
+    for r in sorted(waits):
+        if r not in state:
+            found = visit(r, [])
+            if found:
+                return sorted(found)
+    return []
 
 
 # -- serving -----------------------------------------------------------------------------------------
@@ -304,30 +358,32 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
 
     pm = cap._pm
     store = _store()
+    key = _key(cap)
 
     def account() -> dict[str, Any]:
-        go = alone or (_get(store, f"{KEY}/go") if store is not None else None) or trigger or {}
+        go = alone or (_get(store, f"{key}/go") if store is not None else None) or trigger or {}
         ranks: dict[str, Any] = {}
         end = time.monotonic() + 10.0
         for r in range(cap.world_size):
-            while store is not None and not _has(store, f"{KEY}/rank/{r}") and time.monotonic() < end:
+            while store is not None and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
                 time.sleep(0.05)
-            got = _get(store, f"{KEY}/rank/{r}") if store is not None else None
+            got = _get(store, f"{key}/rank/{r}") if store is not None else None
             ranks[str(r)] = got or {"rank": r, "role": "?", "where": "?"}
         if alone:
             ranks[str(cap.rank)] = {"rank": cap.rank, "role": "raised", "where": alone.get("where")}
         return {"post_mortem": {"reason": go.get("reason"), "rank": go.get("rank"), "error": go.get("error"),
                                 "where": go.get("where"), "proof": go.get("proof"), "ranks": ranks,
+                                "t": go.get("t"),  # when the rank raised, or the deadlock was proven
                                 "line": _line(go, ranks)}}
 
     try:
-        result = attach.attach(cap, "post-mortem", KEY, "pm", deadline=pm["deadline"], objects=objects,
+        result = attach.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
                                doc=account)
         if store is not None and cap.rank != 0 and _STATE.get("role") == "raised":
             with contextlib.suppress(Exception):
                 import datetime
 
-                store.wait([f"{KEY}/closed"], datetime.timedelta(seconds=30))
+                store.wait([f"{key}/closed"], datetime.timedelta(seconds=30))
         return result
     finally:
         _STATE["role"] = "served"
