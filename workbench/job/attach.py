@@ -15,6 +15,12 @@ The engine's output redirection, display hook, ``__main__`` and singletons are u
 engine installs no signal handlers here (the launcher's SIGTERM still ends the rank) and leaves
 the job's file descriptors alone. Rank 0 waits (through the job's store, no collective) until
 every rank's engine has stopped, stops the controller and marks ``attach.json`` resumed.
+
+The deadline wins over a cell that never returns (``_Watchdog``): the cell is interrupted with
+``KeyboardInterrupt`` and the rank goes on; only a cell stuck inside a C call that never comes back to
+Python (a collective nobody joins) outlasts it, said on stderr and in ``attach.json``. ``attach()`` is
+the part a breakpoint shares with the post mortem (``postmortem.py``: the same engines, served after
+an exception or a proven deadlock, from a watcher thread on the ranks stuck in a collective).
 """
 
 from __future__ import annotations
@@ -344,6 +350,10 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
             sys.modules["__main__"] = saved["main"]
         sys.path[:] = saved["path"]
         _teardown(engine)
+        if engine is not None and threading.current_thread() is not threading.main_thread():
+            with contextlib.suppress(Exception):  # the event loop IOLoop.current() made for this thread
+                engine.loop.close()
+                asyncio.set_event_loop(None)
         _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
             context._RANK.clear()
