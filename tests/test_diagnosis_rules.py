@@ -12,13 +12,17 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pandas as pd
-import pytest
 import torch
 
-from workbench.analysis import diagnosis, diagnosis_rules
+from workbench.analysis import diagnosis
 from workbench.analysis.collectives import ledger_table
-from workbench.analysis.diagnosis_rules import RULES, STAGES, PartFacts, RunFacts, TensorFacts, first
-from workbench.analysis.diagnosis_run import Run, persistent_faults
+from workbench.analysis.diagnosis_rules import RULES, STAGES, exception, first, story
+from workbench.analysis.diagnosis_rules.exception import ExceptionFacts
+from workbench.analysis.diagnosis_rules.parting import PartFacts
+from workbench.analysis.diagnosis_rules.rule import Rule, always
+from workbench.analysis.diagnosis_rules.story import RunFacts
+from workbench.analysis.diagnosis_rules.tensor import TensorFacts
+from workbench.analysis.diagnosis_run import Diagnosis, Run, persistent_faults
 from workbench.analysis.frames import COLUMNS, EVENT_COLUMNS, OUTPUT_COLUMNS, table
 from workbench.rank.poison import poison_
 from workbench.rank.probe import probe_tensors
@@ -64,9 +68,10 @@ def rec(t: pd.DataFrame, outs: pd.DataFrame | None = None, events=(), ledger=(),
 
 def told(stage: str, r: SimpleNamespace) -> str:
     """The rule that tells ``stage``'s story (the story stage's told first, for the exception stage)."""
-    f = RunFacts(Run.of(r))
+    run = Run.of(r)
+    f = RunFacts(run)
     if stage == "exception":
-        f.story = diagnosis_rules.tell("story", f)
+        f = ExceptionFacts(run, story.tell(f))
     return first(stage, f).name
 
 
@@ -87,9 +92,10 @@ def test_the_list_is_the_order_and_each_rule_says_when_and_what():
     assert list(table_["rule"]) == [r.name for r in RULES] and len(set(table_["rule"])) == len(RULES)
     assert list(dict.fromkeys(table_["stage"])) == list(STAGES)
     assert table_["fires when"].str.len().min() > 10 and table_["says"].str.len().min() > 10
-    for stage in STAGES:  # the last rule that tells a stage always fires: every run gets a story
-        tellers = [r for r in RULES if r.stage == stage and not r.adds]
-        assert tellers[-1].when(None) is True and all(r.when is not diagnosis_rules.always for r in tellers[:-1])
+    for stage, module in STAGES.items():  # the last rule that tells a stage always fires: every run gets a story
+        assert {r.stage for r in module.RULES} == {stage}
+        tellers = [r for r in module.RULES if not r.adds]
+        assert tellers[-1].when is always and all(r.when is not always for r in tellers[:-1])
     assert [r.name for r in RULES if r.stage == "story"] == [
         "permuted", "fault-before-parting", "parted", "rank-died", "hang", "tensors-wrong", "outputs-only",
         "clean-so-far", "clean"]
@@ -99,10 +105,9 @@ def test_a_new_finding_is_a_rule_put_in_its_place(monkeypatch):
     """A rule inserted before `hang` tells the story of a hung run; nothing else changes."""
     r = rec(probed(("train", OK)), events=[event("train", 0, kind="timeout")])
     assert diagnosis.diagnose(r).mechanism == "hang"
-    mine = diagnosis_rules.Rule("story", "mine", lambda f: bool(f.stuck),
-                                lambda f: diagnosis_rules.Diagnosis("mine", f"{len(f.stuck)} stuck"))
-    at = next(i for i, x in enumerate(RULES) if x.name == "hang")
-    monkeypatch.setattr(diagnosis_rules, "RULES", (*RULES[:at], mine, *RULES[at:]))
+    mine = Rule("story", "mine", lambda f: bool(f.stuck), lambda f: Diagnosis("mine", f"{len(f.stuck)} stuck"))
+    at = next(i for i, x in enumerate(story.RULES) if x.name == "hang")
+    monkeypatch.setattr(story, "RULES", (*story.RULES[:at], mine, *story.RULES[at:]))
     d = diagnosis.diagnose(r)
     assert (d.mechanism, d.sentence) == ("mine", "1 stuck")
     assert "mine" in list(diagnosis.rules()["rule"])
@@ -399,12 +404,9 @@ def test_a_later_exception_leaves_the_story_and_is_added_after_it():
 
 
 def test_a_rule_added_to_a_stage_adds_to_every_story_of_it(monkeypatch):
-    note = diagnosis_rules.Rule("exception", "note", lambda f, d: True,
-                                lambda f, d: replace(d, sentence=d.sentence + " (noted)"), adds=True)
-    monkeypatch.setattr(diagnosis_rules, "RULES", (*RULES, note))
+    note = Rule("exception", "note", lambda f, d: True, lambda f, d: replace(d, sentence=d.sentence + " (noted)"),
+                adds=True)
+    monkeypatch.setattr(exception, "RULES", (*exception.RULES, note))
     assert diagnosis.diagnose(rec(probed(("a", OK)))).sentence.endswith("final state (noted)")
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_every_stage_has_rules(stage):
-    assert [r for r in RULES if r.stage == stage and not r.adds]

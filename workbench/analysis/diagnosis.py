@@ -4,20 +4,22 @@ The detectors (``findings``, ``collectives``, ``trace``) each answer one questio
 step; an engineer in an incident wants the story. ``diagnose(record)`` walks a run in
 causal order and keeps only what explains the end state:
 
-1. the collectives ledger: the first call on which the ranks disagree (an extra bucket,
+1. a weight stream out of its receiver's plan (the first cause, however the bytes look);
+2. the collectives ledger: the first call on which the ranks disagree (an extra bucket,
    a different op, a rank that never issued the call), then what it left behind on the
    receiving rank (bytes of another dtype or tensor, tensors nobody wrote) and who then
-   timed out, hung or died;
-2. a rank that died or hung with no disagreement in the ledger;
-3. tensors still wrong at the last step, traced back to the step they went wrong in and
+   timed out, hung or died; a tensor already wrong on its own terms before it comes first;
+3. a rank that died or hung with no disagreement in the ledger;
+4. tensors still wrong at the last step, traced back to the step they went wrong in and
    stayed wrong from: never written since materialisation, the same wrong value on every
    rank (only the reference sees it), a dtype split, plain divergence;
-4. outputs that depart while every probed tensor agrees: the cause is outside the probe.
+5. outputs that depart while every probed tensor agrees: the cause is outside the probe;
 
-That order is a list of rules, ``diagnosis_rules.RULES`` (``rules()`` shows it as a table):
-each rule says when it fires and what it says, and a new finding is a rule put in its place.
-Faults that a later step repairs (rank 1's tensors between ``to_empty`` and the state
-dict load) are not causes. ``record`` is anything with ``tensors``, ``outputs``,
+then how the ranks' exceptions join that story. The order is a list of rules, one list per
+stage in ``workbench.analysis.diagnosis_rules`` (story, parting, tensor, exception); ``rules()``
+shows it as a table: each rule's name, when it fires and what it says. A new finding is a rule
+put in its place. Faults that a later step repairs (rank 1's tensors between ``to_empty`` and
+the state dict load) are not causes. ``record`` is anything with ``tensors``, ``outputs``,
 ``events``, ``ledger``, ``trace`` tables and a ``manifest`` (a RunRecord, duck-typed so
 this module stays below the postmortem layer; ``diagnosis_run`` reads it). The figure is
 built by ``workbench.viz.diagnosis.figure`` from ``Diagnosis.grid``.

@@ -1,0 +1,239 @@
+"""Stage ``story``: what the run's state says, in causal order.
+
+A weight stream out of its plan; a tensor wrong on its own terms before the collectives parted;
+the collectives parting (stage ``parting``); a rank that died, then one that hung, with the ledgers
+agreeing; tensors still wrong at the last step (stage ``tensor``); outputs departing while every
+probed tensor agrees; else clean (so far, when fewer steps ran than planned).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import pandas as pd
+
+from workbench.analysis import cause, collectives
+from workbench.analysis.diagnosis_rules import parting, tensor
+from workbench.analysis.diagnosis_rules.rule import Rule, always, outcome_rows, then, walk
+from workbench.analysis.diagnosis_run import (
+    Diagnosis,
+    Run,
+    bad_outputs,
+    ev_frame,
+    first_faults,
+    floor_clause,
+    from_error,
+    last_call,
+    outputs_clause,
+    persistent_faults,
+    short,
+    where_stuck,
+)
+from workbench.analysis.weightsync_order import first_split
+from workbench.errors import LOST
+
+
+class RunFacts:
+    """What the story stage reads from a run (each fact computed once, when a rule first asks for it)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    @cached_property
+    def div(self) -> collectives.Divergence | None:
+        """The first ledger call on which the ranks disagree."""
+        return collectives.first_divergence(self.run.ledger) if len(self.run.ledger) else None
+
+    @cached_property
+    def stream_split(self) -> dict[str, Any] | None:
+        """Where a packed weight stream's order parts from the receiver's plan (the ranks' notes)."""
+        return first_split(self.run.notes)
+
+    @cached_property
+    def early(self) -> pd.DataFrame:
+        """Tensors wrong on their own terms before the collectives parted."""
+        return first_faults(self.run, before=self.div.step)
+
+    @cached_property
+    def stuck(self) -> list[dict[str, Any]]:
+        return where_stuck(self.run)
+
+    @cached_property
+    def dead(self) -> list[dict[str, Any]]:
+        return [s for s in self.stuck if s["how"] in LOST]
+
+    @cached_property
+    def bad_out(self) -> list[dict[str, Any]]:
+        return bad_outputs(self.run)
+
+    @cached_property
+    def faults(self) -> pd.DataFrame:
+        """Tensors wrong at the last step; those holding per-rank values by design ("tensor" probes) may
+        differ when the outputs agree."""
+        faults, run = persistent_faults(self.run), self.run
+        if len(faults) and not self.bad_out and len(run.outputs):
+            kinds = run.kinds
+            faults = faults[~((faults["status"] == "differs") & (faults["name"].map(kinds) == "tensor"))]
+        return faults
+
+
+def when_permuted(f: RunFacts) -> bool:
+    """a packed weight stream's order parts from the receiver's plan (the first cause, however the bytes look)"""
+    return f.stream_split is not None
+
+
+def says_permuted(f: RunFacts) -> Diagnosis:
+    """the receiver's plan and the sender's stream part at index I of stage S: the plan lists `a` there, the
+    stream carries `b`, so N of M planned names load other tensors' bytes (then the check that caught it, or
+    'nothing raised'; then the collectives' parting, if later)"""
+    run, sp = f.run, f.stream_split
+    step = sp["step"] if sp["step"] in run.steps else (run.steps[0] if run.steps else None)
+    types = (f" ({sp['dtype_planned']} planned, {sp['dtype_streamed']} streamed)"
+             if sp["dtype_planned"] != sp["dtype_streamed"] else "")
+    sentence = (f"the receiver's plan and the sender's stream part at index {sp['index']} of stage {sp['stage']}"
+                f"{types}: the plan lists `{short(str(sp['planned']))}` there, the stream carries "
+                f"`{short(str(sp['streamed']))}`, so {sp['wrong']} of {sp['names']} planned names load other "
+                "tensors' bytes")
+    later = run.steps[run.index(step):] if step is not None else []
+    caught = next((st for st in later if cause.causes(run.events, st)), None)  # an exception, not a collective's
+    if caught is not None:
+        sentence += f"; {from_error(run, caught).sentence}"  # a check that caught it: loud, yet the same cause
+    else:
+        sentence += " and nothing raised"
+    ev = [{"step": step, "rank": None, "what": "plan vs stream",
+           "fact": f"index {sp['index']}: plan {sp['planned']!r}, stream {sp['streamed']!r}"}]
+    d = Diagnosis("permuted", sentence, step, [], sp["planned"], None, ev_frame(ev))
+    if f.div is not None and run.index(f.div.step) >= run.index(d.step):
+        return then(d, f.div.step, parting.tell(parting.PartFacts(run, f.div)))
+    d.sentence += outputs_clause(f.bad_out)
+    return d
+
+
+def when_fault_before_parting(f: RunFacts) -> bool:
+    """the collectives part, and a tensor was already wrong on its own terms (never written, NaN, off its
+    reference) in an earlier step"""
+    return f.div is not None and len(f.early) > 0
+
+
+def says_fault_before_parting(f: RunFacts) -> Diagnosis:
+    """the tensor stage's story of the early fault; later, in step `S`: the parting stage's story"""
+    told = tensor.tell(tensor.TensorFacts(f.run, f.early, []))
+    return then(told, f.div.step, parting.tell(parting.PartFacts(f.run, f.div)))
+
+
+def when_parted(f: RunFacts) -> bool:
+    """the ranks' collectives ledgers disagree on a call"""
+    return f.div is not None
+
+
+def says_parted(f: RunFacts) -> Diagnosis:
+    """the parting stage's story"""
+    return parting.tell(parting.PartFacts(f.run, f.div))
+
+
+def when_died(f: RunFacts) -> bool:
+    """a rank died or was stopped, with the ledgers agreeing"""
+    return bool(f.dead)
+
+
+def says_died(f: RunFacts) -> Diagnosis:
+    """rank R's engine died in step `S` (its last call: …); rank Q hung in …"""
+    s = f.dead[0]
+    last = last_call(f.run, s["rank"])
+    lost = "died" if s["how"] == "died" else "was stopped (SIGSTOP or Ctrl-Z), not dead,"
+    sentence = (f"rank {s['rank']}'s engine {lost} in step `{s['step']}`"
+                + (f" (its last call: {collectives.describe(last)}, {last.get('state')})" if last else "")
+                + "".join(f"; rank {x['rank']} {x['how']}" for x in f.stuck if x is not s))
+    return Diagnosis("rank-died", sentence, s["step"], [s["rank"]], None, last, ev_frame(outcome_rows(f.stuck)))
+
+
+def when_hung(f: RunFacts) -> bool:
+    """a rank timed out or hung, with the ledgers agreeing"""
+    return bool(f.stuck)
+
+
+def says_hung(f: RunFacts) -> Diagnosis:
+    """step `S` did not finish: rank R hung in …; the ranks' ledgers agree call for call, so no collective was
+    mispaired"""
+    stuck = f.stuck
+    s = stuck[0]
+    sentence = (f"step `{s['step']}` did not finish: " + "; ".join(f"rank {x['rank']} {x['how']}" for x in stuck)
+                + "; the ranks' ledgers agree call for call, so no collective was mispaired")
+    return Diagnosis("hang", sentence, s["step"], [x["rank"] for x in stuck], None, s.get("call"),
+                     ev_frame(outcome_rows(stuck)))
+
+
+def when_tensors_wrong(f: RunFacts) -> bool:
+    """tensors are still wrong at the last step they were probed in"""
+    return len(f.faults) > 0
+
+
+def says_tensors_wrong(f: RunFacts) -> Diagnosis:
+    """the tensor stage's story, from the step they went wrong in and stayed wrong from"""
+    return tensor.tell(tensor.TensorFacts(f.run, f.faults, f.bad_out))
+
+
+def when_outputs_only(f: RunFacts) -> bool:
+    """outputs are non-finite or depart (from the reference or rank 0) while every probed tensor agrees"""
+    return bool(f.bad_out)
+
+
+def says_outputs_only(f: RunFacts) -> Diagnosis:
+    """outputs depart at step `S`; output `o` on rank R: …; the forward trace first departs at `m`, while every
+    probed tensor agrees across ranks and with its reference: the cause is outside what was probed"""
+    run, bad_out = f.run, f.bad_out
+    ranks = sorted({b["rank"] for b in bad_out})
+    where = ""
+    if len(run.trace):
+        from workbench.analysis.trace import first_fault
+
+        mod = first_fault(run.trace, ranks[0])
+        where = f"; the forward trace first departs at `{mod}`" if mod else ""
+    sentence = (f"outputs depart at step `{bad_out[0]['step']}`{outputs_clause(bad_out)}{where}, while every "
+                "probed tensor agrees across ranks and with its reference: the cause is outside what was probed")
+    return Diagnosis("outputs-only", sentence, bad_out[0]["step"], ranks, None, None,
+                     ev_frame([{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]}
+                               for b in bad_out]))
+
+
+def _planned(run: Run) -> int:
+    return len(run.manifest.get("steps") or run.steps)
+
+
+def when_clean_so_far(f: RunFacts) -> bool:
+    """fewer steps ran than the run plans"""
+    return len(f.run.steps) < _planned(f.run)
+
+
+def says_clean_so_far(f: RunFacts) -> Diagnosis:
+    """clean so far: K of N steps ran on every rank, the ranks agree and no detector fired on the latest state"""
+    run = f.run
+    return Diagnosis("clean", f"clean so far: {len(run.steps)} of {_planned(run)} steps ran on every rank, the ranks "
+                     "agree and no detector fired on the latest state" + floor_clause(run), None)
+
+
+def says_clean(f: RunFacts) -> Diagnosis:
+    """clean: all N step(s) ran on every rank, the ranks agree and no detector fired on the final state"""
+    run = f.run
+    return Diagnosis("clean", f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
+                     "detector fired on the final state" + floor_clause(run), None)
+
+
+# -- the order: tried top to bottom ------------------------------------------------------------------
+RULES: tuple[Rule, ...] = (
+    Rule("story", "permuted", when_permuted, says_permuted),
+    Rule("story", "fault-before-parting", when_fault_before_parting, says_fault_before_parting),
+    Rule("story", "parted", when_parted, says_parted),
+    Rule("story", "rank-died", when_died, says_died),
+    Rule("story", "hang", when_hung, says_hung),
+    Rule("story", "tensors-wrong", when_tensors_wrong, says_tensors_wrong),
+    Rule("story", "outputs-only", when_outputs_only, says_outputs_only),
+    Rule("story", "clean-so-far", when_clean_so_far, says_clean_so_far),
+    Rule("story", "clean", always, says_clean),
+)
+
+
+def tell(facts: Any) -> Diagnosis:
+    """This stage's story: its rules walked in order."""
+    return walk(RULES, facts)
