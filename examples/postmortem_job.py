@@ -12,12 +12,16 @@ watcher thread (the locals of the frame that waits). After ``cluster.resume()`` 
 fails with its original exception and the launcher ends rank 0, as without the workbench.
 ``--deadlock``: instead, at step 2 rank 1 reduces on a subgroup while rank 0 reduces on the world: the
 ledgers prove the deadlock after ``--hang-after`` seconds and every rank attaches from its thread.
+``--everywhere``: every rank's batch is bad (every rank raises and serves at its exception); ``--catch``:
+the script catches the error, calls ``cap.post_mortem()`` and exits 1 itself (no ``sys.excepthook``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--deadlock", action="store_true", help="a deadlock at step 2 instead of an exception")
     ap.add_argument("--hang-after", type=float, default=60.0, help="seconds a call waits before it counts")
     ap.add_argument("--timeout", type=float, default=600.0, help="the process group's timeout (s)")
+    ap.add_argument("--everywhere", action="store_true", help="every rank's batch at step 2 is bad")
+    ap.add_argument("--catch", action="store_true", help="catch the error, cap.post_mortem(), sys.exit(1)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -50,9 +56,16 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     cap.point("built", model=model)
     for n in range(4):
-        width = 6 if (n == 2 and rank == 1 and not args.deadlock) else 8  # rank 1's bad batch
-        batch = torch.ones(4, width) * (n + 1)
-        loss = step(model, batch, n, side, args.deadlock)
+        bad = n == 2 and not args.deadlock and (rank == 1 or args.everywhere)  # rank 1's bad batch
+        batch = torch.ones(4, 6 if bad else 8) * (n + 1)
+        try:
+            loss = step(model, batch, n, side, args.deadlock)
+        except RuntimeError:
+            if not args.catch:
+                raise
+            traceback.print_exc()
+            cap.post_mortem()
+            sys.exit(1)
         print(f"rank {rank} step {n} loss {loss:.4f}", flush=True)
     cap.close()
     dist.destroy_process_group()

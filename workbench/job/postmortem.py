@@ -51,10 +51,13 @@ def modes(attach: Any) -> tuple[str, ...]:
     return MODES[attach]
 
 
-def install(cap: Any, triggers: tuple[str, ...], deadline: float, hang_after: float, poll: float = 0.5) -> None:
-    """Start this rank's watcher thread (once per capture)."""
+def install(cap: Any, triggers: tuple[str, ...], deadline: float, hang_after: float,
+            poll: float | None = None) -> None:
+    """Start this rank's watcher thread (once per capture). It asks the store one key every ``poll`` seconds:
+    0.5 s, longer from 128 ranks on (every rank asks the one store: 2 requests a second per rank at 0.5 s)."""
     if not triggers:
         return
+    poll = poll if poll is not None else max(0.5, cap.world_size / 256)
     cap._pm = {"triggers": triggers, "deadline": float(deadline), "hang_after": float(hang_after)}
     stop = threading.Event()
     cap._pm["stop"] = stop
