@@ -209,13 +209,14 @@ def store_prefix(cap: Any) -> str:
 
 def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: float,
            controller: str | os.PathLike | None = None, objects: dict[str, Any] | None = None,
-           doc: Any = None) -> dict[str, Any]:
+           doc: Any = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank serves as an engine of one controller (rank 0 starts it) until resumed or the deadline.
 
     ``ident`` names this attach in ``attach.json`` and in each engine's ``whoami`` (a breakpoint's number,
     or ``"post-mortem"``); ``key`` prefixes its keys in the job's store; ``doc()`` (rank 0) adds to
     ``attach.json``. Rank 0 sets ``<key>/closed`` once the controller is stopped and ``attach.json`` says
-    resumed (a rank that then exits may have the launcher end the rest)."""
+    resumed (a rank that then exits may have the launcher end the rest). ``on_stuck()`` runs (on another
+    thread) when a cell outlasts the deadline and its interrupt: the post mortem's raising rank exits there."""
     objects = objects or {}
     rank = getattr(cap, "rank", 0)
     world = getattr(cap, "world_size", 1)
@@ -252,7 +253,7 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
             "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname(), "pid": os.getpid(),
             "ready_s": time.time() - t0, **extra})
     try:
-        result = _serve(cap, got["engine"], deadline, objects)
+        result = _serve(cap, got["engine"], deadline, objects, on_stuck)
     except BaseException:
         if rank == 0:
             _stop_controller(proc)
@@ -282,7 +283,8 @@ def _namespace(cap: Any, objects: dict[str, Any]) -> dict[str, Any]:
     return ns
 
 
-def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any]) -> dict[str, Any]:
+def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
+           on_stuck: Any = None) -> dict[str, Any]:
     """Run ipyparallel's engine on this thread until ``resume`` or the deadline; undo what it changed."""
     import asyncio
 
@@ -327,7 +329,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any])
                 await asyncio.wait_for(event.wait(), max(0.0, deadline - (time.perf_counter() - t0)))
             out["by"] = _STATE.get("by", "deadline") if event.is_set() else "deadline"
 
-        watchdog = _Watchdog(t0 + deadline, out)
+        watchdog = _Watchdog(t0 + deadline, out, on_stuck)
         engine.loop.run_sync(main)
     except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
         out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
@@ -391,10 +393,10 @@ class _Watchdog:
 
     GRACE_S = 10.0
 
-    def __init__(self, at: float, out: dict[str, Any]) -> None:
+    def __init__(self, at: float, out: dict[str, Any], on_stuck: Any = None) -> None:
         import threading
 
-        self.at, self.out = at, out  # ``at``: time.perf_counter() of the deadline
+        self.at, self.out, self.on_stuck = at, out, on_stuck  # ``at``: time.perf_counter() of the deadline
         self.target = threading.get_ident()
         self.main = threading.current_thread() is threading.main_thread()
         self.done = threading.Event()
@@ -428,8 +430,12 @@ class _Watchdog:
                 with contextlib.suppress(Exception):
                     sys.__stderr__.write(f"workbench: a notebook's cell still runs {self.GRACE_S:g}s past the "
                                          "breakpoint's deadline and cannot be interrupted (blocked in C: a "
-                                         "collective?); this rank goes on when it returns\n")
+                                         "collective?); " + ("this rank fails now, as it would have\n"
+                                                             if self.on_stuck is not None else
+                                                             "this rank goes on when it returns\n"))
                     sys.__stderr__.flush()
+                if self.on_stuck is not None:
+                    self.on_stuck()
                 return
             self.done.wait(0.5)
         if "hung" in self.out:

@@ -13,7 +13,9 @@ which rank raised, where (file, line, function) and where each other rank waits 
 its own ledger, its main thread's line). Nothing here issues a collective: the trigger, the engine
 file and the "all done" marks go through the store. ``cluster.resume()`` (or the deadline) ends the
 serving: the raising rank then runs the excepthook it would have run (the traceback is printed, the
-process exits 1), so the job fails exactly as it would have and the launcher ends the others.
+process exits 1), so the job fails exactly as it would have and the launcher ends the others. A cell
+that holds the raising rank past the deadline inside a call it cannot leave (a collective the stuck
+ranks never join) does not keep it: the rank prints its traceback and exits 1 there.
 
 ``on-deadlock``: each rank's thread follows its own ledger file (the lines since its last read); a
 call open past ``hang_after`` seconds is published in the store; rank 0's thread reads them, and once
@@ -138,7 +140,18 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
             store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             if store.add(f"{key}/claim", 1) == 1:
                 store.set(f"{key}/go", json.dumps(trigger))
-    return _serve(cap, objects, trigger if store is None else None)
+    return _serve(cap, objects, trigger if store is None else None, on_stuck=lambda: _fail_now(cap, exc, tb))
+
+
+def _fail_now(cap: Any, exc: BaseException, tb: Any) -> None:
+    """A notebook's cell holds the raising rank past the deadline inside a call it cannot leave: the rank fails
+    now, as it would have without the workbench (its traceback, exit status 1)."""
+    with contextlib.suppress(BaseException):
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not the engine's streams to the notebook
+        hook = getattr(cap, "_hook", None) or sys.__excepthook__
+        hook(type(exc), exc, tb)
+        sys.__stderr__.flush()
+    os._exit(1)
 
 
 def _error(exc: BaseException, tb: Any) -> dict[str, Any]:
@@ -354,7 +367,7 @@ def _cycle(waits: dict[int, list[int]]) -> list[int]:
 
 # -- serving -----------------------------------------------------------------------------------------
 def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
-           trigger: dict[str, Any] | None = None) -> dict[str, Any]:
+           trigger: dict[str, Any] | None = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank's part: the attach of the whole job (``attach.attach``), rank 0 writing the post-mortem's
     account into ``attach.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
     from workbench.job import attach
@@ -381,7 +394,7 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
 
     try:
         result = attach.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
-                               doc=account)
+                               doc=account, on_stuck=on_stuck)
         if store is not None and cap.rank != 0 and _STATE.get("role") == "raised":
             with contextlib.suppress(Exception):
                 import datetime
