@@ -300,8 +300,8 @@ class JobCluster(AttachedCluster):
             with open(path) as f:
                 self.attach_doc = json.load(f)
         except (OSError, ValueError):
-            raise ClusterError(f"no breakpoint to attach to in {self.job_dir} (no readable {ATTACH}): is the job "
-                               "at cap.breakpoint()?") from None
+            raise ClusterError(f"nothing to attach to in {self.job_dir} (no readable {ATTACH}): is the job at "
+                               "cap.breakpoint(), or did a rank raise under capture(attach='on-error')?") from None
         if self.attach_doc.get("status") != "waiting":
             raise ClusterError(f"the job in {self.job_dir} is not attachable now (its {ATTACH} says "
                                f"{self.attach_doc.get('status')!r}, by {self.attach_doc.get('by')!r})")
