@@ -84,9 +84,15 @@ def run_job(args: argparse.Namespace) -> None:
         if gpu:
             torch.cuda.synchronize(device)
 
-    dist.init_process_group("nccl" if gpu else "gloo")
+    if args.post_mortem:  # the group's timeout past the whole attach: NCCL's watchdog must not end the waiting ranks
+        import datetime
+
+        dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    else:
+        dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cap = wj.capture(args.job_dir)
+    cap = (wj.capture(args.job_dir, attach="on-error", attach_deadline=args.deadline) if args.post_mortem
+           else wj.capture(args.job_dir))
     cap.local("loss")
     model, config = build(args.shape, device, world)
     sync()
@@ -94,16 +100,23 @@ def run_job(args: argparse.Namespace) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
 
-    def step() -> float:
-        ids = torch.randint(1, config.vocab_size, (1, args.seq_len), generator=g).to(device)
+    def step(n: int) -> float:
+        ids = torch.randint(1, config.vocab_size, (1, args.seq_len), generator=g)
+        if args.post_mortem and n == args.raise_at and rank == args.raise_rank:
+            ids[0, -1] = config.vocab_size + 7  # the data loader's bug, on one rank
+        if int(ids.max()) >= config.vocab_size:  # the batch's check, on the host: before any collective
+            raise RuntimeError(f"batch {n} holds token id {int(ids.max())}, past the vocabulary ({config.vocab_size})")
+        ids = ids.to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        value = loss.item()  # NCCL's collectives are asynchronous: a rank whose peer never joins them waits here
         cap.point(f"step{len(cap.points)}", model=model, loss=loss.detach())
-        return float(loss)
+        return value
 
-    losses = [step() for _ in range(args.steps)]
+    # post mortem: one step more, in which rank --raise-rank raises (the others go on into its collectives)
+    losses = [step(n) for n in range(args.steps + (1 if args.post_mortem else 0))]
 
     def norm_abs() -> float:  # the final norm's weight, whole (an all-gather of its shards), |w| summed
         with torch.no_grad():
@@ -115,7 +128,7 @@ def run_job(args: argparse.Namespace) -> None:
     how = cap.breakpoint(deadline=args.deadline, opt=opt)
     t_back = time.time()
     after, lr_after = norm_abs(), opt.param_groups[0]["lr"]
-    losses.append(step())
+    losses.append(step(len(losses)))
     sync()
     mine = {"rank": rank, "t_bp": t_bp, "t_back": t_back, "by": how.get("by"), "attach_s": how.get("attach_s"),
             "seconds": how.get("seconds"), "total_s": how.get("total_s"), "error": how.get("error"),
@@ -201,39 +214,73 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def one_run(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict:
-    import workbench as wb
-
+def _launch(args: argparse.Namespace, i: int, work: Path, nproc: int) -> tuple[subprocess.Popen, Path, Path, float]:
+    """torchrun of this file in the job role, in a session of its own; its output in ``torchrun_run<i>.log``."""
     job_dir = work / f"run{i}"
     log_path = work / f"torchrun_run{i}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(Path(__file__).resolve()), "--role", "job", "--job-dir", str(job_dir), "--shape", args.shape,
            "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--deadline", str(args.deadline)]
-    rec: dict = {"run": i, "ok": False, "failure": None}
+    env = _env(args.shape == "tiny" or not _gpus())
+    if args.post_mortem:
+        cmd += ["--post-mortem", "--raise-rank", str(args.raise_rank), "--raise-at", str(args.steps),
+                "--pg-timeout", str(args.pg_timeout)]
+        # a probe whose copy sits behind a stuck collective gives up after this long (default: the deadline)
+        env["WORKBENCH_PROBE_SYNC_TIMEOUT"] = str(args.probe_sync_timeout)
     t_launch = time.time()
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=_env(args.shape == "tiny" or not _gpus()), cwd=work, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
+    return proc, job_dir, log_path, t_launch
+
+
+def _wait_attach(proc: subprocess.Popen, job_dir: Path, timeout: float) -> dict:
+    """``attach.json`` once it says waiting (the job's rank 0 writes it when every engine can be reached)."""
+    path = job_dir / "attach.json"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job exited (rc {proc.returncode}) before it was attachable")
+        if path.exists():
+            try:
+                doc = json.loads(path.read_text())
+            except ValueError:
+                doc = None
+            if doc and doc.get("status") == "waiting":
+                return doc
+        time.sleep(0.05)
+    raise RuntimeError(f"no attach.json after {timeout}s")
+
+
+def _end(rec: dict, proc: subprocess.Popen, cluster: object, job_dir: Path, log_path: Path, t_launch: float) -> dict:
+    """Detach, end what is left of the job's session, list what survived, keep the log's tail of a failed run."""
+    if cluster is not None and cluster.alive:
+        try:
+            cluster.stop()
+        except Exception as exc:
+            rec.setdefault("stop_error", repr(exc))
+    if proc.poll() is None:
+        rec["killed"] = True
+    _kill(proc)  # its session may still hold a straggler
+    time.sleep(0.5)
+    rec["left_behind"] = _run_procs(str(job_dir))
+    if rec["left_behind"] and rec["ok"]:
+        rec["ok"] = False
+        rec["failure"] = f"processes left behind: {rec['left_behind']}"
+    rec["log_tail"] = log_path.read_text()[-3000:] if not rec["ok"] else None
+    rec["total_s"] = time.time() - t_launch
+    return rec
+
+
+def one_run(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict:
+    import workbench as wb
+
+    proc, job_dir, log_path, t_launch = _launch(args, i, work, nproc)
+    rec: dict = {"run": i, "ok": False, "failure": None}
     cluster = None
     step = "waiting for attach.json"
     try:
-        path = job_dir / "attach.json"
-        end = time.monotonic() + args.launch_timeout
-        doc = None
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the job exited (rc {proc.returncode}) before its breakpoint")
-            if path.exists():
-                try:
-                    doc = json.loads(path.read_text())
-                except ValueError:
-                    doc = None
-                if doc and doc.get("status") == "waiting":
-                    break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"no attach.json after {args.launch_timeout}s")
+        doc = _wait_attach(proc, job_dir, args.launch_timeout)
         rec["launch_to_attach_json_s"] = time.time() - t_launch
         rec["controller_up_s"] = doc["ready_s"]  # the job's view: breakpoint called -> controller up, file written
         rec["names"] = doc["names"]
@@ -290,24 +337,184 @@ def one_run(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict:
     except Exception as exc:
         rec["failure"] = f"at {step}: {type(exc).__name__}: {exc}"
     finally:
-        if cluster is not None and cluster.alive:
-            try:
-                cluster.stop()
-            except Exception as exc:
-                rec.setdefault("stop_error", repr(exc))
-        if proc.poll() is None:
-            rec["killed"] = True
-            _kill(proc)
-        else:
-            _kill(proc)  # its session may still hold a straggler
-    time.sleep(0.5)
-    rec["left_behind"] = _run_procs(str(job_dir))
-    if rec["left_behind"] and rec["ok"]:
-        rec["ok"] = False
-        rec["failure"] = f"processes left behind: {rec['left_behind']}"
-    rec["log_tail"] = log_path.read_text()[-3000:] if not rec["ok"] else None
-    rec["total_s"] = time.time() - t_launch
+        _end(rec, proc, cluster, job_dir, log_path, t_launch)
     return rec
+
+
+# -- post mortem (--post-mortem): rank --raise-rank raises in step --steps, the others wait in its collectives ----
+def _pm_view() -> dict:
+    """Sent by ``cluster.run`` to every rank (host-side only, no device work): which thread serves it, the frame
+    it serves at, what its namespace holds; the raising rank's exception."""
+    import threading
+
+    import torch
+
+    from workbench.job.attach import here
+
+    ns = here()
+    frame, exc = ns.get("frame"), ns.get("exc")
+    me = threading.current_thread()
+    return {"thread": me.name, "main_thread": me is threading.main_thread(),
+            "exc": f"{type(exc).__name__}: {exc}"[:200] if exc is not None else None,
+            "frame": f"{frame.f_code.co_name} line {frame.f_lineno}" if frame is not None else None,
+            "has_model": "model" in ns, "has_opt": "opt" in ns,
+            "lr": ns["opt"].param_groups[0]["lr"] if "opt" in ns else None,
+            "thread_cuda_device": torch.cuda.current_device() if torch.cuda.is_initialized() else None,
+            "model_device": str(next(ns["model"].parameters()).device) if "model" in ns else None}
+
+
+def _probe_side_stream() -> dict:
+    """``cluster.probe``'s rows computed on a fresh stream of the model's device (not the stream that sits behind
+    the stuck collective), the device made current on the serving thread: what a notebook can do by hand."""
+    import contextlib
+
+    import torch
+
+    from workbench.job.attach import here
+    from workbench.rank import phases
+
+    model = here()["model"]
+    dev = next(model.parameters()).device
+    t0 = time.perf_counter()
+    ctx = contextlib.ExitStack()
+    if dev.type == "cuda":
+        ctx.enter_context(torch.cuda.device(dev))
+        ctx.enter_context(torch.cuda.stream(torch.cuda.Stream(dev)))
+    with ctx:
+        rows = phases.probe_rows({"model": model})
+    return {"rows": len(rows), "s": time.perf_counter() - t0, "nan": int(sum(r.get("nan") or 0 for r in rows)),
+            "device": str(dev)}
+
+
+def one_run_pm(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict:
+    """Launch; rank --raise-rank raises in step --steps (a bad batch, caught on the host before any collective)
+    while the others go on into that step's collectives; attach post mortem, read the account, probe, resume;
+    the job must fail with that rank's own exception and leave no process."""
+    import workbench as wb
+
+    proc, job_dir, log_path, t_launch = _launch(args, i, work, nproc)
+    raiser = args.raise_rank
+    rec: dict = {"run": i, "ok": False, "failure": None, "errors": {}}
+    cluster = None
+    step = "waiting for attach.json"
+    checks: dict = {}
+    rec["checks"] = checks
+    try:
+        doc = _wait_attach(proc, job_dir, args.launch_timeout)
+        t_seen = time.time()
+        rec["launch_to_attach_json_s"] = t_seen - t_launch
+        rec["kind"] = doc.get("kind")
+        pm = doc.get("post_mortem") or {}
+        rec["raise_to_attach_json_s"] = doc["started_at"] + doc["ready_s"] - pm["t"]  # the job's clock
+        rec["raise_to_client_sees_s"] = t_seen - pm["t"]  # one host, one clock
+        rec["raise_to_attach_start_s"] = doc["started_at"] - pm["t"]  # rank 0's watcher saw the trigger
+        rec["controller_up_s"] = doc["ready_s"]
+        rec["deadline_s"] = doc["deadline_at"] - doc["started_at"]
+        rec["names"] = doc["names"]
+        step = "wb.connect(job=dir)"
+        t0 = time.perf_counter()
+        cluster = wb.connect(job=job_dir)
+        rec["connect_s"] = time.perf_counter() - t0
+        rec["attached_world"], rec["attached_backend"] = cluster.world_size, cluster.backend
+        step = "cluster.post_mortem"
+        acc = cluster.post_mortem or {}
+        rec["account"] = {k: acc.get(k) for k in ("reason", "rank", "error", "where", "line")}
+        rec["account_ranks"] = {r: {k: v.get(k) for k in ("role", "where", "open_calls")}
+                                for r, v in (acc.get("ranks") or {}).items()}
+        others = [r for r in range(nproc) if r != raiser]
+        checks["account: rank raised RuntimeError (its batch)"] = (
+            acc.get("reason") == "error" and acc.get("rank") == raiser
+            and str(acc.get("error", "")).startswith(f"RuntimeError: batch {args.steps} holds token id"))
+        checks["account: where it raised (job_attach_gpu.py, step)"] = (
+            "job_attach_gpu.py:" in str(acc.get("where")) and str(acc.get("where")).endswith(" in step"))
+        checks["account: every other rank waits, with a line"] = all(
+            (acc.get("ranks") or {}).get(str(r), {}).get("role") == "waiting"
+            and "job_attach_gpu.py:" in str((acc.get("ranks") or {}).get(str(r), {}).get("where")) for r in others)
+        step = "cluster.run(view)"
+        t0 = time.perf_counter()
+        try:
+            view = cluster.run(_pm_view)
+            rec["run_view_s"] = time.perf_counter() - t0
+            rec["view"] = {str(r): v for r, v in view.items()}
+        except Exception as exc:
+            rec["run_view_fail_s"] = time.perf_counter() - t0
+            rec["errors"]["cluster.run(view)"] = f"{type(exc).__name__}: {exc}"[:2000]
+            view = {}
+        checks["every rank's engine answers (cluster.run)"] = sorted(view) == list(range(nproc))
+        checks["raising rank serves on its main thread, at its exception"] = bool(
+            view.get(raiser, {}).get("main_thread") and str(view.get(raiser, {}).get("exc")).startswith("RuntimeError"))
+        checks["waiting ranks serve from the watcher thread"] = all(
+            view.get(r, {}).get("thread") == "workbench-postmortem" for r in others)
+        for k in ("first", "second"):
+            step = f"cluster.probe('model') ({k})"
+            t0 = time.perf_counter()
+            try:
+                rows = cluster.probe("model")
+                rec[f"probe_{k}_s"] = time.perf_counter() - t0
+                rec["probe_rows"] = len(rows)
+                rec["probe_ranks"] = sorted(int(r) for r in set(rows["rank"]))
+            except Exception as exc:
+                rec[f"probe_{k}_fail_s"] = time.perf_counter() - t0
+                rec["errors"][f"cluster.probe('model') ({k})"] = f"{type(exc).__name__}: {exc}"[:3000]
+                break  # the same call again says the same
+        checks["cluster.probe('model') answers on every rank"] = rec.get("probe_ranks") == list(range(nproc))
+        step = "cluster.run(probe on a side stream)"
+        t0 = time.perf_counter()
+        try:
+            side = cluster.run(_probe_side_stream)
+            rec["probe_side_stream_s"] = time.perf_counter() - t0
+            rec["probe_side_stream"] = {str(r): v for r, v in side.items()}
+        except Exception as exc:
+            rec["probe_side_stream_fail_s"] = time.perf_counter() - t0
+            rec["errors"]["cluster.run(probe on a side stream)"] = f"{type(exc).__name__}: {exc}"[:3000]
+        step = "cluster.resume()"
+        t_resume = time.time()
+        t0 = time.perf_counter()
+        done = cluster.resume()
+        rec["resume_s"] = time.perf_counter() - t0
+        rec["resume_by"] = done.get("by")
+        checks["resumed by the client"] = done.get("status") == "resumed" and done.get("by") == "client"
+        step = "the job's end"
+        rec["rc"] = proc.wait(timeout=args.end_timeout)
+        rec["resume_to_job_end_s"] = time.time() - t_resume
+        log = log_path.read_text()
+        needle = f"RuntimeError: batch {args.steps} holds token id"
+        checks["job failed (rc != 0)"] = rec["rc"] != 0
+        checks["the raising rank's own exception in the job's log"] = needle in log and "Traceback" in log
+        rec["log_exception_lines"] = [ln for ln in log.splitlines() if needle in ln][:4]
+        rec["log_failures"] = [ln.strip() for ln in log.splitlines()
+                               if any(w in ln for w in ("exitcode", "rank    ", "error_file", "Watchdog", "watchdog",
+                                                         "NCCL", "ProcessGroupNCCL", "SIGTERM", "Signal"))][:30]
+        bad = [k for k, v in checks.items() if not v]
+        if bad:
+            step = "checks"
+            raise RuntimeError(f"checks failed: {bad}")
+        rec["ok"] = True
+    except Exception as exc:
+        rec["failure"] = f"at {step}: {type(exc).__name__}: {exc}"
+    finally:
+        _end(rec, proc, cluster, job_dir, log_path, t_launch)
+    checks["no process left"] = not rec["left_behind"]
+    return rec
+
+
+PM_MEASURES = [
+    ("launch_to_attach_json_s", "launch -> attach.json (build, steps, the raise, attach)"),
+    ("raise_to_attach_start_s", "job: raise -> rank 0's watcher starts the attach"),
+    ("controller_up_s", "job: attach start -> controller up, attach.json"),
+    ("raise_to_attach_json_s", "job: raise -> attach.json written"),
+    ("raise_to_client_sees_s", "client: raise -> attach.json seen"),
+    ("connect_s", "client: wb.connect(job=dir)"),
+    ("run_view_s", "client: cluster.run(view), host-side, every rank"),
+    ("probe_first_s", "client: cluster.probe('model'), first"),
+    ("probe_second_s", "client: cluster.probe('model'), second"),
+    ("probe_first_fail_s", "client: cluster.probe('model') FAILED after"),
+    ("probe_side_stream_s", "client: cluster.run(probe on a side stream)"),
+    ("probe_side_stream_fail_s", "client: cluster.run(probe on a side stream) FAILED after"),
+    ("resume_s", "client: cluster.resume()"),
+    ("resume_to_job_end_s", "client: resume call -> the job ended (rc != 0)"),
+    ("total_s", "whole run (launch -> job ended)"),
+]
 
 
 def _gpus() -> int:
@@ -331,6 +538,38 @@ MEASURES = [  # (key in a run's record, what the table calls it)
 ]
 
 
+def _pm_lines(args: argparse.Namespace, doc: dict, runs: list[dict], summary: dict, nproc: int) -> list[str]:
+    """The post mortem's table (every run's timings, a failed run's too), then what the account and each call said."""
+    lines = [f"issue 37: post-mortem attach to a {args.shape} FSDP2 job, {nproc} ranks ({doc['device']}, "
+             f"{doc['backend']}): rank {args.raise_rank} raises in step {args.steps}, the others wait in its "
+             f"collectives; {sum(r['ok'] for r in runs)}/{len(runs)} runs passed every check; seconds "
+             f"(n: runs that reached it)",
+             f"{'measure':<58} {'min':>7} {'median':>7} {'max':>7} {'n':>3}"]
+    for key, name in PM_MEASURES:
+        s = summary.get(key)
+        if s:
+            lines.append(f"{name:<58} {s['min']:>7.2f} {s['median']:>7.2f} {s['max']:>7.2f} {s['n']:>3}")
+    for r in runs:
+        lines.append(f"run {r['run']}: {'ok' if r['ok'] else 'FAILED ' + str(r['failure'])}; rc {r.get('rc')}; "
+                     f"left behind {r.get('left_behind')}")
+        if r.get("account"):
+            lines.append(f"  account: {r['account'].get('line')}")
+        for k, v in (r.get("checks") or {}).items():
+            lines.append(f"  check {'ok  ' if v else 'FAIL'} {k}")
+        for k, v in (r.get("errors") or {}).items():
+            lines.append(f"  {k}: {v[:600]}")
+        if r.get("view"):
+            lines.append("  cluster.run(view): " + "; ".join(
+                f"rank {k}: {v['thread']}{' (main)' if v['main_thread'] else ''} at {v['frame']}, thread's cuda "
+                f"device {v['thread_cuda_device']}, model on {v['model_device']}" for k, v in r["view"].items()))
+        if r.get("probe_side_stream"):
+            lines.append("  side-stream probe: " + "; ".join(
+                f"rank {k}: {v['rows']} rows in {v['s']:.2f}s" for k, v in r["probe_side_stream"].items()))
+        for ln in r.get("log_exception_lines") or []:
+            lines.append(f"  log: {ln.strip()[:200]}")
+    return lines
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # a run's finally still ends its torchrun session
 
@@ -342,48 +581,63 @@ def client(args: argparse.Namespace) -> int:
     nproc = args.nproc or (2 if cpu else gpus)
     out = Path(args.out or os.environ.get("OUT") or "gpu-out")
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"job_attach_{nproc}{'cpu' if cpu else 'gpu'}"
+    tag = f"job_{'postmortem' if args.post_mortem else 'attach'}_{nproc}{'cpu' if cpu else 'gpu'}"
+    measures = PM_MEASURES if args.post_mortem else MEASURES
+    runner = one_run_pm if args.post_mortem else one_run
     work = Path(tempfile.mkdtemp(prefix="wb-job-attach-"))
     runs: list[dict] = []
     interrupted = None
     try:
         for i in range(1, args.repeat + 1):
-            rec = one_run(args, i, work, nproc)
+            rec = runner(args, i, work, nproc)
             rec["resume_to_continue_max_s"] = (rec.get("resume_to_continue_s") or {}).get("max")
             rec["resume_to_continue_min_s"] = (rec.get("resume_to_continue_s") or {}).get("min")
             runs.append(rec)
             print(f"run {i}: {'ok' if rec['ok'] else 'FAILED ' + str(rec['failure'])}; "
-                  + ", ".join(f"{k} {rec[k]:.2f}" for k, _ in MEASURES if isinstance(rec.get(k), float)), flush=True)
+                  + ", ".join(f"{k} {rec[k]:.2f}" for k, _ in measures if isinstance(rec.get(k), float)), flush=True)
     except KeyboardInterrupt as exc:  # a run's own finally has ended its job; what was measured is still written
         interrupted = f"interrupted ({exc}) during run {len(runs) + 1}"
     for log in sorted(work.glob("torchrun_run*.log")):
         (out / f"{tag}_{log.stem.split('_')[-1]}.log").write_text(log.read_text()[-200_000:])
     summary = {}
-    for key, _ in MEASURES:
-        vals = [r[key] for r in runs if r["ok"] and isinstance(r.get(key), float)]
+    for key, _ in measures:  # post mortem: a failed run's timings too (a negative finding is timed as well)
+        vals = [r[key] for r in runs if (r["ok"] or args.post_mortem) and isinstance(r.get(key), float)]
         if vals:
             summary[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals), "n": len(vals)}
     job0 = next((r["job"] for r in runs if r.get("job")), {})
+    if args.post_mortem and _gpus() and not cpu:
+        import torch
+
+        job0 = {"device_name": torch.cuda.get_device_name(0), "backend": "nccl"}
+    elif args.post_mortem:
+        job0 = {"device_name": "cpu", "backend": "gloo"}
     doc = {"issue": 37, "shape": args.shape, "ranks": nproc, "device": job0.get("device_name", "?"),
            "backend": job0.get("backend"), "steps_before": args.steps, "seq_len": args.seq_len,
            "repeat": args.repeat, "ok": bool(runs) and all(r["ok"] for r in runs) and not interrupted,
            "interrupted": interrupted, "commit": os.environ.get("WB_COMMIT", ""),
            "summary": summary, "runs": runs, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if args.post_mortem:
+        doc.update(mode="post-mortem", raise_rank=args.raise_rank, raise_at_step=args.steps,
+                   pg_timeout_s=args.pg_timeout, attach_deadline_s=args.deadline,
+                   probe_sync_timeout_s=args.probe_sync_timeout)
     (out / f"{tag}.json").write_text(json.dumps(doc, indent=1))
-    lines = [f"issue 37: attach to a {args.shape} FSDP2 job at cap.breakpoint(), {nproc} ranks "
-             f"({doc['device']}, {doc['backend']}), {sum(r['ok'] for r in runs)}/{len(runs)} runs passed; seconds",
-             f"{'measure':<52} {'min':>8} {'median':>8} {'max':>8}"]
-    for key, name in MEASURES:
-        s = summary.get(key)
-        if s:
-            lines.append(f"{name:<52} {s['min']:>8.2f} {s['median']:>8.2f} {s['max']:>8.2f}")
-    ok_run = next((r for r in runs if r["ok"]), None)
-    if ok_run:
-        j = ok_run["job"]
-        lines.append(f"probe rows {ok_run['probe_rows']} over ranks {ok_run['probe_ranks']}; the notebook's change "
-                     f"seen by the job: final norm |w| x{j['norm_ratio']:.4f}, lr {j['lr_before']:g} -> "
-                     f"{ok_run['lr_after']}; losses {[round(x, 4) for x in j['losses']]}; rc {ok_run['rc']}; "
-                     f"left behind {ok_run['left_behind']}")
+    if args.post_mortem:
+        lines = _pm_lines(args, doc, runs, summary, nproc)
+    else:
+        lines = [f"issue 37: attach to a {args.shape} FSDP2 job at cap.breakpoint(), {nproc} ranks "
+                 f"({doc['device']}, {doc['backend']}), {sum(r['ok'] for r in runs)}/{len(runs)} runs passed; seconds",
+                 f"{'measure':<52} {'min':>8} {'median':>8} {'max':>8}"]
+        for key, name in MEASURES:
+            s = summary.get(key)
+            if s:
+                lines.append(f"{name:<52} {s['min']:>8.2f} {s['median']:>8.2f} {s['max']:>8.2f}")
+        ok_run = next((r for r in runs if r["ok"]), None)
+        if ok_run:
+            j = ok_run["job"]
+            lines.append(f"probe rows {ok_run['probe_rows']} over ranks {ok_run['probe_ranks']}; the notebook's "
+                         f"change seen by the job: final norm |w| x{j['norm_ratio']:.4f}, lr {j['lr_before']:g} -> "
+                         f"{ok_run['lr_after']}; losses {[round(x, 4) for x in j['losses']]}; rc {ok_run['rc']}; "
+                         f"left behind {ok_run['left_behind']}")
     for r in runs:
         if not r["ok"]:
             lines.append(f"run {r['run']} FAILED {r['failure']}")
@@ -414,6 +668,15 @@ def main() -> None:
     ap.add_argument("--end-timeout", type=float, default=120.0, help="seconds from resume to the job's end")
     ap.add_argument("--out", default=None, help="where the JSON, table and logs go (default: $OUT)")
     ap.add_argument("--job-dir", default=None, help="(job role) the capture directory")
+    ap.add_argument("--post-mortem", action="store_true",
+                    help="post mortem: capture(attach='on-error'), rank --raise-rank raises in step --steps")
+    ap.add_argument("--raise-rank", type=int, default=1, help="(post mortem) the rank whose batch is bad")
+    ap.add_argument("--raise-at", type=int, default=2, help="(job role) the step in which it raises")
+    ap.add_argument("--pg-timeout", type=float, default=600.0,
+                    help="(post mortem) the process group's timeout (s): NCCL's watchdog ends a stuck rank after it")
+    ap.add_argument("--probe-sync-timeout", type=float, default=20.0,
+                    help="(post mortem) WORKBENCH_PROBE_SYNC_TIMEOUT in the job: a probe stuck behind a collective "
+                         "gives up after this long")
     args = ap.parse_args()
     if args.role == "job":
         run_job(args)
