@@ -335,9 +335,14 @@ def test_post_mortem_after_one_rank_raises(job_factory):
     assert "[rank1]: RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x6 and 8x8)" in log
     assert _gone([*cluster.pids.values(), doc["controller_pid"]])
     # the shards' ledgers: rank 0's all-reduce #3 never ended, and the attach issued no collective of its own
-    ledger = wb.load(job.out).bug.ledger
+    b = wb.load(job.out)
+    ledger = b.bug.ledger
     assert not any("workbench/job" in str(f) for f in ledger["user_frame"])
     assert list(ledger[ledger["rank"] == 1]["seq"]) == [1, 2]
+    # and the shards' diagnosis leads with the raise (a matmul's error under the ledger's mode is a cause)
+    sentence = b.bug.diagnose().sentence
+    assert sentence.startswith("rank 1 raised RuntimeError at examples/postmortem_job.py:"), sentence
+    assert "it left rank 0 waiting" in sentence, sentence
     print(f"post mortem: attach.json {ready_s:.2f}s after the raise ({attachable_s:.2f}s after the launch), "
           f"wb.connect {connect_s:.2f}s, resume {done['resume_s']:.2f}s, job ended {exit_s:.2f}s later")
 

@@ -131,3 +131,28 @@ def test_a_rank_that_raises_where_the_collectives_part_leads_the_sentence(health
                                  "`reduce`: rank 1 disagrees; it left rank 0 waiting: rank 1 never issued group 0 "
                                  "call #4 that rank 0 issued"), d.sentence
     assert d.ranks[0] == 1
+
+
+MATMUL = wb.Scenario("rank-1-bad-batch", probe=None)
+
+
+@MATMUL.step
+def forward(ctx) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(2))
+    width = 6 if ctx.rank == 1 else 8  # rank 1's batch has the wrong width: its matmul raises inside aten
+    loss = (torch.ones(4, width) @ torch.ones(8, 8)).sum()
+    dist.all_reduce(loss)
+
+
+def test_an_aten_error_under_the_ledgers_mode_is_a_cause_not_a_collectives_symptom(healthy):
+    """The ledger's dispatch mode puts ``torch/_ops.py`` innermost in every op's traceback: a matmul's
+    shape error is the rank's own cause all the same, not something a collective raised."""
+    s = healthy.session(MATMUL)
+    s.step()
+    d = s.diagnose()
+    line = next(i for i, ln in enumerate(open(__file__), 1) if "torch.ones(4, width) @" in ln)
+    assert d.sentence.startswith(f"rank 1 raised RuntimeError at tests/test_ledger_ops.py:{line} forward in step "
+                                 "`forward`: mat1 and mat2 shapes cannot be multiplied"), d.sentence
+    assert "left rank 0 waiting" in d.sentence and d.ranks[0] == 1, d.sentence

@@ -60,13 +60,20 @@ def is_symptom(tb: str, message: str = "", error: str = "") -> bool:
     ``torch/_ops.py``, or the backend's error reaching autograd as DDP's all-reduce does): a
     timeout, a mispaired receive, what a cause leaves behind. ``error`` (the exception's type name):
     an argument c10d refused (``REFUSED``) is a cause, unless the backend's own words say otherwise."""
-    fs = frames(tb)
-    inner = fs[-1][0].replace("\\", "/") if fs else ""
+    fs = [f[0].replace("\\", "/") for f in frames(tb)]
+    inner = next((f for f in reversed(fs) if not _DISPATCH.search(f)), fs[-1] if fs else "")
     if _COLLECTIVE_ERROR.search((message or "").split("\n", 1)[0]):  # a backend's own words
         return True
     if error in REFUSED or _REFUSED_WORDS.search(message or ""):
         return False
     return "/torch/distributed/" in inner or inner.endswith("/torch/_ops.py")
+
+
+# The frames an op passes through on its way to its kernel, whatever the op: torch's dispatch, the modes the
+# workbench's ledger installs, dynamo's wrappers. Under the ledger's mode every op's innermost frame is
+# ``torch/_ops.py``; the frame above them says which code called the op (a collective's own, or not).
+_DISPATCH = re.compile(r"/torch/(_ops|_compile|overrides|_tensor)\.py$|/torch/_dynamo/"
+                       r"|/torch/utils/_python_dispatch\.py$|(^|/)workbench/rank/ledger(_calls)?\.py$")
 
 
 def causes(events: pd.DataFrame, step: str) -> list[dict[str, Any]]:
