@@ -342,7 +342,7 @@ def test_columns_pyarrow_cannot_type_round_trip_as_json(recorded, tmp_path):
     assert spec["json_columns"] == ["extra"]
 
 
-# -- hostile manifests (issue 29): every field checked against what it describes, bounded cost ----------
+# -- hostile manifests: every field checked against what it describes, bounded cost ----------
 def _with_run_field(src: bytes, dst: Path, key: str, value) -> Path:
     m = _manifest(src)
     m["runs"][0]["manifest"][key] = value

@@ -87,7 +87,7 @@ def test_make_demo_the_main_job_succeeds_and_says_the_failure_is_the_incident():
     assert "demo: the bug path failed as the incident does" in out.stdout
 
 
-# -- outputs never lost (issue 29) ----------------------------------------------------------
+# -- outputs never lost ----------------------------------------------------------
 def test_outputs_naming_one_file_are_refused_before_engines_start(tmp_path):
     o = str(tmp_path / "o")
     out = cli("run", "fsdp1-rotary-meta-init", "--json", o, "--bundle", o + ".wbundle", "--report", o, timeout=60)

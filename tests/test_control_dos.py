@@ -1,4 +1,4 @@
-"""A rank's control thread under a hostile local client (issue 29): one connection held open, a byte at a
+"""A rank's control thread under a hostile local client: one connection held open, a byte at a
 time, or a flood of junk, must not keep ``ping``/``abort`` from the client. The server runs in this
 process (the same code an engine runs), no engines needed."""
 

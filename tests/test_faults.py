@@ -1,4 +1,4 @@
-"""Faults and bad input (issue 15): a clear line or a frame naming the rank, never a raw
+"""Faults and bad input: a clear line or a frame naming the rank, never a raw
 traceback, a leaked process or a lost result. One module-scoped 2-rank cluster; the tests
 that kill a rank restart it."""
 
@@ -363,7 +363,7 @@ def test_no_rendezvous_listener_outside_loopback(fresh):
     assert outside == []
 
 
-# issue 29 ------------------------------------------------------------------------------
+# -- hostile params and outputs --------------------------------------------------------
 PARAMS = wb.Scenario("params-faults", probe=None, params={"theta": 1.0, "where": ""})
 PARAMS.step(setup)
 PARAMS.step(report)
@@ -444,7 +444,7 @@ def test_engines_sweep_what_killed_engines_left_in_the_temp_dir(tmp_path):
     """Every engine wrote a wb-stacks-<pid>-*.txt and per-session work dirs it never removed (engines are
     killed): the next engine to start removes those of dead pids, and a clean exit removes its own file.
     What a process made under names without its pid (a rank's vLLM checkpoint, a client's ledger dir) its
-    manifest (wb-owned-<pid>-*.txt) lists: gone with the pid too (issue 40)."""
+    manifest (wb-owned-<pid>-*.txt) lists: gone with the pid too."""
     import subprocess
     import sys
 

@@ -4,7 +4,7 @@ On NCCL a collective is queued on the GPU and the call returns at once; the rank
 GPU (a stream sync, the probe reading a tensor) outside any torch.distributed call. When the ledgers
 prove a deadlock and the workbench aborts that rank's communicators, the wait simply ends: the
 step's code saw no exception, the rank returns a clean value. The frame read ``ok=True`` with
-``hang`` set (issue 38: every second NCCL hang cycle), ``recover()`` found no failed frame and
+``hang`` set (on NCCL, every second hang cycle), ``recover()`` found no failed frame and
 replayed the step that hung. Here gloo is made to take the same order: rank 0 queues its lonely
 all-reduce (``async_op=True``) and polls its completion, as a stream sync does, never calling
 ``wait()``; the release completes the work (with an error nobody reads) and the step returns clean.

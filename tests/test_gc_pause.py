@@ -1,5 +1,5 @@
 """A rank pauses Python's automatic collection from the end of a step's code to the start of the next (the probe
-and the reply: a full collection there cost a step 0.2-0.3 s at real size, issue 38), and only then."""
+and the reply: a full collection there cost a step 0.2-0.3 s at real size), and only then."""
 
 from __future__ import annotations
 

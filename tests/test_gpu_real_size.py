@@ -1,4 +1,4 @@
-"""What the 4 x H200 round of issue 38's second part recorded (fixtures/gpu/, scripts/gpu_real_size.sh).
+"""What the 4 x H200 real-size round recorded (fixtures/gpu/, scripts/gpu_real_size.sh).
 
 - weight-sync-order-desync's bug path at 4 NCCL ranks: with the release aborting each group's backend and leaving
   torch's registry alone (rank/control.py), no workbench artefact ('Group ... is not registered') among the rank
@@ -76,7 +76,7 @@ def test_real_size_with_the_gc_pause_meets_the_step_goals_at_2_and_4_gpus():
         assert all(s["ok"] for s in r["cold"] + r["warm"]) and len(r["warm"]) == 16
         assert r["goals"]["overhead"]["met"] and r["goals"]["first_probe"]["met"], r["goals"]
         assert max(s["slowest_gc_probe_s"] for s in r["cold"] + r["warm"]) < 0.01
-    s4 = runs[4]  # start at 4 GPUs: its parts are recorded (the goal is not met, see the README)
+    s4 = runs[4]  # start at 4 GPUs: its parts are recorded (the goal is not met, see docs/performance.md)
     assert s4["start_s"] > 0 and {"client_init_s", "engines_s", "imports_s", "group_s"} <= set(s4)
     gc_pause = json.loads((GPU / "hang_cycles_nccl_4gpu_gc_pause.json").read_text())["rows"]
     assert all(c["check_ok"] and not c["replayed_hung"] for c in gc_pause)

@@ -129,7 +129,7 @@ def test_stop_after_the_hub_died_ends_every_scheduler():
         assert len(schedulers) >= 2, [" ".join(p.cmdline()) for p in procs]
         hub.kill()
         psutil.wait_procs([hub], timeout=5)
-        assert any(p.is_running() for p in schedulers)  # orphans: what stop() used to leave
+        assert any(p.is_running() for p in schedulers)  # orphans: what ending only the children leaves
     finally:
         c.stop()
     assert lease.members(token) == []

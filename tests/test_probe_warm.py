@@ -1,4 +1,4 @@
-"""The GPU probe's warm-up (issue 38: the first GPU probe took 4.8 s, Triton's import and compile) and the
+"""The GPU probe's warm-up (without it the first GPU probe takes seconds: 4.8 s, Triton's import and compile) and the
 NCCL release's abort that leaves torch's group registry alone, on CPU.
 
 The warm-up runs the fused kernel through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag

@@ -1,4 +1,4 @@
-"""Clusters the tool must still find and name (issue 29): a run killed with SIGKILL, a controller that died,
+"""Clusters the tool must still find and name: a run killed with SIGKILL, a controller that died,
 `up` interrupted, a HOME nobody can write. Real engines, each test ends every process it started."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A run leaves nothing in the temp dir or /dev/shm that it did not say it keeps (issue 40).
+"""A run leaves nothing in the temp dir or /dev/shm that it did not say it keeps.
 
 Engines are killed, never asked to exit, and so are the ``torch_shm_manager`` processes torch starts beside
 them for ``file_system`` sharing (the weight-sync scenarios' CPU IPC handles): each killed engine left

@@ -490,7 +490,7 @@ class Engines:
                 out.values[r] = ar.get(0)
             except Exception as exc:
                 out.failures[r] = _failure_from(r, exc)
-                if out.failures[r].kind == "died" and self.is_local(r):  # issue 29: SIGSTOP is no death
+                if out.failures[r].kind == "died" and self.is_local(r):  # a SIGSTOPped engine is stopped, not dead
                     out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
                 if out.failures[r].kind in LOST:
                     self._dead.add(r)

@@ -241,7 +241,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         infos = dict(zip(view.targets, view.apply_sync(whoami)))
         view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
         # ... nor FSDP's and transformers' (seconds more): awaited, so the first run right after `up` finds the
-        # ranks warm (issue 40: queued and not awaited, it made that run wait behind the imports: 9 s against
+        # ranks warm (queued and not awaited, the imports would make that run wait behind them: 9 s against
         # 1.5 s). Past WARM_WAIT_S the imports stay queued on the engines and `up` says so.
         t_warm = time.time()
         warming = view.apply_async(RankFn("workbench.rank.remote", "warm"))

@@ -43,7 +43,7 @@ SUFFIX = ".wbundle"
 MANIFEST = "manifest.json"
 MAX_MEMBER_BYTES = 512 * 1024 * 1024
 # A run's world size: the views loop over ranks x steps, so an absurd count in a small manifest would cost
-# hours and gigabytes (issue 29: ``"ranks": 10**12`` built set(range(n))). Far above any ipyparallel job.
+# hours and gigabytes (``"ranks": 10**12`` would build set(range(n))). Far above any ipyparallel job.
 MAX_RANKS = 4096
 MAX_TABLE_ROWS = 20_000_000  # a Parquet table's declared rows, checked before it is decoded
 MAX_TABLE_BYTES = 4 * MAX_MEMBER_BYTES  # ... and its declared uncompressed size

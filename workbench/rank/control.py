@@ -8,9 +8,9 @@ joins its group listens on one socket and can release the blocked call instead:
 - NCCL: every group's backend is aborted (``ProcessGroup.abort``); the kernels see the abort
   flag and exit, so the host sync the main thread waits in returns and the collective raises.
   torch's registry of groups is left as it was: ``c10d._abort_process_group()`` on the world
-  also clears it and the default group, so a rank's later call on a subgroup it kept raised
-  ``ValueError: Group ... is not registered`` (the workbench's own artefact among the rank
-  errors, issue 38 at 4 GPUs); now it raises "NCCL communicator was aborted", the hang's symptom.
+  also clears it and the default group, so a rank's later call on a subgroup it kept would raise
+  ``ValueError: Group ... is not registered`` (an artefact of the release, not of the incident);
+  with the registry kept it raises "NCCL communicator was aborted", the hang's symptom.
   The group is re-formed by ``destroy_process_group`` as after any failed step.
 - gloo: aborting its group object does not wake a waiter, but gloo's pairs are plain TCP
   sockets: shutting them down (they were opened while the group formed, so we know which)
@@ -55,7 +55,7 @@ def start(rendezvous_addr: str, rendezvous_port: int) -> dict[str, Any]:
 def warm_probe() -> bool:
     """On a rank whose CUDA device is set (an NCCL rank joining its group), build the GPU probe's kernel in
     the background (``probe_fused.warm_async``): the first probe then takes ~0.1 s, not Triton's import and
-    compile (seconds, issue 38). Once per process, as ``start`` is; never on a CPU rank."""
+    compile (seconds). Once per process, as ``start`` is; never on a CPU rank."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return False
@@ -195,7 +195,7 @@ GC_RESUME_S = 1.0  # automatic collection comes back this long after a step's co
 
 
 def pause_gc() -> bool:
-    """Pause automatic collection while the workbench probes and replies (issue 38). A full collection walks the
+    """Pause automatic collection while the workbench probes and replies. A full collection walks the
     whole heap (a rank holding a transformers model: 0.2-0.3 s on an H200 host); a 0.2-0.4 s pause fell inside a
     probe in 4 of 6 runs of benchmarks/real_size.py at 4 GPUs (the probe's thousands of rows make collections
     due), and timed it was a full collection (304 ms of a 329 ms probe, fixtures/gpu/real_size_gc.json); none in

@@ -6,7 +6,7 @@ offset (25-57 was reported) with tiny per-expert differences (std ~7e-4), and it
 differences that move tokens between experts. A weight sync that casts every tensor to the
 inference dtype sends it as bf16, whose spacing at that magnitude is 0.125-0.25: the eight
 values collapse to one or two, the worker loads them into its fp32 buffer, and every top-k
-decision the bias used to make is now made by ``sigmoid(logits)`` alone. Nothing fails;
+decision the bias should make is made by ``sigmoid(logits)`` alone. Nothing fails;
 the outputs drift.
 
 The router logits are scaled down here (``router_scale``) so that ``sigmoid(logits)``
