@@ -18,6 +18,17 @@ ends with rc 0, its result shows the notebook's change, and no process of the ru
 
 Writes ``<out>/job_attach_<N><gpu|cpu>.json`` and ``.txt`` (min / median / max over ``--repeat`` runs)
 and each run's torchrun log; ``--out`` defaults to ``$OUT``. Exit status 0 only when every run passed.
+
+``--post-mortem`` (``MODE=post-mortem`` in the .sh): the same job under ``capture(attach="on-error")`` and a
+process group whose timeout (``--pg-timeout``, 600 s) outlasts the attach; after ``--steps`` steps rank
+``--raise-rank`` (1) finds a token id past the vocabulary in its batch (a host-side check, before any collective)
+and raises, while the other ranks go into that step's FSDP2 all-gathers. The client times raise -> ``attach.json``
+and ``wb.connect``, reads ``cluster.post_mortem`` (the raise and where each other rank waits), dumps every
+rank's thread stacks (SIGUSR1, the capture's faulthandler), runs a host-side cell on every rank (which thread
+serves it), probes the raising rank alone, probes every rank on a side stream, then ``cluster.probe("model")``,
+then ``cluster.resume()``; a call that fails is recorded (with the stacks then) and the job's own end is timed.
+Checked: the job fails (rc != 0) with rank 1's own exception in its log, and no process is left. Writes
+``job_postmortem_<N><gpu|cpu>.json`` / ``.txt`` (every run's timings, a failed run's too).
 """
 
 from __future__ import annotations
@@ -386,6 +397,56 @@ def _probe_side_stream() -> dict:
             "device": str(dev)}
 
 
+def _probe_here() -> int:
+    """``cluster.probe``'s rows on this rank alone (its own stream): sent to the raising rank by ``cluster.run``."""
+    from workbench.job.attach import here
+    from workbench.rank import phases
+
+    return len(phases.probe_rows({"model": here()["model"]}))
+
+
+def _dump_stacks(pids: dict, job_dir: Path, seen: dict) -> dict:
+    """Every thread's Python stack on every rank, now: SIGUSR1 makes the capture's faulthandler append them to
+    ``rank<r>/stacks.txt`` (it runs in C, so it answers while threads hang); the new text of each file."""
+    for pid in pids.values():
+        try:
+            os.kill(int(pid), signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
+    time.sleep(1.0)
+    out = {}
+    for r in pids:
+        path = job_dir / f"rank{r}" / "stacks.txt"
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        out[str(r)] = text[seen.get(r, 0):][-20000:]
+        seen[r] = len(text)
+    return out
+
+
+def _top_frames(dump: str, n: int = 4) -> list[str]:
+    """A faulthandler dump, the threads that matter: the post-mortem watcher (``postmortem._watch`` at its bottom)
+    and the main thread (the job's script, or the excepthook serving it), each as one line of its ``n`` innermost
+    frames."""
+    lines = []
+    for block in dump.strip().split("\n\n"):
+        rows = [f.strip() for f in block.strip().splitlines() if f.strip()]
+        if len(rows) < 2:
+            continue
+        frames = [f.replace('File "', "").replace('", line ', ":") for f in rows[1:]]
+        if any(f.endswith(" in _watch") and "postmortem.py" in f for f in frames):
+            who = "watcher thread"
+        elif any("job_attach_gpu.py" in f or "workbench/job/postmortem.py" in f for f in frames):
+            who = "main thread"
+        else:
+            continue
+        short = [os.path.basename(f.split(":")[0]) + ":" + f.split(":", 1)[1] if ":" in f else f for f in frames[:n]]
+        lines.append(f"{who}: " + " <- ".join(short))
+    return lines
+
+
 def one_run_pm(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict:
     """Launch; rank --raise-rank raises in step --steps (a bad batch, caught on the host before any collective)
     while the others go on into that step's collectives; attach post mortem, read the account, probe, resume;
@@ -413,9 +474,12 @@ def one_run_pm(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict
         rec["names"] = doc["names"]
         step = "wb.connect(job=dir)"
         t0 = time.perf_counter()
-        cluster = wb.connect(job=job_dir)
+        cluster = wb.connect(job=job_dir, timeout=args.call_timeout)  # a call's deadline: 1.5 x this + 10 s
         rec["connect_s"] = time.perf_counter() - t0
         rec["attached_world"], rec["attached_backend"] = cluster.world_size, cluster.backend
+        rec["call_deadline_s"] = cluster.deadline
+        seen: dict = {}
+        rec["stacks"] = {"attached": _dump_stacks(cluster.pids, job_dir, seen)}  # where each thread is, attached
         step = "cluster.post_mortem"
         acc = cluster.post_mortem or {}
         rec["account"] = {k: acc.get(k) for k in ("reason", "rank", "error", "where", "line")}
@@ -445,6 +509,26 @@ def one_run_pm(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict
             view.get(raiser, {}).get("main_thread") and str(view.get(raiser, {}).get("exc")).startswith("RuntimeError"))
         checks["waiting ranks serve from the watcher thread"] = all(
             view.get(r, {}).get("thread") == "workbench-postmortem" for r in others)
+        step = "cluster.run(probe) on the raising rank alone"
+        t0 = time.perf_counter()
+        try:
+            rec["probe_raiser_rows"] = cluster.run(_probe_here, ranks=[raiser])[raiser]
+            rec["probe_raiser_s"] = time.perf_counter() - t0
+        except Exception as exc:
+            rec["probe_raiser_fail_s"] = time.perf_counter() - t0
+            rec["errors"]["cluster.run(probe) on the raising rank alone"] = f"{type(exc).__name__}: {exc}"[:3000]
+        # before cluster.probe, which may hang on a waiting rank (its engine then takes no other call): the probe's
+        # rows on a fresh stream of each rank's device, not the one behind the stuck collective
+        step = "cluster.run(probe on a side stream)"
+        t0 = time.perf_counter()
+        try:
+            side = cluster.run(_probe_side_stream)
+            rec["probe_side_stream_s"] = time.perf_counter() - t0
+            rec["probe_side_stream"] = {str(r): v for r, v in side.items()}
+        except Exception as exc:
+            rec["probe_side_stream_fail_s"] = time.perf_counter() - t0
+            rec["errors"]["cluster.run(probe on a side stream)"] = f"{type(exc).__name__}: {exc}"[:3000]
+            rec["stacks"]["side-stream probe failed"] = _dump_stacks(cluster.pids, job_dir, seen)
         for k in ("first", "second"):
             step = f"cluster.probe('model') ({k})"
             t0 = time.perf_counter()
@@ -456,23 +540,20 @@ def one_run_pm(args: argparse.Namespace, i: int, work: Path, nproc: int) -> dict
             except Exception as exc:
                 rec[f"probe_{k}_fail_s"] = time.perf_counter() - t0
                 rec["errors"][f"cluster.probe('model') ({k})"] = f"{type(exc).__name__}: {exc}"[:3000]
+                rec["stacks"]["probe hung"] = _dump_stacks(cluster.pids, job_dir, seen)  # where each thread hangs
                 break  # the same call again says the same
         checks["cluster.probe('model') answers on every rank"] = rec.get("probe_ranks") == list(range(nproc))
-        step = "cluster.run(probe on a side stream)"
-        t0 = time.perf_counter()
-        try:
-            side = cluster.run(_probe_side_stream)
-            rec["probe_side_stream_s"] = time.perf_counter() - t0
-            rec["probe_side_stream"] = {str(r): v for r, v in side.items()}
-        except Exception as exc:
-            rec["probe_side_stream_fail_s"] = time.perf_counter() - t0
-            rec["errors"]["cluster.run(probe on a side stream)"] = f"{type(exc).__name__}: {exc}"[:3000]
         step = "cluster.resume()"
         t_resume = time.time()
         t0 = time.perf_counter()
-        done = cluster.resume()
-        rec["resume_s"] = time.perf_counter() - t0
-        rec["resume_by"] = done.get("by")
+        try:  # a rank whose engine still runs a hung cell cannot take it: the job's own end is then timed
+            done = cluster.resume()
+            rec["resume_s"] = time.perf_counter() - t0
+            rec["resume_by"] = done.get("by")
+        except Exception as exc:
+            done = {}
+            rec["resume_fail_s"] = time.perf_counter() - t0
+            rec["errors"]["cluster.resume()"] = f"{type(exc).__name__}: {exc}"[:3000]
         checks["resumed by the client"] = done.get("status") == "resumed" and done.get("by") == "client"
         step = "the job's end"
         rec["rc"] = proc.wait(timeout=args.end_timeout)
@@ -506,12 +587,15 @@ PM_MEASURES = [
     ("raise_to_client_sees_s", "client: raise -> attach.json seen"),
     ("connect_s", "client: wb.connect(job=dir)"),
     ("run_view_s", "client: cluster.run(view), host-side, every rank"),
+    ("probe_raiser_s", "client: probe of the raising rank alone (cluster.run)"),
+    ("probe_raiser_fail_s", "client: probe of the raising rank alone FAILED after"),
+    ("probe_side_stream_s", "client: cluster.run(probe on a side stream)"),
+    ("probe_side_stream_fail_s", "client: cluster.run(probe on a side stream) FAILED after"),
     ("probe_first_s", "client: cluster.probe('model'), first"),
     ("probe_second_s", "client: cluster.probe('model'), second"),
     ("probe_first_fail_s", "client: cluster.probe('model') FAILED after"),
-    ("probe_side_stream_s", "client: cluster.run(probe on a side stream)"),
-    ("probe_side_stream_fail_s", "client: cluster.run(probe on a side stream) FAILED after"),
     ("resume_s", "client: cluster.resume()"),
+    ("resume_fail_s", "client: cluster.resume() FAILED after"),
     ("resume_to_job_end_s", "client: resume call -> the job ended (rc != 0)"),
     ("total_s", "whole run (launch -> job ended)"),
 ]
@@ -562,6 +646,10 @@ def _pm_lines(args: argparse.Namespace, doc: dict, runs: list[dict], summary: di
             lines.append("  cluster.run(view): " + "; ".join(
                 f"rank {k}: {v['thread']}{' (main)' if v['main_thread'] else ''} at {v['frame']}, thread's cuda "
                 f"device {v['thread_cuda_device']}, model on {v['model_device']}" for k, v in r["view"].items()))
+        for label, dumps in (r.get("stacks") or {}).items():
+            for rank, dump in dumps.items():
+                for ln in _top_frames(dump, 3):
+                    lines.append(f"  stacks ({label}) rank {rank}: {ln[:400]}")
         if r.get("probe_side_stream"):
             lines.append("  side-stream probe: " + "; ".join(
                 f"rank {k}: {v['rows']} rows in {v['s']:.2f}s" for k, v in r["probe_side_stream"].items()))
@@ -674,6 +762,8 @@ def main() -> None:
     ap.add_argument("--raise-at", type=int, default=2, help="(job role) the step in which it raises")
     ap.add_argument("--pg-timeout", type=float, default=600.0,
                     help="(post mortem) the process group's timeout (s): NCCL's watchdog ends a stuck rank after it")
+    ap.add_argument("--call-timeout", type=float, default=20.0,
+                    help="(post mortem) wb.connect(timeout=): a call on the engines gives up after 1.5 x this + 10 s")
     ap.add_argument("--probe-sync-timeout", type=float, default=20.0,
                     help="(post mortem) WORKBENCH_PROBE_SYNC_TIMEOUT in the job: a probe stuck behind a collective "
                          "gives up after this long")

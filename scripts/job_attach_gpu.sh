@@ -6,9 +6,10 @@
 # it, resumes; timed. Leaves in $OUT: env.txt, job_attach_<N>gpu.json/.txt, job_attach_<N>gpu_run<i>.log.
 # Device tool: run(command="WB_COMMIT=... bash scripts/job_attach_gpu.sh", carry=[".whl"], kind="nvidia-h100-x4").
 # MODE=post-mortem: capture(attach="on-error"); after STEPS (2) steps rank 1 raises (a bad batch) while the others go
-# into that step's collectives; the client attaches post mortem, reads cluster.post_mortem, runs a host-side cell,
-# probes (cluster.probe and a probe on a side stream), resumes; the job must fail with rank 1's exception and leave
-# no process. Leaves job_postmortem_<N>gpu.json/.txt and job_postmortem_<N>gpu_run<i>.log instead.
+# into that step's collectives; the client attaches post mortem, reads cluster.post_mortem, dumps every rank's thread
+# stacks (SIGUSR1), runs a host-side cell, probes (rank 1 alone, every rank on a side stream, then cluster.probe),
+# resumes; the job must fail with rank 1's exception and leave no process. Leaves job_postmortem_<N>gpu.json/.txt
+# and job_postmortem_<N>gpu_run<i>.log instead. One run takes about 3 min when a probe hangs: REPEAT=1 LIMIT=300.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export WB_COMMIT=${WB_COMMIT:-}
