@@ -157,7 +157,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
         "Two MoE layers, so two router biases, each with its own offset and tiny per-expert spread.",
         ("replace", "pack"),
         ["Run the bug path: how many distinct values does each router bias have on the trainer and on the worker?",
-         "bf16 keeps 8 bits of mantissa: at ~41 its steps are 0.25. Is any 16-bit float fine enough for a spread "
+         "bf16 keeps 8 bits of precision: at ~41 its steps are 0.25. Is any 16-bit float fine enough for a spread "
          "of 7e-4 at that offset?",
          "Keep names ending with `e_score_correction_bias` in their native fp32: "
          "`wp.cast_for_sync(exported, torch.bfloat16, wp.ROUTING_SUFFIXES)` into `ctx.sent` and "
