@@ -117,6 +117,7 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
     attach_s = time.perf_counter() - t0
     try:
         assert cluster.world_size == 2 and cluster.backend == "gloo"
+        assert cluster._ids == [0, 1]  # each engine's id is its rank: %%px labels its output [stdout:<rank>]
         assert cluster.pids[0] != cluster.pids[1] and all(psutil.pid_exists(p) for p in cluster.pids.values())
         rows = cluster.probe("model")
         assert set(rows["rank"]) == {0, 1}

@@ -317,6 +317,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
         engine.init_signal = lambda: None  # the launcher's SIGTERM keeps ending the rank
         engine.out_stream_factory = _out_stream()  # cells' prints go to the client; the job's own fds stay its own
         engine.initialize([f"--file={tmp / 'engine.json'}", "--IPEngine.enable_nanny=False",
+                           f"--IPEngine.id={int(getattr(cap, 'rank', 0))}",  # %%px output labelled by the rank
                            f"--profile-dir={tmp / 'profile'}", "--log-level=ERROR", "--IPEngine.timeout=60"])
 
         async def main() -> None:
