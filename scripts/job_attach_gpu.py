@@ -423,6 +423,12 @@ def _dump_stacks(pids: dict, job_dir: Path, seen: dict) -> dict:
             continue
         out[str(r)] = text[seen.get(r, 0):][-20000:]
         seen[r] = len(text)
+    spy = os.environ.get("PYSPY")  # py-spy's native frames too, where one is given: what a C call waits in
+    for r, pid in pids.items():
+        if spy:
+            got = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                 timeout=60, check=False)
+            out[f"{r} native"] = (got.stdout + got.stderr)[-20000:]
     return out
 
 

@@ -60,12 +60,21 @@ def install(cap: Any, triggers: tuple[str, ...], deadline: float, hang_after: fl
     if not triggers:
         return
     poll = poll if poll is not None else max(0.5, cap.world_size / 256)
-    cap._pm = {"triggers": triggers, "deadline": float(deadline), "hang_after": float(hang_after)}
+    cap._pm = {"triggers": triggers, "deadline": float(deadline), "hang_after": float(hang_after),
+               "device": _main_device()}
     stop = threading.Event()
     cap._pm["stop"] = stop
     t = threading.Thread(target=_watch, args=(cap, stop, poll), name="workbench-postmortem", daemon=True)
     cap._pm["thread"] = t
     t.start()
+
+
+def _main_device() -> Any:
+    """The main thread's CUDA device when it has one already (a point records it again as it goes)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def uninstall(cap: Any) -> None:
@@ -255,6 +264,7 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             with contextlib.suppress(Exception):
                 store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             del frame
+            _off_the_stuck_stream(cap)
             _serve(cap, objects, None, trigger=trigger)
             return
         if tail is None:
@@ -274,6 +284,28 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
                     if store.add(f"{key}/claim", 1) == 1:
                         store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
                                                            "t": time.time()}))
+
+
+def _off_the_stuck_stream(cap: Any) -> None:
+    """Serve on the main thread's GPU with a stream of this thread's own. On NCCL a rank that waits in a
+    collective has its default stream queued behind kernels that wait for that collective, so whatever the
+    notebook runs there (the probe's copies, a ``.cpu()``) would wait for ever; and CUDA's current device and
+    PyTorch's current stream are per thread (a new thread starts on device 0, default stream)."""
+    torch = sys.modules.get("torch")
+    dev = getattr(getattr(cap, "ctx", None), "device", None)
+    if getattr(dev, "type", "") != "cuda":
+        dev = cap._pm.get("device")
+    if torch is None or dev is None or not torch.cuda.is_available():
+        return
+    try:
+        from workbench.rank import probe
+
+        torch.cuda.set_device(dev)
+        stream = torch.cuda.Stream(dev)  # a pool stream: CUDA's non-blocking kind
+        torch.cuda.set_stream(stream)
+        probe.read_by_host_copies(stream)  # no device allocation: the stuck main thread holds the context
+    except Exception as exc:  # one line; the host-side cells still serve
+        sys.__stderr__.write(f"workbench: rank {cap.rank} serves on the default stream ({exc!r})\n")
 
 
 class _Tail:

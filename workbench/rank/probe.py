@@ -75,6 +75,45 @@ def named_tensors(module: nn.Module, prefix: str = "",
     return params + bufs
 
 
+# Set while a rank serves beside a main thread stuck in a collective (the job's post mortem on GPUs): that thread's
+# launches wait behind the collective and hold the CUDA context, so a device allocation (the fused plan, any
+# kernel's output) would wait for ever. Tensors are then read by copies to the host on the serving thread's own
+# stream, each in a thread of its own that the probe gives up on (one line) if the GPU does not answer.
+_HOST_READ: dict[str, Any] = {}
+
+
+def read_by_host_copies(stream: Any, limit: float = 5.0) -> None:
+    """From now on this process's probe reads GPU tensors by host copies on ``stream`` (see ``_HOST_READ``)."""
+    _HOST_READ.update(stream=stream, limit=float(limit))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    import threading
+
+    box: dict[str, Any] = {}
+    stream, limit = _HOST_READ["stream"], _HOST_READ["limit"]
+
+    def copy() -> None:
+        try:
+            torch.cuda.set_device(t.device)  # a new thread starts on device 0 with the default stream
+            if stream is not None and stream.device == t.device:
+                torch.cuda.set_stream(stream)
+            box["t"] = t.to("cpu")
+        except BaseException as exc:  # handed to the probe's caller
+            box["exc"] = exc
+
+    worker = threading.Thread(target=copy, name="workbench-host-copy", daemon=True)
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        raise TimeoutError(f"{t.device} did not answer a copy of a {list(t.shape)} tensor in {limit:.0f} s: this "
+                           "rank's main thread holds the GPU (its launches wait behind the stuck collective); "
+                           "host-side cells still work")
+    if "exc" in box:
+        raise box["exc"]
+    return box["t"]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor as it is."""
     if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
@@ -229,6 +268,9 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
                     copies.append((row, memo[key]))
                     continue
                 memo[key] = row
+        if _HOST_READ and t.is_cuda:
+            t = _host_copy(t)
+            dev = t.device
         if dev.type in _pf.FUSED_DEVICES:
             if use_fused is None:
                 use_fused = fused_enabled()
@@ -332,7 +374,7 @@ def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | No
 
     A row whose tensor the module also holds under other names (a tied parameter, two names for one memory)
     says so in ``shares`` (those names, comma-joined); rows of tensors held once carry no such key."""
-    if "cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized():
+    if not _HOST_READ and ("cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized()):
         rows = _packed(module, rank, prefix)
         if rows is not None:
             return rows
