@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "notebooks" / "README.md"]
 LANGS = {"python", "bash", "console", "text"}
 SHELL = {"bash", "console"}
 NOT_RUN = re.compile(r"<!--\s*doc:\s*not run:\s*(.+?)\s*-->")
@@ -186,7 +186,7 @@ def test_shell_block_names_real_subcommands_flags_and_targets(block):
                     assert any(flag in flags for flags in cli.values()), f"{block}: no subcommand has {flag}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_workbench_name_in_a_pages_prose_exists(page):
     prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     name = re.compile(r"(?<![\w/.])(wb|workbench)((?:\.\w+)+)")
@@ -219,7 +219,7 @@ def _members(var: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_cluster_session_and_frame_attribute_a_page_names_exists(page):
     members = {var: _members(var) for var in OBJECTS}
     named = re.findall(r"(?<![\w.])(cluster|s|frame)\.(\w+)", page.read_text())
@@ -243,7 +243,7 @@ def _repo_path(token: str) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_path_and_link_a_page_names_exists(page):
     text = page.read_text()
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
@@ -306,7 +306,7 @@ class Shared:
 RUN = [p for p in PAGES if any(b.not_run is None and b.lang != "text" for b in blocks(p))]
 
 
-@pytest.mark.parametrize("page", RUN, ids=lambda p: p.name if p.parent == ROOT else f"docs/{p.name}")
+@pytest.mark.parametrize("page", RUN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_runs(page, cluster, tmp_path, monkeypatch):
     from conftest import ready
 

@@ -257,8 +257,10 @@ class Engines:
     def recover(self, wait: float | None = None) -> dict[str, Any]:
         """Bring the ranks back after a hang or a death, without restarting the notebook kernel.
 
-        Ranks stuck in a collective come back when the group's own timeout fires (gloo);
-        then the same engines destroy and re-form the group on a fresh port. A dead rank,
+        Ranks stuck in a collective are released through each rank's control thread (NCCL: the
+        communicators aborted; gloo: the group's sockets cut; a rank spinning in Python interrupted),
+        not left to the group's own timeout; then the same engines destroy and re-form the group on a
+        fresh port. A dead rank,
         or one still stuck ``wait`` seconds later (default: the collective timeout + 5 s),
         gets fresh engines instead. Every session's rank state is dropped either way.
         """

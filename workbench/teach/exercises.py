@@ -159,8 +159,9 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
         ["Run the bug path: how many distinct values does each router bias have on the trainer and on the worker?",
          "bf16 keeps 8 bits of precision: at ~41 its steps are 0.25. Is any 16-bit float fine enough for a spread "
          "of 7e-4 at that offset?",
-         "Keep names ending with `e_score_correction_bias` in their native fp32: "
-         "`wp.cast_for_sync(exported, torch.bfloat16, wp.ROUTING_SUFFIXES)` into `ctx.sent` and "
+         "Keep names ending with `e_score_correction_bias` in their native fp32 (`wp` is "
+         "`workbench.lab.weightsync.pack`): `dict(wp.cast_for_sync(exported, torch.bfloat16, "
+         "wp.ROUTING_SUFFIXES))` into `ctx.sent` and "
          "`wp.pack_for_sync(exported, torch.bfloat16, wp.ROUTING_SUFFIXES, ctx.params['bucket_bytes'])` into "
          "`ctx.packs`, with `exported = list(ctx.trainer.items())`."],
         solutions.ref_06, solutions.nonfix_06, None, NOT_FIXED,
