@@ -218,8 +218,10 @@ def test_a_rank_that_raises_is_an_event_and_the_waiting_rank_is_named(tmp_path):
     assert ev.loc[1, "error"] == "RuntimeError" and "mat1 and mat2 shapes" in ev.loc[1, "message"]
     assert "uneven_eval_job.py" in ev.loc[1, "traceback"]
     assert rec.manifest["job"]["status"] == {"0": "raised", "1": "raised"}
-    d = rec.diagnose()
-    assert d.sentence.startswith("rank 1 never issued group 0 call #") and "that rank 0 issued" in d.sentence
+    d = rec.diagnose()  # the raise is the cause and leads; the parted all-gather is what it left
+    assert d.sentence.startswith("rank 1 raised RuntimeError at examples/uneven_eval_job.py:"), d.sentence
+    assert "mat1 and mat2 shapes" in d.sentence and "it left rank 0 waiting: rank 1 never issued group 0 call #" \
+        in d.sentence and "that rank 0 issued" in d.sentence, d.sentence
     assert "all_gather_into_tensor" in d.sentence and "uneven_eval_job.py:" in d.sentence
 
 
