@@ -51,32 +51,13 @@ NEW_LR = 5e-5  # what the notebook sets the optimizer's lr to (the job starts at
 # -- the job (every rank, under torchrun) -----------------------------------------------------------------
 def build(shape: str, device, world: int):
     """``scripts/job_capture_cost.py``'s model: meta build, FSDP2 per layer, ``to_empty``, initialised."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from job_capture_cost import SHAPES
+    from job_capture_cost import SHAPES, build_model
 
     config = Qwen3Config(attn_implementation="sdpa", **SHAPES[shape])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-        for m in model.modules():
-            if hasattr(m, "inv_freq"):
-                inv, _ = m.compute_default_rope_parameters(m.config)
-                m.inv_freq.copy_(inv.to(device))
-                m.original_inv_freq = m.inv_freq.clone()
-    return model, config
+    return build_model(config, device, world), config
 
 
 def run_job(args: argparse.Namespace) -> None:

@@ -39,6 +39,28 @@ MODES = {"off": dict(enabled=False), "full": dict(), "calls": dict(ledger="calls
          "light": dict(ledger="calls", poison="to_empty")}  # no mode on the job between points
 
 
+def build_model(config: Qwen3Config, device: torch.device, world: int) -> torch.nn.Module:
+    """Built on meta, ``fully_shard``-ed per layer and whole, materialised with ``to_empty``, initialised
+    (weights N(0, 0.02) from seed 0, rope's ``inv_freq`` recomputed: ``to_empty`` leaves buffers unwritten)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        for m in model.modules():
+            if hasattr(m, "inv_freq"):
+                inv, _ = m.compute_default_rope_parameters(m.config)
+                m.inv_freq.copy_(inv.to(device))
+                m.original_inv_freq = m.inv_freq.clone()
+    return model
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,22 +88,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         cap = wj.capture(os.path.join(runs, mode), **MODES[mode])
         cap.local("loss")  # each rank's own batch: its loss is its own, not a replica of rank 0's
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        mesh = init_device_mesh(device.type, (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device=device)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-            for m in model.modules():
-                if hasattr(m, "inv_freq"):
-                    inv, _ = m.compute_default_rope_parameters(m.config)
-                    m.inv_freq.copy_(inv.to(device))
-                    m.original_inv_freq = m.inv_freq.clone()
+        model = build_model(config, device, world)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
         step_s, point_s, point_b, rows = [], [], [], []

@@ -239,7 +239,7 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
 def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
     pm = cap._pm
     key = _key(cap)
-    tail = _Tail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
+    tail = LedgerTail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
     published = None
     store = None
     while not stop.wait(poll):
@@ -308,7 +308,7 @@ def _off_the_stuck_stream(cap: Any) -> None:
         sys.__stderr__.write(f"workbench: rank {cap.rank} serves on the default stream ({exc!r})\n")
 
 
-class _Tail:
+class LedgerTail:
     """This rank's open collectives, from its own ledger file: only the lines since the last read."""
 
     KEEP = ("group", "group_ranks", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step",

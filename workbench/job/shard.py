@@ -418,27 +418,10 @@ class Capture:
         return out
 
     def open_calls(self) -> list[dict[str, Any]]:
-        """The collectives this rank started and saw no end of, read from its own ledger file."""
-        if self._ledger is None:
-            return []
-        started: dict[tuple, dict[str, Any]] = {}
-        try:
-            with open(self._ledger.path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return []
-        for line in data[: data.rfind(b"\n") + 1].splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            key = (ev.get("attempt"), ev.get("group"), ev.get("seq"))
-            if ev.get("ev") == "start":
-                started[key] = ev
-            elif ev.get("ev") == "end":
-                started.pop(key, None)
-        keep = ("group", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step")
-        return [{k: ev.get(k) for k in keep} for ev in started.values()]
+        """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
+        from workbench.job import postmortem
+
+        return postmortem.LedgerTail(self._ledger.path).read() if self._ledger is not None else []
 
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised)."""
