@@ -44,7 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check workbench tests benchmarks scripts
+	$(BIN)/ruff check workbench tests benchmarks scripts examples notebooks
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache
