@@ -23,8 +23,9 @@ CELL_COLUMNS = ["group", "name", "status", "detail", "dtype", "shape", "kind", "
 _SEVERITY = {s: i for i, s in enumerate(STATUSES)}  # later in STATUSES = worse
 
 
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[1, 2, 3, 5, 9, 10]`` -> ``"1-3,5,9-10"``."""
+def rank_ranges(ranks: Iterable[int], shortest: int = 2) -> str:
+    """``[1, 2, 3, 5, 9, 10]`` -> ``"1-3,5,9-10"``; a run shorter than ``shortest`` ranks stays a list
+    (``shortest=3``: ``"1-3,5,9,10"``)."""
     rs = sorted({int(r) for r in ranks})
     parts: list[str] = []
     i = 0
@@ -32,7 +33,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
         j = i
         while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
             j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        parts += [f"{rs[i]}-{rs[j]}"] if j - i + 1 >= max(shortest, 2) else [str(r) for r in rs[i:j + 1]]
         i = j + 1
     return ",".join(parts)
 
@@ -40,15 +41,8 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 def ranks_words(ranks: Iterable[int]) -> str:
     """``rank 3``, ``ranks 0,1``, ``ranks 1-63`` (a run of three or more reads as a range: a sentence about
     a 64-rank mesh must stay one line)."""
-    ranks = sorted({int(r) for r in ranks})
-    parts, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
-        i = j + 1
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+    rs = {int(r) for r in ranks}
+    return ("rank " if len(rs) == 1 else "ranks ") + rank_ranges(rs, shortest=3)
 
 
 def rank_label(ranks: Iterable[int], how: str = "identical") -> str:
