@@ -153,15 +153,23 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def job_store() -> Any:
+    """The job's own store (its default group's), or None: no process group, or a group of one (no one to tell).
+    What the breakpoint and the post mortem share their keys through, never a collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
 def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
     """Rank 0's value to every rank through the job's own store (none without a process group)."""
     import datetime
 
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    store = job_store()
+    if store is None:
         return value or ""
-    store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         store.set(key, value or "")
         return value or ""
@@ -176,10 +184,10 @@ def _all_done(key: str, rank: int, timeout: float) -> None:
 
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    store = job_store()
+    if store is None:
         return
     with contextlib.suppress(Exception):
-        store = dist.distributed_c10d._get_default_store()
         store.set(f"{key}/done/{rank}", "1")
         if rank == 0:
             store.wait([f"{key}/done/{r}" for r in range(dist.get_world_size())],

@@ -32,11 +32,12 @@ import contextlib
 import json
 import os
 import sys
-import sysconfig
 import threading
 import time
 import traceback
 from typing import Any
+
+from workbench.job import attach
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
@@ -84,17 +85,7 @@ def uninstall(cap: Any) -> None:
 
 
 def _key(cap: Any) -> str:
-    from workbench.job.attach import store_prefix
-
-    return f"{store_prefix(cap)}/post-mortem"
-
-
-def _store() -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return dist.distributed_c10d._get_default_store()
+    return f"{attach.store_prefix(cap)}/post-mortem"
 
 
 def _has(store: Any, key: str) -> bool:
@@ -129,7 +120,7 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
             while _STATE.get("role") != "served":
                 time.sleep(0.1)
         return None
-    store = _store()  # where another rank raised first, this one serves too, as a rank that raised
+    store = attach.job_store()  # where another rank raised first, this one serves too, as a rank that raised
     if store is None and cap.world_size > 1:  # no process group (not yet, or destroyed): no way to the others
         sys.__stderr__.write("workbench: no post-mortem attach: the job's process group is not initialized, so "
                              "the other ranks cannot be told\n")
@@ -180,15 +171,16 @@ def tb_line(tb: Any, frame: Any) -> int | None:
     return line
 
 
-_LIBRARY = tuple(p for p in {sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("purelib", ""),
-                             sysconfig.get_paths().get("platlib", ""),
-                             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))} if p)
+_WORKBENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _user(filename: str) -> bool:
-    """The job's own code: not the standard library, not an installed package, not the workbench."""
-    f = os.path.abspath(filename)
-    return not f.startswith(_LIBRARY) and not filename.startswith("<")
+    """The job's own code: what the ledger counts as a library (the standard library, an installed package,
+    code without a file) is not, and no frame of the workbench is."""
+    from workbench.rank.ledger import is_library
+
+    f = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return not is_library(f) and not f.startswith(_WORKBENCH)
 
 
 def _failing_frame(tb: Any) -> Any:
@@ -247,7 +239,7 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             return
         if store is None:
             with contextlib.suppress(Exception):
-                store = _store()
+                store = attach.job_store()
             if store is None:
                 continue
         if _has(store, f"{key}/go"):
@@ -402,10 +394,8 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
            trigger: dict[str, Any] | None = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank's part: the attach of the whole job (``attach.attach``), rank 0 writing the post-mortem's
     account into ``attach.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
-    from workbench.job import attach
-
     pm = cap._pm
-    store = _store()
+    store = attach.job_store()
     key = _key(cap)
 
     def account() -> dict[str, Any]:

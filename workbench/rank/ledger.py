@@ -446,7 +446,7 @@ def _frames() -> tuple[str, str, list[str], str]:
                 caller = where
             if len(stack) < 8:
                 stack.append(where)
-            if f.f_code.co_filename == _SHIPPED or not _library(fn):
+            if f.f_code.co_filename == _SHIPPED or not is_library(fn):
                 user = where
                 break
             if fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_DISTRIBUTED):
@@ -490,7 +490,9 @@ def traceback_text(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-def _library(fn: str) -> bool:
+def is_library(fn: str) -> bool:
+    """Not the user's code: an installed package, the standard library, the workbench's instruments and lab,
+    code without a file; the user's shipped code and the catalogue's scenarios are the user's."""
     if fn.startswith(_USER_PREFIXES):
         return False
     return ("site-packages" in fn or "dist-packages" in fn or fn.startswith((_HERE, _LAB))
