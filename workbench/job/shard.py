@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from workbench.job import postmortem
 from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op
@@ -83,8 +84,6 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     deadlock (every rank in a call open past ``hang_after`` seconds, not one collective), ``"post-mortem"``
     both (``postmortem.py`` says how; the raising rank then fails as it would have).
     """
-    from workbench.job import postmortem
-
     triggers = postmortem.modes(attach)
     if enabled is None:
         enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
@@ -348,8 +347,6 @@ class Capture:
         """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
         ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
         handled), as ``capture(attach="on-error")`` does for an uncaught one. Returns how it ended."""
-        from workbench.job import postmortem
-
         exc = exc if exc is not None else sys.exc_info()[1]
         if exc is None:
             raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
@@ -392,8 +389,6 @@ class Capture:
         except Exception:
             pass
         if getattr(self, "_pm", None) and not self._closed:
-            from workbench.job import postmortem
-
             try:
                 postmortem.on_exception(self, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
@@ -419,8 +414,6 @@ class Capture:
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
-        from workbench.job import postmortem
-
         return postmortem.LedgerTail(self._ledger.path).read() if self._ledger is not None else []
 
     def close(self) -> None:
@@ -429,8 +422,6 @@ class Capture:
             return
         self._closed = True
         if getattr(self, "_pm", None):
-            from workbench.job import postmortem
-
             postmortem.uninstall(self)
         with contextlib.suppress(Exception):
             self._stack.close()

@@ -555,8 +555,6 @@ def _recovery_note(info: dict[str, Any]) -> str:
             f"the cursor stood at {info['cursor']!r}")
 
 
-
-
 @dataclass
 class Comparison:
     """The bug path and one fix, run on the same ranks, ready to put side by side."""
