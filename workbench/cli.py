@@ -1,4 +1,4 @@
-"""``workbench list | run | report | rerun | up | down | status | frtrace | lab``: the catalogue headless, warm
+"""``workbench list | run | report | rerun | up | down | status | frtrace | lab | job``: the catalogue headless, warm
 ranks, one clear line on bad input."""
 
 from __future__ import annotations
@@ -518,7 +518,85 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("--html", default=None, metavar="OUT", help="also write the swimlane figure as HTML")
     fr.set_defaults(fn=cmd_frtrace)
     sub.add_parser("lab", help="JupyterLab on the notebooks").set_defaults(fn=cmd_lab)
+    add_job_parser(sub)
     return p
+
+
+def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    j.add_argument("--every", type=int, default=0, metavar="N", help="a point every N-th optimizer step "
+                   "(default: the first step only)")
+    j.add_argument("--points", nargs="?", const="", default=None, metavar="NAMES",
+                   help="only these automatic points, comma-separated; alone: list them")
+    j.add_argument("--attach", default="post-mortem", choices=["post-mortem", "on-error", "on-deadlock", "off"],
+                   help="every rank attachable from a notebook once a rank raises or a deadlock is proven")
+    j.add_argument("--attach-deadline", type=positive_seconds, default=600.0, metavar="S",
+                   help="seconds a post-mortem attach waits for `cluster.resume()` (default 600)")
+    j.add_argument("--poison", default="to_empty", choices=["to_empty", "all", "off"],
+                   help="NaN in what to_empty hands out (default), in every allocation too, or none")
+    j.add_argument("--ledger", default="calls", choices=["calls", "full", "off"],
+                   help="the collective record: around torch.distributed's calls (default), every op, or none")
+    return j
+
+
+def add_job_parser(sub: Any) -> None:
+    j = sub.add_parser("job", usage="workbench job DIR [options] -- LAUNCHER ARGS...",
+                       help="run a launcher (torchrun, srun, accelerate launch) with every rank captured, no line "
+                       "of the script changed: `workbench job DIR -- torchrun ... train.py`")
+    _job_options(j)
+    j.add_argument("rest", nargs=argparse.REMAINDER, metavar="DIR [options] -- LAUNCHER ARGS",
+                   help="the capture directory (one shard per rank: `workbench report DIR`), then -- and the command")
+    j.set_defaults(fn=cmd_job)
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    """Exec the launcher with the site hook on its ``PYTHONPATH`` and the capture's options in its environment:
+    from then on its exit status, output and signals are the launcher's own (``workbench/job/hooks.py``)."""
+    from workbench.job import hooks
+
+    rest = list(args.rest)
+    head, command = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
+    more = _job_options(argparse.ArgumentParser(prog="workbench job", add_help=False))
+    more.add_argument("dir", nargs="?")
+    try:
+        opts = more.parse_args(head, namespace=argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                                                     if k not in ("rest", "fn")}))
+    except SystemExit:
+        raise WorkbenchError(f"workbench job: cannot read {' '.join(head)!r}: DIR [options] -- LAUNCHER ARGS") from None
+    args = opts
+    if args.points == "" and not command:
+        for name, what in hooks.POINTS.items():
+            print(f"{name:26s} {what}")
+        return 0
+    if not args.dir or not command:
+        raise WorkbenchError("workbench job needs a directory and a command: workbench job DIR -- torchrun ... "
+                             "train.py")
+    if args.every < 0:
+        raise WorkbenchError(f"--every takes a number of steps (0: the first only); got {args.every}")
+    names = [p.strip() for p in (args.points or "").split(",") if p.strip()]
+    unknown = [p for p in names if p not in hooks.POINTS]
+    if unknown:
+        raise WorkbenchError(f"unknown point(s) {', '.join(unknown)}; the points: {', '.join(hooks.POINTS)}")
+    package = Path(hooks.__file__).resolve().parent
+    env = dict(os.environ)
+    env.pop(hooks.ENV_PID, None)
+    env.update({
+        hooks.ENV: str(Path(args.dir).resolve()), hooks.ENV_EVERY: str(args.every), hooks.ENV_POINTS: ",".join(names),
+        hooks.ENV_ATTACH: args.attach, hooks.ENV_DEADLINE: str(args.attach_deadline), hooks.ENV_POISON: args.poison,
+        "WORKBENCH_CAPTURE_LEDGER": {"calls": "calls", "full": "1", "off": "0"}[args.ledger],
+        "WORKBENCH_CAPTURE_HOME": str(package.parent.parent),
+        "PYTHONPATH": os.pathsep.join([str(package / "site"), *filter(None, [env.get("PYTHONPATH")])]),
+    })
+    if not any(k in env for k in ("WORKBENCH_JOB_ID", "SLURM_PROCID")):  # one id every rank reads from its start
+        import uuid
+
+        env["WORKBENCH_JOB_ID"] = f"job-{uuid.uuid4().hex[:12]}"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)  # returns only if it could not start
+    except OSError as exc:
+        raise WorkbenchError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    return 127
 
 
 def _interrupt(signum: int, frame: Any) -> None:

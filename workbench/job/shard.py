@@ -31,7 +31,9 @@ with neither cost (the forward 2.0 ms, compiled), ``poison="to_empty"`` poisons 
 and nothing else (no mode at all); ``ledger=False`` / ``poison=False`` turn them off.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
-returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe.
+returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe. A directory
+there (``WORKBENCH_CAPTURE=runs/x``, what ``workbench job runs/x -- ...`` sets) turns it on into that
+directory, and a process that captures already (the automatic points of ``hooks.py``) gets its capture.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Any
 from workbench.job import postmortem
 from workbench.postmortem import shards
 
-ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op
+ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
 ENV_JOB = "WORKBENCH_JOB_ID"
 ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls": the ledger around collective calls only; "0": none
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
@@ -85,8 +87,13 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     both (``postmortem.py`` says how; the raising rank then fails as it would have).
     """
     triggers = postmortem.modes(attach)
+    where = os.environ.get(ENV_OFF, "1").strip()
     if enabled is None:
-        enabled = os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
+        enabled = where.lower() not in ("0", "off", "false", "no")
+    if enabled and where.lower() not in ("", "1", "on", "true", "yes"):  # a directory: capture there
+        path = where
+    if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
+        return _CURRENT[0]
     if os.environ.get(ENV_LEDGER):
         ledger = {"calls": "calls", "0": False, "off": False}.get(os.environ[ENV_LEDGER].strip().lower(), True)
     if poison not in (True, False, "to_empty"):

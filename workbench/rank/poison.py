@@ -129,7 +129,11 @@ def reset_tracking() -> None:
 def set_poison(on: bool) -> None:
     """Poison (or not) what ``to_empty`` hands out; either way, track it."""
     _STATE["poison"] = bool(on)
-    nn.Module.to_empty = _tracking_to_empty
+    current = nn.Module.to_empty
+    while current is not _tracking_to_empty and getattr(current, "__wrapped__", None) is not None:
+        current = current.__wrapped__  # a wrapper of the tracker (the job's automatic points) stays on top
+    if current is not _tracking_to_empty:
+        nn.Module.to_empty = _tracking_to_empty
 
 
 @contextlib.contextmanager

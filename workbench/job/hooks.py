@@ -1,0 +1,486 @@
+"""Capture with no line of the user's code: automatic points after the calls incidents live in.
+
+    workbench job runs/x -- torchrun --nproc-per-node 4 train.py      # or WORKBENCH_CAPTURE=runs/x
+    workbench report runs/x
+
+``workbench job`` puts ``workbench/job/site`` on the job's ``PYTHONPATH`` and ``WORKBENCH_CAPTURE=<dir>``
+in its environment, then becomes the launcher (``exec``: its exit status, output and signals are the
+launcher's own). That directory holds a ``sitecustomize`` (which chains any other one on the path): in
+a process of the job it reads the variable and, only where it names a directory, imports this module
+(absent or ``0``, nothing of the workbench is imported). ``arm()`` then waits for the rank's ``import
+torch`` (a finder on ``sys.meta_path``, at no cost to anything else the process imports) and starts
+the rank's capture right after it, before any line of the script ran past that import: poison of what
+``to_empty`` hands out, the collective ledger, post mortem on error and on a proven deadlock. The
+launcher's own process (torchrun's agent, ``accelerate launch``), processes without a rank, and the
+children a rank starts (data-loader or compile workers) capture nothing.
+
+The automatic points, each after the call returned and named after it, probe the module it acted on
+(``POINTS``): FSDP's and DDP's wrappers are probed through the module they wrap (the names a manual
+``cap.point("x", model=model)`` gives). Each is a wrapper of the torch function or method (made at
+import, ``functools.wraps``: the same signature, the same return value, an exception passes through
+untouched and makes no point) or one of torch's own hooks (a forward hook on each wrapped root, removed
+after its first call; the global optimizer step post hook; ``__init_subclass__`` for classes that define
+``load_weights``). A hooked call made inside another one (``to_empty`` inside FSDP1's ``param_init_fn``,
+``load_state_dict`` inside ``set_model_state_dict``, a nested FSDP1 wrap) makes no point of its own. A
+point that fails is a line in the shard's ``hook_errors``, never an exception in the job. The user's
+own ``wj.capture(...)`` returns the same capture, so their ``cap.point`` lines still work beside these.
+
+Where a rank takes a point the others do not (rank 0 alone loading a state dict), the ranks' points
+no longer pair by position: the reader says so (``the ranks disagree on point k's name``).
+"""
+
+from __future__ import annotations
+
+import functools
+import contextlib
+import importlib.abc
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+ENV = "WORKBENCH_CAPTURE"  # a directory: capture every rank into it (the job package's ENV_OFF)
+ENV_EVERY = "WORKBENCH_CAPTURE_EVERY"  # a point every N-th optimizer step (after the first)
+ENV_POINTS = "WORKBENCH_CAPTURE_POINTS"  # the automatic points to take, comma-separated (default: all)
+ENV_ATTACH = "WORKBENCH_CAPTURE_ATTACH"  # post-mortem (default), on-error, on-deadlock, off
+ENV_DEADLINE = "WORKBENCH_CAPTURE_DEADLINE"  # seconds a post-mortem attach waits for a notebook
+ENV_POISON = "WORKBENCH_CAPTURE_POISON"  # to_empty (default), all, off
+ENV_PID = "WORKBENCH_CAPTURE_PID"  # the process that captures: its children (workers) do not
+OFF = ("", "0", "off", "false", "no", "1", "on", "true", "yes")  # words, not directories
+
+POINTS = {
+    "to_empty": "after nn.Module.to_empty (recurse=True): the module materialised",
+    "fully_shard": "after FSDP2's fully_shard of a root (a module with sharded submodules)",
+    "FullyShardedDataParallel": "after FSDP1's construction (the outermost wrap; its sync_module_states "
+                                "in the point's note)",
+    "load_state_dict": "after nn.Module.load_state_dict",
+    "set_model_state_dict": "after torch.distributed.checkpoint's set_model_state_dict",
+    "forward": "after the first forward of each wrapped root (fully_shard, FSDP1, DDP), its output as an output",
+    "step": "after the first optimizer.step() (step1), then every N-th (--every N: step<N>, step<2N>, ...)",
+    "load_weights": "after a weight-sync receiver's load_weights (an nn.Module class that defines one)",
+}
+LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+             "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner")
+_MARK = "__workbench_hook__"
+_HERE = os.path.abspath(__file__)
+_INSTALLED: list[Hooks] = []
+
+
+# -- in which process, with what: read from the environment --------------------------------------------
+def directory(env: dict[str, str] | None = None) -> str | None:
+    """The capture directory ``WORKBENCH_CAPTURE`` names, or None (absent, ``0``, or a word like ``1``)."""
+    value = (os.environ if env is None else env).get(ENV, "").strip()
+    return None if value.lower() in OFF else value
+
+
+def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pid: int | None = None) -> bool:
+    """Whether this process is a rank of the job: the launcher set its rank (torchrun's ``RANK``/``WORLD_SIZE``,
+    srun's ``SLURM_PROCID``/``SLURM_NTASKS``), it is not a launcher itself, and no process above it captures."""
+    env = os.environ if env is None else env
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    pid = os.getpid() if pid is None else pid
+    if not (("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)):
+        return False
+    if env.get(ENV_PID) and env[ENV_PID] != str(pid):
+        return False  # a worker a rank started: its parent captures
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv):
+            return argv[i + 1] not in LAUNCHERS
+        if not arg.startswith("-") and i > 0:  # the script (or the program's first argument)
+            break
+    head = os.path.basename(argv[1] if len(argv) > 1 and os.path.basename(argv[0]).startswith("python")
+                            else argv[0]) if argv else ""
+    return head not in ("torchrun", "accelerate", "deepspeed")
+
+
+def options(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The wrapper's options, from the environment ``workbench job`` set."""
+    env = os.environ if env is None else env
+    every = int(env.get(ENV_EVERY, "0") or 0)
+    names = [p.strip() for p in env.get(ENV_POINTS, "").split(",") if p.strip()]
+    unknown = [p for p in names if p not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown automatic point(s) {', '.join(unknown)}; the points: {', '.join(POINTS)}")
+    poison = {"to_empty": "to_empty", "all": True, "off": False}.get(env.get(ENV_POISON, "to_empty"), "to_empty")
+    attach = env.get(ENV_ATTACH, "post-mortem")
+    return {"every": every, "points": names or list(POINTS), "poison": poison,
+            "attach": None if attach == "off" else attach,
+            "attach_deadline": float(env.get(ENV_DEADLINE, "600") or 600)}
+
+
+# -- waiting for torch: a finder that runs callbacks once a module has been executed --------------------
+class _Then(importlib.abc.MetaPathFinder):
+    """Runs ``callbacks[name]`` right after module ``name`` is imported (once), then gets out of the way: the
+    module's spec and loader are given back as they were."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.waiting:
+            return None
+        callbacks = self.waiting.pop(name)
+        if not self.waiting:
+            with contextlib.suppress(Exception):
+                sys.meta_path.remove(self)
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, callbacks)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any, callbacks: list[Callable[[Any], None]]):
+        self.inner, self.callbacks = inner, callbacks
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        spec = module.__spec__
+        spec.loader = self.inner  # the module keeps its own loader
+        module.__loader__ = self.inner
+        self.inner.exec_module(module)
+        for callback in self.callbacks:
+            _guarded(callback, module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+_THEN = _Then()
+
+
+def after_import(name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` once ``name`` is imported: now where it is already."""
+    if name in sys.modules:
+        _guarded(callback, sys.modules[name])
+        return
+    _THEN.waiting.setdefault(name, []).append(callback)
+    if _THEN not in sys.meta_path:
+        sys.meta_path.insert(0, _THEN)
+
+
+def arm() -> bool:
+    """The site hook's entry: in a rank of a job whose ``WORKBENCH_CAPTURE`` names a directory, start the capture
+    as soon as torch is imported. Returns whether it armed."""
+    if directory() is None or not is_rank():
+        return False
+    os.environ[ENV_PID] = str(os.getpid())
+    after_import("torch", lambda _torch: start())
+    return True
+
+
+def start() -> Hooks | None:
+    """This rank's capture (into ``WORKBENCH_CAPTURE``) with the automatic points on; one line on stderr and
+    the job runs on without it if it cannot start."""
+    if _INSTALLED:
+        return _INSTALLED[0]
+    try:
+        from workbench.job import shard
+
+        opts = options()
+        cap = shard.capture(directory(), poison=opts["poison"], ledger="calls", attach=opts["attach"],
+                            attach_deadline=opts["attach_deadline"])
+        return Hooks(cap, every=opts["every"], points=opts["points"]).install()
+    except Exception as exc:
+        _say(f"workbench: capture off in this process: {type(exc).__name__}: {exc}")
+        return None
+
+
+# -- the hooks --------------------------------------------------------------------------------------------
+class Hooks:
+    """The automatic points of one capture: ``install()`` wraps the calls, ``uninstall()`` gives them back."""
+
+    def __init__(self, cap: Any, every: int = 0, points: list[str] | tuple[str, ...] | None = None):
+        unknown = [p for p in points or () if p not in POINTS]
+        if unknown:
+            raise ValueError(f"unknown automatic point(s) {', '.join(unknown)}; the points: {', '.join(POINTS)}")
+        if every < 0:
+            raise ValueError(f"every must be 0 (only the first step) or a positive number of steps; got {every}")
+        self.cap, self.every = cap, int(every)
+        self.points = set(points or POINTS)
+        self._local = threading.local()
+        self._undo: list[Callable[[], None]] = []
+        self._roots: list[weakref.ref] = []  # modules points probed: what an optimizer step is probed as
+        self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.errors: list[str] = []
+
+    # installing ---------------------------------------------------------------------------------------
+    def install(self) -> Hooks:
+        from torch import nn
+
+        from workbench.rank import ledger
+
+        if self.cap is not None and getattr(self.cap, "enabled", False):
+            self.cap.hooks = self
+        if _HERE not in ledger._PLUMBING:  # these wrappers sit between the user's line and torch: never the caller
+            ledger._PLUMBING += (_HERE,)
+        if "to_empty" in self.points:
+            self._method(nn.Module, "to_empty", self._after_to_empty)
+        if "load_state_dict" in self.points:
+            self._method(nn.Module, "load_state_dict", lambda a, k, r: self.point("load_state_dict", a[0]))
+        if "step" in self.points:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            handle = register_optimizer_step_post_hook(self._after_step)
+            self._undo.append(handle.remove)
+        if "load_weights" in self.points:
+            self._subclasses(nn.Module)
+        if "forward" in self.points:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self._method(DistributedDataParallel, "__init__", lambda a, k, r: self._first_forward(a[0]))
+        if {"fully_shard", "FullyShardedDataParallel", "forward"} & self.points:
+            after_import("torch.distributed.fsdp", lambda _m: self._fsdp())
+        if "set_model_state_dict" in self.points:
+            after_import("torch.distributed.checkpoint.state_dict", self._dcp)
+        _INSTALLED[:] = [self]
+        return self
+
+    def uninstall(self) -> None:
+        while self._undo:
+            with contextlib.suppress(Exception):
+                self._undo.pop()()
+        if _INSTALLED and _INSTALLED[0] is self:
+            _INSTALLED.clear()
+
+    def _wrap(self, name: str, original: Callable, after: Callable[[tuple, dict, Any], None]) -> Callable:
+        """``original`` with ``after(args, kwargs, result)`` once it returned, outside any other hooked call."""
+        local = self._local
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(local, "depth", 0)
+            local.depth = depth + 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                local.depth = depth
+            if depth == 0:
+                _guarded(after, args, kwargs, result, errors=self._error)
+            return result
+
+        setattr(call, _MARK, name)
+        return call
+
+    def _method(self, cls: type, name: str, after: Callable[[tuple, dict, Any], None]) -> None:
+        original = cls.__dict__[name] if name in cls.__dict__ else getattr(cls, name)
+        if getattr(original, _MARK, None):
+            return
+        wrapped = self._wrap(name, original, after)
+        setattr(cls, name, wrapped)
+
+        def undo() -> None:
+            if cls.__dict__.get(name) is wrapped:
+                setattr(cls, name, original)
+
+        self._undo.append(undo)
+
+    def _function(self, modules: list[Any], name: str, original: Callable,
+                  after: Callable[[tuple, dict, Any], None]) -> None:
+        """Replace ``original`` under ``name`` in every module that binds it (the public name and its home)."""
+        wrapped = self._wrap(name, original, after)
+        for module in modules:
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapped)
+                self._undo.append(functools.partial(_put_back, module, name, wrapped, original))
+
+    def _subclasses(self, base: type) -> None:
+        """Every ``base`` subclass defined from now on that defines ``load_weights`` gets it wrapped."""
+        hooks = self
+        previous = base.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+            if previous is not None:
+                previous.__func__(cls, **kwargs)
+            else:
+                super(base, cls).__init_subclass__(**kwargs)
+            if _INSTALLED and _INSTALLED[0] is hooks:
+                _guarded(hooks._receiver, cls, errors=hooks._error)
+
+        setattr(__init_subclass__, _MARK, "load_weights")
+        base.__init_subclass__ = classmethod(__init_subclass__)
+
+        def undo() -> None:
+            if previous is None:
+                if getattr(base.__dict__.get("__init_subclass__"), "__func__", None) is __init_subclass__:
+                    delattr(base, "__init_subclass__")
+            else:
+                base.__init_subclass__ = previous
+
+        self._undo.append(undo)
+
+    def _receiver(self, cls: type) -> None:
+        original = cls.__dict__.get("load_weights")
+        if callable(original) and not getattr(original, _MARK, None):
+            setattr(cls, "load_weights", self._wrap("load_weights", original,
+                                                    lambda a, k, r: self.point("load_weights", a[0])))
+
+    def _fsdp(self) -> None:
+        import torch.distributed.fsdp as fsdp
+
+        homes = [m for n, m in list(sys.modules.items()) if m is not None and n.startswith("torch.distributed")]
+        shard = getattr(fsdp, "fully_shard", None)
+        if shard is not None and not getattr(shard, _MARK, None) and {"fully_shard", "forward"} & self.points:
+            self._function(homes, "fully_shard", shard, self._after_fully_shard)
+        if {"FullyShardedDataParallel", "forward"} & self.points:
+            self._method(fsdp.FullyShardedDataParallel, "__init__", self._after_fsdp1)
+
+    def _dcp(self, module: Any) -> None:
+        original = module.set_model_state_dict
+        if not getattr(original, _MARK, None):
+            homes = [m for n, m in list(sys.modules.items()) if m is not None and n.startswith("torch.distributed")]
+            self._function(homes, "set_model_state_dict", original,
+                           lambda a, k, r: self.point("set_model_state_dict", a[0] if a else k.get("model")))
+
+    # after the calls ----------------------------------------------------------------------------------
+    def _after_to_empty(self, args: tuple, kwargs: dict, result: Any) -> None:
+        if kwargs.get("recurse", True):  # recurse=False: one piece of a materialisation someone else drives
+            self.point("to_empty", args[0])
+
+    def _after_fully_shard(self, args: tuple, kwargs: dict, result: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        module = args[0] if args else kwargs.get("module")
+        if not isinstance(module, FSDPModule):  # a list of modules: one group, no root
+            return
+        if "forward" in self.points:
+            self._first_forward(module, fsdp2=True)
+        if "fully_shard" in self.points and any(isinstance(m, FSDPModule) for m in module.modules() if m is not module):
+            self.point("fully_shard", module)
+
+    def _after_fsdp1(self, args: tuple, kwargs: dict, result: Any) -> None:
+        wrapper = args[0]
+        if "forward" in self.points:
+            self._first_forward(wrapper)
+        if "FullyShardedDataParallel" in self.points:
+            strategy = getattr(kwargs.get("sharding_strategy"), "name", kwargs.get("sharding_strategy"))
+            self.cap.note(f"FullyShardedDataParallel(sync_module_states={bool(kwargs.get('sync_module_states'))}"
+                          + (f", sharding_strategy={strategy}" if strategy else "") + ")")
+            self.point("FullyShardedDataParallel", wrapper)
+
+    def _first_forward(self, module: Any, fsdp2: bool = False) -> None:
+        """A forward hook on a wrapped root that takes the ``forward`` point once and removes itself (for FSDP2,
+        on every sharded module: only the one FSDP calls root at its first forward takes it)."""
+        handle: list[Any] = []
+
+        def hook(mod: Any, inputs: Any, output: Any) -> None:
+            for h in handle:
+                h.remove()
+            if fsdp2:
+                state = getattr(mod, "_get_fsdp_state", lambda: None)()
+                if state is not None and not getattr(state, "_is_root", True):
+                    return
+            if getattr(self._local, "depth", 0) == 0:
+                _guarded(self.point, "forward", mod, _outputs(output), errors=self._error)
+
+        handle.append(module.register_forward_hook(hook))
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        n = self._steps.get(optimizer, 0) + 1
+        self._steps[optimizer] = n
+        if n == 1 or (self.every and n % self.every == 0):
+            self.point(f"step{n}", self._owner(optimizer) or _params(optimizer))
+
+    def _owner(self, optimizer: Any) -> Any:
+        """The module a point probed before whose parameters the optimizer steps."""
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for ref in reversed(self._roots):
+            module = ref()
+            if module is not None and any(id(p) in mine for p in module.parameters()):
+                return module
+        return None
+
+    # the point -------------------------------------------------------------------------------------------
+    def point(self, name: str, module: Any, outputs: dict[str, Any] | None = None) -> None:
+        """Probe ``module`` (through the wrapper: what it wraps) as point ``name``, its outputs with it."""
+        if getattr(self._local, "busy", False) or getattr(self.cap, "_closed", True):
+            return  # a point's own work, or a capture the script closed
+        import torch
+
+        self._local.busy = True
+        try:
+            inner = _unwrapped(module)
+            with torch.no_grad():
+                for key, tensor in (outputs or {}).items():
+                    self.cap.output(key, tensor.detach())
+                if outputs:  # a data-parallel root's forward: each rank's own batch, never compared with rank 0's
+                    self.cap.local(*outputs)
+                self.cap.point(name, model=inner)
+            if isinstance(inner, torch.nn.Module) and not any(r() is inner for r in self._roots):
+                self._roots.append(weakref.ref(inner))
+        except Exception as exc:
+            self._error(exc, name)
+        finally:
+            self._local.busy = False
+
+    def _error(self, exc: BaseException, where: Any = "") -> None:
+        line = f"{where}: {type(exc).__name__}: {exc}"[:300]
+        self.errors.append(line)
+        with contextlib.suppress(Exception):
+            self.cap.doc.setdefault("hook_errors", []).append(line)
+
+
+def _unwrapped(module: Any) -> Any:
+    """What a manual point would name: DDP's and FSDP1's wrapped module, else the module itself."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(module, DistributedDataParallel):
+            return module.module
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel):
+            return module.module
+    except Exception:
+        pass
+    return module
+
+
+def _outputs(output: Any) -> dict[str, Any]:
+    """A forward's output as named tensors: a tensor is ``output``; a dict or a transformers ``ModelOutput`` its
+    tensors by key (``logits``, ``loss``); a tuple its first tensors (``output0``, ...)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return {"output": output}
+    if isinstance(output, dict):  # ModelOutput is an OrderedDict
+        return {str(k): v for k, v in output.items() if isinstance(v, torch.Tensor)}
+    if isinstance(output, (tuple, list)):
+        return {f"output{i}": v for i, v in enumerate(output[:4]) if isinstance(v, torch.Tensor)}
+    return {}
+
+
+def _params(optimizer: Any) -> dict[str, Any]:
+    return {f"group{i}.param{j}": p for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
+
+
+def _put_back(module: Any, name: str, wrapped: Any, original: Any) -> None:
+    if getattr(module, name, None) is wrapped:
+        setattr(module, name, original)
+
+
+def _guarded(fn: Callable, *args: Any, errors: Callable[[BaseException, Any], None] | None = None) -> None:
+    """Run a hook's own work: whatever it raises stays out of the job (a line in the shard, or on stderr)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        if errors is not None:
+            errors(exc, getattr(fn, "__name__", "hook"))
+        else:
+            _say(f"workbench: a capture hook failed: {type(exc).__name__}: {exc}")
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.__stderr__.write(line + "\n")
