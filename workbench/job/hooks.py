@@ -31,8 +31,8 @@ no longer pair by position: the reader says so (``the ranks disagree on point k'
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import importlib.abc
 import os
 import sys
@@ -324,8 +324,7 @@ class Hooks:
     def _receiver(self, cls: type) -> None:
         original = cls.__dict__.get("load_weights")
         if callable(original) and not getattr(original, _MARK, None):
-            setattr(cls, "load_weights", self._wrap("load_weights", original,
-                                                    lambda a, k, r: self.point("load_weights", a[0])))
+            cls.load_weights = self._wrap("load_weights", original, lambda a, k, r: self.point("load_weights", a[0]))
 
     def _fsdp(self) -> None:
         import torch.distributed.fsdp as fsdp
