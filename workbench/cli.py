@@ -534,7 +534,10 @@ def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
     j.add_argument("--poison", default="to_empty", choices=["to_empty", "all", "off"],
                    help="NaN in what to_empty hands out (default), in every allocation too, or none")
     j.add_argument("--ledger", default="calls", choices=["calls", "full", "off"],
-                   help="the collective record: around torch.distributed's calls (default), every op, or none")
+                   help="the collective record: around torch.distributed's calls (default), every op, or none "
+                   "(then post mortem on error only)")
+    j.add_argument("--site", action="store_true", help="print the site hook's directory (for PYTHONPATH, with "
+                   "WORKBENCH_CAPTURE=DIR, where the launcher cannot be wrapped) and exit")
     return j
 
 
@@ -563,6 +566,10 @@ def cmd_job(args: argparse.Namespace) -> int:
     except SystemExit:
         raise WorkbenchError(f"workbench job: cannot read {' '.join(head)!r}: DIR [options] -- LAUNCHER ARGS") from None
     args = opts
+    package = Path(hooks.__file__).resolve().parent
+    if args.site:
+        print(package / "site")
+        return 0
     if args.points == "" and not command:
         for name, what in hooks.POINTS.items():
             print(f"{name:26s} {what}")
@@ -576,7 +583,10 @@ def cmd_job(args: argparse.Namespace) -> int:
     unknown = [p for p in names if p not in hooks.POINTS]
     if unknown:
         raise WorkbenchError(f"unknown point(s) {', '.join(unknown)}; the points: {', '.join(hooks.POINTS)}")
-    package = Path(hooks.__file__).resolve().parent
+    if args.ledger == "off" and args.attach != "off":  # a deadlock is proven from the ledgers: none to read
+        if args.attach == "on-deadlock":
+            raise WorkbenchError("--attach on-deadlock reads the ledger: drop --ledger off, or --attach on-error")
+        args.attach = "on-error"
     env = dict(os.environ)
     env.pop(hooks.ENV_PID, None)
     env.update({

@@ -5,6 +5,10 @@
     cap.point("materialize", model=model)    # this rank's tensor rows now, the ledger since the last point
     cap.point("forward", model=model, logits=out)
 
+No line of the script at all: ``workbench job runs/init -- torchrun ... train.py`` captures every rank
+from its ``import torch``, with points after the calls incidents live in (``hooks.py``); a ``capture``
+call in such a job returns that same capture.
+
 Each rank writes its own shard (``runs/init/rank<r>/``) flushed at every point, so a job that
 hangs or is killed still leaves everything it reached; the collective ledger's start line of a
 call is on disk before the call runs, so the stuck call is named. The directory of shards opens
