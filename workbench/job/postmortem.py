@@ -43,6 +43,14 @@ MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("
          True: ("error", "deadlock")}
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
+END_WAIT_S = 3.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
+
+
+class Released(BaseException):
+    """Raised on a waiting rank's main thread when the post mortem freed its stuck NCCL call (the job's
+    communicators aborted once the account was taken): the rank stops there, waits until the notebook is done
+    and ends with exit status 1 (``shard.Capture._excepthook``). A ``BaseException``, so the job's own
+    ``except Exception`` does not take it for one of its errors."""
 
 
 def modes(attach: Any) -> tuple[str, ...]:
@@ -256,8 +264,11 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             with contextlib.suppress(Exception):
                 store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             del frame
+            _release(cap, me)  # its part of the account is taken: free its stream so its device reads
             _off_the_stuck_stream(cap)
             _serve(cap, objects, None, trigger=trigger)
+            if trigger.get("reason") == "deadlock":
+                _end_after_deadlock(cap, trigger)
             return
         if tail is None:
             continue
@@ -276,6 +287,76 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
                     if store.add(f"{key}/claim", 1) == 1:
                         store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
                                                            "t": time.time()}))
+
+
+def _nccl() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    except Exception:
+        return False
+
+
+def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
+    """On NCCL, free this waiting rank: its main thread is held behind kernels that wait for a collective that
+    can never complete (so is its GPU: nothing the notebook runs there would return). The main thread is told
+    to stop at its next line of Python (``Released``), then the job's communicators are aborted, as the live
+    session's release does (``control.abort_groups``): the kernels end, the stream drains, the main thread
+    stops in the capture's excepthook until the attach is over. The account holds this rank's open calls from
+    before. Gloo needs none of it (its waits hold no device)."""
+    if not _nccl():
+        return None
+    import ctypes
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from workbench.rank import control
+    from workbench.rank import ledger as ledger_mod
+
+    t0 = time.perf_counter()
+    with contextlib.suppress(Exception):
+        ledger_mod.settle()  # what ended before the abort is written completed; what ends after it, released
+    calls = me.get("open_calls") or []
+    _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
+                          else None}
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                               ctypes.py_object(Released))
+    control.mark()
+    try:
+        groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+        n = control.abort_groups(groups, c10d._get_default_group())
+    except Exception as exc:  # one line; the rank still serves what it can
+        with contextlib.suppress(Exception):
+            sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not abort its communicators "
+                                 f"({type(exc).__name__}: {exc})\n")
+        return None
+    _STATE["released"].update(groups=n, abort_s=time.perf_counter() - t0)
+    return _STATE["released"]
+
+
+def released_line(cap: Any, exc: BaseException) -> str:
+    """What a released rank says when it ends (its excepthook), one line."""
+    got = _STATE.get("released") or {}
+    call = f" from {got['call']}" if got.get("call") else ""
+    return (f"workbench: rank {getattr(cap, 'rank', '?')} was released{call} by the post mortem (its "
+            "communicators aborted once the account was taken); it ends here with exit status 1\n")
+
+
+def _end_after_deadlock(cap: Any, trigger: dict[str, Any]) -> None:
+    """After a deadlock's attach (the notebook resumed, or the deadline), the job ends now rather than at its
+    group's timeout: a released main thread ends the rank itself (its excepthook); one still stuck in its call
+    (gloo: its socket waits are not aborted) ends with the rank here, exit status 1, in one line."""
+    end = time.monotonic() + (END_WAIT_S if _STATE.get("released") else 0.0)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    line = (f"workbench: rank {cap.rank} ends now (exit status 1): the ledgers proved a deadlock "
+            f"({(trigger.get('proof') or {}).get('line', '?')}) and the post mortem is over; its call could "
+            "never complete\n")
+    with contextlib.suppress(Exception):
+        sys.__stdout__.flush()
+        sys.__stderr__.write(line)
+        sys.__stderr__.flush()
+    os._exit(1)
 
 
 def _off_the_stuck_stream(cap: Any) -> None:
@@ -432,11 +513,14 @@ def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
     if go.get("reason") == "deadlock":
         return f"deadlock (the ledgers): {(go.get('proof') or {}).get('line', '?')}"
     parts = []
-    for r, info in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+    # the rank that raised first (the one whose error triggered the attach), its message whole (on one line)
+    order = sorted(ranks.items(), key=lambda kv: (kv[1].get("role") != "raised", int(kv[0]) != go.get("rank"),
+                                                  int(kv[0])))
+    for r, info in order:
         if info.get("role") == "raised":
             err = info.get("error") or {}
-            parts.append(f"rank {r} raised {err.get('type', '?')}: {str(err.get('message', ''))[:160]} "
-                         f"at {info.get('where')}")
+            parts.append(f"rank {r} raised {err.get('type', '?')}: {' '.join(str(err.get('message', '')).split())} "
+                          f"at {info.get('where')}")
         else:
             calls = info.get("open_calls") or []
             in_call = (f" in {calls[0].get('op')} #{calls[0].get('seq')} on group {calls[0].get('group')}"
