@@ -306,8 +306,6 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
     before. Gloo needs none of it (its waits hold no device)."""
     if not _nccl():
         return None
-    import ctypes
-
     from torch.distributed import distributed_c10d as c10d
 
     from workbench.rank import control
@@ -318,9 +316,7 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
         ledger_mod.settle()  # what ended before the abort is written completed; what ends after it, released
     calls = me.get("open_calls") or []
     _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
-                          else None}
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               ctypes.py_object(Released))
+                          else None, "held": _hold_main_thread()}
     control.mark()
     try:
         groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
@@ -334,12 +330,51 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
     return _STATE["released"]
 
 
+def _hold_main_thread() -> bool:
+    """Stop the main thread at its next line of Python once the abort frees it (Python 3.12's ``sys.monitoring``;
+    an asynchronous exception could land inside the excepthook of an error the abort raised): it waits there
+    until the attach is over, then raises ``Released``, so no more of the job's code runs on a rank whose
+    communicators are gone. Without ``sys.monitoring`` (Python 3.11) the main thread runs on until the job's
+    next collective raises, and its excepthook waits the same way. Lines of the workbench's own code pass."""
+    mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        return False
+    tool = next((i for i in range(6) if mon.get_tool(i) is None), None)
+    if tool is None:  # every tool id taken (debuggers, profilers, coverage)
+        return False
+    mon.use_tool_id(tool, "workbench-postmortem")
+    main = threading.main_thread()
+
+    def on_line(code: Any, line: int) -> Any:
+        if threading.current_thread() is not main:
+            return None if _user(code.co_filename) else mon.DISABLE  # the serving thread runs at full speed
+        if code.co_filename.startswith(_WORKBENCH):
+            return None
+        mon.set_events(tool, 0)
+        while _STATE.get("role") != "served":
+            time.sleep(0.05)
+        with contextlib.suppress(Exception):
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+        raise Released()
+
+    mon.register_callback(tool, mon.events.LINE, on_line)
+    mon.set_events(tool, mon.events.LINE)
+    return True
+
+
+def was_released() -> bool:
+    """Whether the post mortem aborted this rank's communicators (its main thread's next error is ours)."""
+    return bool(_STATE.get("released"))
+
+
 def released_line(cap: Any, exc: BaseException) -> str:
     """What a released rank says when it ends (its excepthook), one line."""
     got = _STATE.get("released") or {}
     call = f" from {got['call']}" if got.get("call") else ""
+    after = "" if isinstance(exc, Released) else f" ({type(exc).__name__} on the aborted communicators)"
     return (f"workbench: rank {getattr(cap, 'rank', '?')} was released{call} by the post mortem (its "
-            "communicators aborted once the account was taken); it ends here with exit status 1\n")
+            f"communicators aborted once the account was taken){after}; it ends here with exit status 1\n")
 
 
 def _end_after_deadlock(cap: Any, trigger: dict[str, Any]) -> None:

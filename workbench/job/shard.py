@@ -377,7 +377,8 @@ class Capture:
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
-        released = isinstance(exc, postmortem.Released)  # the post mortem stopped this waiting rank, not the job
+        # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
+        released = isinstance(exc, postmortem.Released) or postmortem.was_released()
         try:
             from workbench.rank.ledger import traceback_text
 

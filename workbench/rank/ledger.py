@@ -244,7 +244,7 @@ class _Recorder(TorchDispatchMode):
             # An NCCL work's future completes when the kernel is queued, not when it ends (a
             # mispaired broadcast then looks done while its kernel waits forever): poll the
             # work's own CUDA events instead.
-            _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None))
+            _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None, device=True))
         elif unboxed is not None:
             try:
                 fut = unboxed.get_future()
@@ -258,7 +258,7 @@ class _Recorder(TorchDispatchMode):
             # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-            _watch(event, lambda rec=rec: self._end(rec, None))
+            _watch(event, lambda rec=rec: self._end(rec, None, device=True))
         else:
             self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
@@ -362,12 +362,14 @@ class _Recorder(TorchDispatchMode):
         return rec
 
     def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None,
-             note: str | None = None) -> None:
+             note: str | None = None, device: bool = False) -> None:
         if state is None:
             state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
         text = None if error is None else f"{type(error).__name__}: {str(error)[:500]}"
         if text is not None and control.aborted():  # released by recovery, not failed or timed out on its own
             state, text = "failed", f"aborted by the workbench's recovery ({text})"
+        elif device and state == "completed" and control.aborted():  # an NCCL kernel that ended only at the abort
+            state, text = "failed", "aborted by the workbench's recovery (its work ended at the abort, not done)"
         self.ledger.write({
             "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
             "group": rec["group"], "seq": rec["seq"], "state": state,
