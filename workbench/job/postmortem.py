@@ -266,9 +266,9 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             del frame
             _release(cap, me)  # its part of the account is taken: free its stream so its device reads
             _off_the_stuck_stream(cap)
-            _serve(cap, objects, None, trigger=trigger)
-            if trigger.get("reason") == "deadlock":
-                _end_after_deadlock(cap, trigger)
+            served = _serve(cap, objects, None, trigger=trigger)
+            if trigger.get("reason") == "deadlock" and served.get("by") in ("client", "deadline"):
+                _end_after_deadlock(cap, trigger, store, key)
             return
         if tail is None:
             continue
@@ -377,10 +377,16 @@ def released_line(cap: Any, exc: BaseException) -> str:
             f"communicators aborted once the account was taken){after}; it ends here with exit status 1\n")
 
 
-def _end_after_deadlock(cap: Any, trigger: dict[str, Any]) -> None:
+def _end_after_deadlock(cap: Any, trigger: dict[str, Any], store: Any, key: str) -> None:
     """After a deadlock's attach (the notebook resumed, or the deadline), the job ends now rather than at its
-    group's timeout: a released main thread ends the rank itself (its excepthook); one still stuck in its call
+    group's timeout: once rank 0 has closed the attach (no rank leaves while another still serves: the launcher
+    would end it), a released main thread ends the rank itself (its excepthook); one still stuck in its call
     (gloo: its socket waits are not aborted) ends with the rank here, exit status 1, in one line."""
+    if cap.rank != 0:
+        with contextlib.suppress(Exception):
+            import datetime
+
+            store.wait([f"{key}/closed"], datetime.timedelta(seconds=60))
     end = time.monotonic() + (END_WAIT_S if _STATE.get("released") else 0.0)
     while time.monotonic() < end:
         time.sleep(0.05)
@@ -533,7 +539,8 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
     try:
         result = attach.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
                                doc=account, on_stuck=on_stuck)
-        if store is not None and cap.rank != 0 and _STATE.get("role") == "raised":
+        # no rank goes on (fails, is released, ends) before rank 0 closed the attach: the launcher would end the rest
+        if store is not None and cap.rank != 0:
             with contextlib.suppress(Exception):
                 import datetime
 
