@@ -21,9 +21,18 @@ ranks never join) does not keep it: the rank prints its traceback and exits 1 th
 call open past ``hang_after`` seconds is published in the store; rank 0's thread reads them, and once
 every rank waits in a call that is not the same collective (another group, another op, another
 sequence number or shape) the deadlock is proven: the calls go to ``attach.json`` as the proof and
-every rank serves from its thread. The ranks stay in their calls afterwards (as they would have: the
-group's own timeout, or the launcher, ends them). A rank that waits while another issues no call at
-all is not a proof (that one may be computing) and attaches nothing.
+every rank serves from its thread. Once the attach is over (resumed, or the deadline) the job ends at
+once, each rank in one line and exit status 1, rather than at its group's timeout. A rank that waits
+while another issues no call at all is not a proof (that one may be computing) and attaches nothing.
+
+On NCCL a waiting rank's GPU is held: its stream waits behind kernels of a collective that never
+completes, so nothing the notebook runs there would return. Once a waiting rank's part of the account
+is in the store, its watcher frees it (``_release``): the main thread is told to stop at its next line
+of Python (``sys.monitoring``, Python 3.12), the job's communicators are aborted (as the live session's
+release does), the kernels end and the stream drains, so the probe reads the device; calls that end
+only at the abort are written failed ("aborted by the workbench"), never completed. A rank whose device
+still cannot be read answers ``cluster.probe`` with its last point's rows, labelled (``as_of``). After
+the attach a released rank ends in one line, exit status 1 (``Capture._excepthook``).
 """
 
 from __future__ import annotations

@@ -381,7 +381,7 @@ class JobCluster(AttachedCluster):
         """Hand every rank back to the script (``cap.breakpoint()`` returns there) and detach; waits until the
         job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that). Post mortem:
         the rank that raised then fails with its exception (the launcher ends the others); after a deadlock
-        the ranks stay in their calls, as they would have."""
+        every rank ends at once (exit status 1, one line each) rather than at its group's timeout."""
         from workbench.job.attach import ATTACH
         from workbench.job.attach import resume as resume_rank
 

@@ -244,7 +244,8 @@ class _Recorder(TorchDispatchMode):
             # An NCCL work's future completes when the kernel is queued, not when it ends (a
             # mispaired broadcast then looks done while its kernel waits forever): poll the
             # work's own CUDA events instead.
-            _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None, device=True))
+            _watch(_WorkQuery(unboxed), lambda note=None, rec=rec: self._end(
+                rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
         elif unboxed is not None:
             try:
                 fut = unboxed.get_future()
@@ -258,7 +259,8 @@ class _Recorder(TorchDispatchMode):
             # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-            _watch(event, lambda rec=rec: self._end(rec, None, device=True))
+            _watch(event, lambda note=None, rec=rec: self._end(
+                rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
         else:
             self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
@@ -439,6 +441,18 @@ def settle(wait: float = 0.0) -> int:
         time.sleep(0.01)
 
 
+def _drop_device_calls(note: str) -> None:
+    """Stop watching the device calls still pending (a work is not asked again once its communicator is gone);
+    they are written issued, with ``note``."""
+    with _PENDING_LOCK:
+        left = list(_PENDING)
+        _PENDING.clear()
+    for _, done in left:
+        with contextlib.suppress(Exception):
+            done(note)
+
+
+DESTROY_WAIT_S = 5.0
 EXIT_WAIT_S = 2.0
 EXIT_NOTE = "still running when the process exited: its end was never seen"
 
@@ -467,12 +481,11 @@ def _watch_destroy() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if _CLOSING or _PENDING:
-                with contextlib.suppress(Exception):
-                    settle()
+        if _CLOSING or _PENDING:
+            with contextlib.suppress(Exception):
+                settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
+            _drop_device_calls("still running when its process group was destroyed: its end was never seen")
+        return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
 
