@@ -275,7 +275,8 @@ def test_a_hung_cell_does_not_hold_the_breakpoint_past_its_deadline(job_factory)
     done = json.loads((job.out / "attach.json").read_text())
     assert done["status"] == "resumed" and done["by"] == "deadline"
     assert done["hung"]["interrupted"] is True
-    assert done["resumed_at"] - doc["deadline_at"] < 15
+    # the cell sleeps 600 s: resumed within a minute of the deadline means the deadline, not the cell, ended it
+    assert done["resumed_at"] - doc["deadline_at"] < 60
 
 
 def _postmortem_view() -> list:
@@ -400,7 +401,7 @@ def test_post_mortem_after_a_deadlock_the_ledgers_prove(job_factory):
         cluster.stop()
     done = job.at_breakpoint(timeout=30, when=lambda d: d["status"] == "resumed")
     assert done["by"] == "deadline" and done["hung"]["interrupted"] is True
-    assert done["resumed_at"] - doc["deadline_at"] < 15
+    assert done["resumed_at"] - doc["deadline_at"] < 60  # the cell loops for ever: the deadline ended it
     # the attach is over: the job ends now (not at its group's 600 s timeout), each rank with one line
     assert job.wait(60) != 0
     log = job.log_path.read_text()
