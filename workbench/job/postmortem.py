@@ -52,7 +52,7 @@ MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("
          True: ("error", "deadlock")}
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
-END_WAIT_S = 3.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
+END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
 
 
 class Released(BaseException):
