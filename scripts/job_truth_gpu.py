@@ -360,11 +360,48 @@ def deadlock(args: argparse.Namespace, work: Path) -> dict:
     except Exception as exc:
         _check(rec, "the run went through", False, " ".join(f"{type(exc).__name__}: {exc}".split()))
         rec["log_tail"] = run.log()[-3000:]
+        rec["diagnosis"] = _diagnose(run)
     finally:
         if cluster is not None and cluster.alive:
             cluster.stop()
         run.kill()
     return rec
+
+
+def _diagnose(run: Run) -> dict:
+    """What each rank was doing when the run failed: every thread's Python stack (SIGUSR1: the capture's
+    faulthandler), its open calls from its ledger, whether the attach's controller started."""
+    from workbench.postmortem import shards
+
+    out: dict = {}
+    pids = {}
+    for d in sorted(run.dir.glob("rank*")):
+        try:
+            doc = json.loads((d / shards.MANIFEST).read_text())
+            pids[int(doc["rank"])] = int(doc["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(3.0)
+    for r in sorted(pids):
+        try:
+            text = (shards.rank_dir(run.dir, r) / shards.STACKS).read_text(errors="replace")
+        except OSError:
+            text = ""
+        out[f"rank{r}_stacks"] = text[-4000:]
+    try:
+        led = shards.read(run.dir)[0].ledger
+        out["open_calls"] = [f"rank {x.rank} {x.op} #{x.seq} group {x.group}" for x in
+                             led[led["state"] == "started"].itertuples()]
+    except Exception as exc:
+        out["open_calls"] = repr(exc)
+    out["controller_log"] = (run.dir / "attach" / "controller.log").read_text()[-1500:] \
+        if (run.dir / "attach" / "controller.log").exists() else None
+    return out
 
 
 def client(args: argparse.Namespace) -> int:
@@ -415,6 +452,8 @@ def client(args: argparse.Namespace) -> int:
                                                                                     not c["ok"] else ""))
         if r.get("log_tail"):
             lines.append("  log: " + r["log_tail"][-1500:].replace("\n", "\n    "))
+        for k, v in (r.get("diagnosis") or {}).items():
+            lines.append(f"  {k}: " + str(v).replace("\n", "\n    "))
     (out / f"job_truth_{n}gpu.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0 if summary["ok"] else 1

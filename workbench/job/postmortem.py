@@ -318,11 +318,8 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
     from torch.distributed import distributed_c10d as c10d
 
     from workbench.rank import control
-    from workbench.rank import ledger as ledger_mod
 
     t0 = time.perf_counter()
-    with contextlib.suppress(Exception):
-        ledger_mod.settle()  # what ended before the abort is written completed; what ends after it, released
     calls = me.get("open_calls") or []
     _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
                           else None, "held": _hold_main_thread()}
