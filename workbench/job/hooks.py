@@ -241,12 +241,19 @@ class Hooks:
             from torch.nn.parallel import DistributedDataParallel
 
             self._method(DistributedDataParallel, "__init__", lambda a, k, r: self._first_forward(a[0]))
-        if {"fully_shard", "FullyShardedDataParallel", "forward"} & self.points:
-            after_import("torch.distributed.fsdp", lambda _m: self._fsdp())
-        if "set_model_state_dict" in self.points:
-            after_import("torch.distributed.checkpoint.state_dict", self._dcp)
         _INSTALLED[:] = [self]
+        if {"fully_shard", "FullyShardedDataParallel", "forward"} & self.points:
+            after_import("torch.distributed.fsdp", self._when_installed(lambda _m: self._fsdp()))
+        if "set_model_state_dict" in self.points:
+            after_import("torch.distributed.checkpoint.state_dict", self._when_installed(self._dcp))
         return self
+
+    def _when_installed(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
+        """A later import's patch, made only while these hooks are still installed."""
+        def run(module: Any) -> None:
+            if _INSTALLED and _INSTALLED[0] is self:
+                callback(module)
+        return run
 
     def uninstall(self) -> None:
         while self._undo:
