@@ -174,6 +174,8 @@ def test_shell_block_names_real_subcommands_flags_and_targets(block):
         if words[0] == "workbench":
             assert words[1] in cli, f"{block}: `workbench {words[1]}` is no subcommand ({sorted(cli)})"
             for w in words[2:]:
+                if w == "--":  # what follows is another program's command line (`workbench job DIR -- torchrun ...`)
+                    break
                 flag = w.split("=")[0]
                 if flag.startswith("-"):
                     assert flag in cli[words[1]], f"{block}: `workbench {words[1]}` has no {flag}"
