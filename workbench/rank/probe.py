@@ -257,7 +257,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
         }
         rows.append(row)
         if meta or row["numel"] == 0 or t.is_complex():
-            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="")
+            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="", sumsq=None)
             continue
         if (memo is not None or same is not None) and t.data_ptr():
             key = (t.data_ptr(), t.dtype, t.shape, t.stride(), dev)
@@ -325,7 +325,19 @@ def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         for row, flat in members:
             n_win = _n_windows(row["numel"] * flat.element_size()) * WINDOW
             row["windows"] = host[pos: pos + n_win].astype("uint8").tobytes().hex()
+            row["sumsq"] = _sumsq(flat)
             pos += n_win
+
+
+def _sumsq(flat: torch.Tensor) -> float:
+    """The sum of squares of the finite values, float64: on CPU as the batched pass sums it (``probe_cpu.sumsq``);
+    elsewhere (a GPU tensor the fused pass does not take: float64, integers, odd sizes) one reduction there."""
+    x = flat if flat.dtype == torch.float64 else flat.float()
+    if x.device.type == "cpu":
+        return _pc.sumsq(x)
+    with torch.no_grad():
+        x = x.double()
+        return float(torch.where(torch.isfinite(x), x, 0.0).square().sum())
 
 
 def _fill(row: dict[str, Any], s: list[float], head: list[float], raw: bytes) -> None:
