@@ -568,10 +568,12 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
     import platform
 
-    out = {"python": platform.python_version()}
+    from workbench.rank.columns import cpu_model, kernel_knobs
+
+    out = {"python": platform.python_version(), "cpu": cpu_model()}
     for pkg in ("torch", "transformers", "workbench"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    return out
+    return out | kernel_knobs()  # the float kernels this rank runs (SIMD width, oneDNN ISA), where set

@@ -33,3 +33,17 @@ def kernel_knobs() -> dict[str, str]:
     import os
 
     return {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}
+
+
+def cpu_model() -> str:
+    """The CPU model: float kernels (and so the last bits of a forward) depend on it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -240,10 +240,13 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     plain: list[tuple[dict[str, Any], torch.Tensor]] = []
     fused: dict[torch.device, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     use_fused = None
+    layouts: list[tuple[int, dict[str, str]]] = []
     dev_names = _DEVICE_NAMES
     for name, kind, t in items:
         if held is not None:
             held.append((name, t))
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "placements"):
+            layouts.append((len(rows), _layout(t)))  # the index its row is about to take
         t = _local(t)
         meta = t.is_meta
         dev = t.device
@@ -293,7 +296,22 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
                 row[key] = cols[key][i]
     for row, src in copies:
         row.update({key: src[key] for key in _STAT_COLUMNS}, head=list(src["head"]))
+    for i, layout in layouts:  # after the statistics: a DTensor's row ends with its layout
+        rows[i].update(layout)
     return rows
+
+
+def _layout(t: Any) -> dict[str, str]:
+    """A DTensor's whole shape and placements (``Shard(dim=0)``, ``Replicate()``, one per mesh dimension, with
+    the mesh's shape): what its rows' local ``shape`` is a piece of."""
+    try:
+        mesh = t.device_mesh
+        dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return {"global_shape": "x".join(map(str, t.shape)) or "()",
+                "placement": ", ".join(f"{d}={p}" for d, p in zip(dims, t.placements))
+                             + f" on mesh {'x'.join(map(str, mesh.shape))}"}
+    except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
+        return {}
 
 
 _STAT_COLUMNS = COLUMNS[COLUMNS.index("nan"):]
