@@ -134,7 +134,8 @@ def test_the_view_outlines_the_first_cell_and_the_cli_writes_the_page(runs, tmp_
     heat = fig.data[0]
     assert tuple(heat.y)[:1] == ("load",) and len(heat.x) == d.cells["name"].nunique()
     rect = fig.layout.shapes[0]
-    col = list(heat.x).index("rotary_emb.inv_freq")
+    col = list(dict.fromkeys(d.cells["name"])).index(d.first["name"])
+    assert list(heat.x)[col].endswith("rotary_emb.inv_freq")
     assert (rect.x0, rect.x1, rect.y0, rect.y1) == (col - 0.5, col + 0.5, -0.5, 0.5)
     out = tmp_path / "diff.html"
     rc = cli.main(["diff", str(runs / "good"), str(runs / "bad"), "-o", str(out)])
