@@ -146,3 +146,17 @@ def test_the_view_outlines_the_first_cell_and_the_cli_writes_the_page(runs, tmp_
     assert cli.main(["diff", str(runs / "good"), str(runs / "elsewhere")]) == 0
     assert cli.main(["diff", str(runs / "good"), str(tmp_path / "nothing")]) == 2
     assert "workbench: error:" in capsys.readouterr().err
+
+
+def test_a_fix_against_its_bug_path_from_one_recorded_bundle():
+    """``BUNDLE@FIX`` (no jobs to run): the catalogue's headline fix agrees through `load` and parts at `cast`."""
+    bundle = FIXTURES / "fsdp1-rotary-meta-init.wbundle"
+    d = wb.diff(f"{bundle}@cast-params-only", bundle, labels=("fix", "bug"))
+    s = str(d)
+    assert s.startswith("the runs agree through `load`; at `cast` `inv_freq`, `original_inv_freq`: fp32 in fix, "
+                        "bf16 in bug on rank 1"), s
+    assert "broadcast #1 at `wrap_fsdp1` (rank 1: fp32 bucket of 2 tensors, 256 B in fix vs bf16 bucket of 27 " \
+           "tensors, 853888 B in bug)" in s
+    assert d.given_dtype is None and d.first["kind"] == "dtype"
+    whole = wb.diff(f"{bundle}@fp32-everywhere", bundle, labels=("fp32", "bf16"))
+    assert whole.given_dtype == ("float32", "bfloat16") and whole.first["name"].endswith("inv_freq")

@@ -218,11 +218,10 @@ class _Diff:
         for table in ("tensors", "outputs"):
             self._table = table
             ta, tb = _at(getattr(self.a, table), pa), _at(getattr(self.b, table), pb)
-            names = list(dict.fromkeys([*(ta["name"] if len(ta) else []), *(tb["name"] if len(tb) else [])]))
-            for name in names:
-                ga = ta[ta["name"] == name] if len(ta) else ta
-                gb = tb[tb["name"] == name] if len(tb) else tb
-                kind, ranks, detail = self._tensor(ga, gb)
+            by_a = dict(tuple(ta.groupby("name", sort=False))) if len(ta) else {}
+            by_b = dict(tuple(tb.groupby("name", sort=False))) if len(tb) else {}
+            for name in dict.fromkeys([*by_a, *by_b]):
+                kind, ranks, detail = self._tensor(by_a.get(name, pd.DataFrame()), by_b.get(name, pd.DataFrame()))
                 out.append({"point": pa if pa == pb else f"{pa} / {pb}", "point_index": i, "name": name,
                             "table": "output" if table == "outputs" else "tensor", "kind": kind,
                             "ranks": ranks, "detail": detail})
