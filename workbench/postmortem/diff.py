@@ -155,6 +155,7 @@ class _Diff:
             return RunDiff(self.a, self.b, self.labels, sentence, pd.DataFrame(columns=CELL_COLUMNS),
                            changed=changed, related=False)
         self.given = self._given_dtype(pairs)
+        self._split = _split_names(self.a) | _split_names(self.b)
         cells = []
         for i, (pa, pb) in enumerate(pairs):
             cells += self._point(i, pa, pb)
@@ -263,7 +264,10 @@ class _Diff:
                 return "dtype", self._dtype_words(da, db)
         elif self.given is not None and da == self.given[0] and not _flag(a.get("is_meta")) and \
                 not _flag(b.get("is_meta")) and self._table == "tensors":  # an output is often cast on purpose
-            return "dtype", f"stays {dt(db)} in {B} where the run went {dt(self.given[0])} -> {dt(self.given[1])}"
+            words = f"stays {dt(db)} in {B} where the run went {dt(self.given[0])} -> {dt(self.given[1])}"
+            if str(a.get("name")) in self._split:  # and its ranks disagree on its dtype: the incident's shape
+                return "dtype", words
+            given = True  # kept in the wider dtype on every rank (from_pretrained keeps inv_freq fp32): said only
         if str(a.get("shape")) != str(b.get("shape")):
             return "shape", f"shape {a.get('shape')} in {A}, {b.get('shape')} in {B}"
         pa, pb = _placement(a), _placement(b)
@@ -528,7 +532,8 @@ class _Diff:
             groups.setdefault((_call_words(f["a"], self.same_world), _call_words(f["b"], self.same_world)),
                               []).append(f["rank"])
         said = "; ".join(f"{_ranks_list(rs)}: {x} in {A} vs {y} in {B}" for (x, y), rs in groups.items())
-        return f"{head} ({said})"
+        alike = len(groups) == 1 and len(c["calls"]) > 1 and len(c["calls"]) == min(self.wa, self.wb)
+        return f"{head} ({said}" + ("; every rank alike within each run, so the calls still pair)" if alike else ")")
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -670,6 +675,15 @@ def _ranks_words(ranks: list[int], d: _Diff) -> str:
     if len(ranks) == min(d.wa, d.wb) and d.same_world and len(ranks) > 1:
         return "on every rank"
     return "on " + _ranks_list(ranks)
+
+
+def _split_names(rec: RunRecord) -> set[str]:
+    """Tensors whose dtype differs across the ranks of ``rec`` at some point."""
+    t = rec.tensors
+    if t is None or not len(t) or "dtype" not in t:
+        return set()
+    n = t.groupby(["step", "name"], sort=False)["dtype"].nunique()
+    return {name for (_, name), k in n.items() if k > 1}
 
 
 def _values_words(a: dict[str, Any], b: dict[str, Any], gap: closeness.Gap, labels: tuple[str, str]) -> str:
