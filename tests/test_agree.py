@@ -64,7 +64,7 @@ def test_a_ddp_job_with_per_rank_batches_reads_clean(two):
     t = two["ddp"].bug.tensors
     assert set(t["agree"]) == {"0,1"} and set(t["agree_by"]) == {"DDP replica"}
     o = two["ddp"].bug.outputs
-    assert set(o["agree"]) == {""} and o.groupby("name")["fingerprint"].nunique().min() == 2  # they do differ
+    assert set(o["agree"]) == {""} and o.groupby(["step", "name"])["fingerprint"].nunique().min() == 2  # they differ
     st = findings.status(two["ddp"].bug.tensors.query("step == 'step0'").drop(columns=["step", "step_index"]))
     assert set(st["status"]) == {"ok"}
 
