@@ -150,7 +150,7 @@ def test_records_without_the_columns_keep_todays_rule():
 
 
 # -- a live data-parallel step --------------------------------------------------------------------------------
-dp = wb.Scenario("dp-per-rank-batches")
+dp = wb.Scenario("dp-per-rank-batches", params={"break_mean": False})
 
 
 @dp.step
