@@ -196,3 +196,43 @@ def test_a_live_dp_step_with_per_rank_batches_reads_clean(cluster):
     assert d.mechanism == "outputs-only" and "output `mean_loss` on rank 1: differs from rank 0" in d.sentence, \
         d.sentence
     assert "`loss`" not in d.sentence and "`logits`" not in d.sentence
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.gain = 1.0  # a plain float: outside what the probe reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.gain
+
+
+fed = wb.Scenario("same-inputs", params={"gain_on_rank1": 1.0})
+
+
+@fed.step
+def build_scaled(ctx):
+    torch.manual_seed(0)
+    ctx.model = Scaled()
+    if ctx.rank == 1:
+        ctx.model.gain = ctx.params["gain_on_rank1"]
+
+
+@fed.step
+def forward(ctx):
+    torch.manual_seed(5)  # every rank feeds the same batch: the outputs are expected to agree
+    with torch.no_grad():
+        ctx.output("y", ctx.model(torch.randn(2, 8)))
+
+
+def test_outputs_of_forwards_fed_the_same_inputs_are_expected_to_agree(cluster):
+    live = ready(cluster)
+    s = live.session(fed)
+    s.run()
+    assert s.diagnose().clean, s.diagnose().sentence
+    s = live.session(fed, gain_on_rank1=2.0)
+    s.run()
+    d = s.diagnose()
+    assert d.mechanism == "outputs-only" and "output `y` on rank 1: differs from rank 0" in d.sentence, d.sentence
+    assert "the cause is outside what was probed" in d.sentence

@@ -253,7 +253,7 @@ def bad_outputs(run: Run) -> list[dict[str, Any]]:
     if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(is_number).any():
         ref = {}  # the scenario says what right is: ranks may differ by design (roles, shards)
     learned = "agree" in o  # the probe said which outputs must agree (rank/agree.py): only those are compared
-    held = {(int(r), n): f for r, n, f in o[["rank", "name", "fingerprint"]].itertuples(index=False)}
+    held = findings.output_held(o)
     out = []
     for r in o.itertuples(index=False):
         diff = getattr(r, "ref_max_abs_diff", None)
@@ -264,7 +264,7 @@ def bad_outputs(run: Run) -> list[dict[str, Any]]:
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name,
                         "how": floor.words(diff, getattr(r, "ref_floor", None))})
         elif learned:
-            apart = findings.output_apart(r, held)
+            apart = findings.output_apart(r, held, by_inputs=bool(ref))  # a reference says what right is
             if apart is not None:
                 out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": apart})
         elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint \

@@ -188,7 +188,7 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
         return rows
     ref = _rank0(outputs)
     learned = "agree" in outputs  # the probe said which outputs must agree, and across which ranks
-    held = {(int(r), n): f for r, n, f in outputs[["rank", "name", "fingerprint"]].itertuples(index=False)}
+    held = output_held(outputs)
     for o in outputs.itertuples(index=False):
         if _count(o.nan) > 0:
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "outputs",
@@ -210,13 +210,25 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
     return rows
 
 
-def output_apart(o: object, held: dict[tuple[int, str], object]) -> str | None:
-    """How an output departs from the ranks it must agree with (its ``agree`` group), or None: ``differs from
-    rank 0`` (the lowest rank of the group that has it)."""
+def output_held(outputs: pd.DataFrame) -> dict[tuple[int, str], tuple[object, object]]:
+    """(rank, name) -> (fingerprint, inputs digest) of a step's outputs: what ``output_apart`` compares."""
+    fed = outputs["inputs"] if "inputs" in outputs else [None] * len(outputs)
+    return {(int(r), n): (f, i) for r, n, f, i in zip(outputs["rank"], outputs["name"], outputs["fingerprint"], fed)}
+
+
+def output_apart(o: object, held: dict[tuple[int, str], tuple[object, object]], by_inputs: bool = True) -> str | None:
+    """How an output departs from the ranks it must agree with, or None: ``differs from rank 0`` (the lowest rank
+    of its group that has it). Its group: the ranks its ``agree`` names; else, when nothing was said of it
+    (``agree_by`` empty) and ``by_inputs``, the ranks whose forwards were fed the same inputs in the step."""
     group = agree_ranks(getattr(o, "agree", None))
+    fed = getattr(o, "inputs", None)
+    if not group and by_inputs and not getattr(o, "agree_by", None) and isinstance(fed, str) and fed \
+            and floor.number(getattr(o, "ref_max_abs_diff", None)) is None:
+        group = sorted(r for (r, n), (_, i) in held.items() if n == o.name and i == fed)
+        group = group if len(group) > 1 else []
     rank = int(o.rank)
     ref_rank = next((r for r in sorted(group) if (r, o.name) in held), rank)
-    if not group or ref_rank == rank or held[(ref_rank, o.name)] == o.fingerprint:
+    if not group or ref_rank == rank or held[(ref_rank, o.name)][0] == o.fingerprint:
         return None
     return f"differs from rank {ref_rank}"
 

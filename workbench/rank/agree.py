@@ -304,11 +304,79 @@ def annotate(rows: list[dict[str, Any]], by_name: Mapping[str, Any], every: Mapp
         row.update(cols[row["name"]])
 
 
+# -- the data: what the forwards were fed -----------------------------------------------------------------------
+def _digest(v: Any, h: Any) -> None:
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        t = t.to_local() if hasattr(t, "to_local") and type(t) is not torch.Tensor else t
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.device.type != "meta":
+            flat = t.reshape(-1)[: 1 << 20].contiguous().cpu()
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _digest(x, h)
+    elif isinstance(v, Mapping):
+        for k in sorted(v, key=str):
+            h.update(str(k).encode())
+            _digest(v[k], h)
+    elif isinstance(v, (int, float, bool, str)) or v is None:
+        h.update(repr(v).encode())
+
+
+class FedInputs:
+    """While a live step runs: a digest of what the outermost forwards of the rank's own modules were fed (the
+    modules the context held when the step began). Equal digests across ranks mean the ranks fed their forwards the
+    same data, so what those forwards output is expected to agree; per-rank batches give per-rank outputs."""
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        self.tops = {id(m) for m in objects.values() if isinstance(m, nn.Module)}
+        self.depth = 0
+        self.calls = 0
+        import hashlib
+
+        self.hash = hashlib.sha1()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> FedInputs:
+        if self.tops:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            self._handles = [register_module_forward_pre_hook(self._pre),
+                             register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.tops:
+            if self.depth == 0:
+                try:
+                    _digest(args, self.hash)
+                    self.calls += 1
+                except Exception:  # a digest never fails the user's forward
+                    pass
+            self.depth += 1
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if id(module) in self.tops:
+            self.depth = max(0, self.depth - 1)
+
+    @property
+    def digest(self) -> str:
+        return self.hash.hexdigest()[:16] if self.calls else ""
+
+
 def annotate_outputs(rows: list[dict[str, Any]], outputs: Mapping[str, Any], extras: Mapping[str, dict],
-                     rank_local: Iterable[str] = ()) -> None:
-    """Outputs: declared (``same_on``), else synced by a collective, else this rank's own."""
+                     rank_local: Iterable[str] = (), fed: str = "") -> None:
+    """Outputs: declared (``same_on``), else synced by a collective, else this rank's own; ``fed``: the digest of
+    what this step's forwards were fed (``FedInputs``), for the client to compare across ranks (``inputs``)."""
     local = set(rank_local)
     for row in rows:
+        row["inputs"] = fed
         declared = (extras.get(row["name"]) or {}).get("agree")
         if declared is not None:
             continue  # the extras carry the declaration

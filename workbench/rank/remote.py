@@ -54,6 +54,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     book = ledger.get_ledger(session_id)
     failed = getattr(ctx, "_failed_step", None)
     halted = False  # this step's error stops the later steps on this rank: the client's cursor stays here
+    fed = agree.FedInputs(ctx.user_objects())  # what this step's forwards are fed: equal inputs, equal outputs
     if failed is not None:
         # The steps after a failure would only cascade (AttributeError on what it never built): say so once.
         error = {"kind": "skipped", "error": "Skipped",
@@ -61,7 +62,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     else:
         try:
             with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), \
-                    poison.allocations():
+                    poison.allocations(), fed:
                 control.in_step(step or getattr(fn, "__name__", "?"))  # control.interrupt may stop it
                 try:
                     fn(ctx)
@@ -82,7 +83,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     tensors = probe.probe_objects(objects, ctx.rank, held)
     _annotate(tensors, objects, ctx, held)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
-    annotate_outputs(outputs, ctx)
+    annotate_outputs(outputs, ctx, fed.digest)
     return {
         "rank": ctx.rank, "error": error, "halted": halted, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
@@ -129,13 +130,13 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
 
 
-def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext) -> None:
+def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext, fed: str = "") -> None:
     """An output's rows: rank-local or not, the step's extras (a ``same_on`` declaration among them), and the
     ranks it must agree across."""
     for row in rows:
         row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
         row.update(ctx.output_extras.get(row["name"], {}))
-    agree.annotate_outputs(rows, ctx.outputs, ctx.output_extras, ctx.rank_local)
+    agree.annotate_outputs(rows, ctx.outputs, ctx.output_extras, ctx.rank_local, fed)
 
 
 # What the catalogue's first steps import on a rank beyond the rank layer: FSDP, the transformers
