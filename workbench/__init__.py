@@ -40,6 +40,7 @@ _LAZY = {
     "bundle": ("workbench.postmortem.bundle", None),
     "collectives": ("workbench.analysis.collectives", None),
     "teach": ("workbench.teach", None),
+    "replicated": ("workbench.rank.agree", "replicated"),
 }
 
 __all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]
