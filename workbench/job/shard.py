@@ -203,7 +203,7 @@ class Capture:
                  name: str | None = None, job: str | None = None, points: list[str] | None = None):
         import torch
 
-        from workbench.rank import context
+        from workbench.rank import agree, context
         from workbench.rank import ledger as ledger_mod
         from workbench.rank import poison as poison_mod
 
@@ -233,6 +233,7 @@ class Capture:
         self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)
         self._stack = contextlib.ExitStack()
         poison_mod.reset_tracking()
+        agree.forget()  # what an earlier capture in this process synced is not this run's
         poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)
         self._poison = poison_mod
         self._stack.callback(poison_mod.uninstall)
@@ -286,12 +287,14 @@ class Capture:
 
         return trace_forward(self.ctx, model, run=run)
 
-    def point(self, name: str, **objects: Any) -> dict[str, Any]:
+    def point(self, name: str, same_on: Any = "learned", **objects: Any) -> dict[str, Any]:
         """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
 
         Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
-        tensor is an output (``logits=out``), as ``output(name, t)`` records it. Returns the point's
-        size: rows, bytes written, seconds spent.
+        tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
+        bare tensors must agree across (``"world"``, a group, ranks; None: each rank's own; a dict per
+        output name); left out, learned (``rank/agree.py``). Returns the point's size: rows, bytes written,
+        seconds spent.
         """
         import torch
 
@@ -309,7 +312,8 @@ class Capture:
         objects = dict(objects)
         for key, value in list(objects.items()):
             if isinstance(value, torch.Tensor):
-                self.ctx.output(key, value)
+                spec = same_on.get(key, "learned") if isinstance(same_on, dict) else same_on
+                self.ctx.output(key, value, same_on=spec)
                 del objects[key]
         self.objects = dict(objects)
         with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
@@ -317,9 +321,7 @@ class Capture:
             rows = probe.probe_objects(objects, self.rank, held)
             remote._annotate(rows, objects, self.ctx, held)
             outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
-        for row in outputs:
-            row["sharded"] = row["name"].split(".", 1)[0] in self.ctx.rank_local
-            row.update(self.ctx.output_extras.get(row["name"], {}))
+        remote.annotate_outputs(outputs, self.ctx)
         record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
                   "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
                   "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
@@ -591,10 +593,12 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
     import platform
 
-    out = {"python": platform.python_version()}
+    from workbench.rank.columns import cpu_model, kernel_knobs
+
+    out = {"python": platform.python_version(), "cpu": cpu_model()}
     for pkg in ("torch", "transformers", "workbench"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    return out
+    return out | kernel_knobs()  # the float kernels this rank runs (SIMD width, oneDNN ISA), where set
