@@ -79,3 +79,15 @@ def test_real_size_with_the_gc_pause_at_2_and_4_gpus():
     assert s4["start_s"] > 0 and {"client_init_s", "engines_s", "imports_s", "group_s"} <= set(s4)
     gc_pause = json.loads((GPU / "hang_cycles_nccl_4gpu_gc_pause.json").read_text())["rows"]
     assert all(c["check_ok"] and not c["replayed_hung"] for c in gc_pause)
+
+
+def test_an_unmodified_job_under_workbench_job_on_4_gpus():
+    """scripts/gpu_job_zero_code.sh: the Llama-3.2-1B-shaped FSDP2 job with no workbench line, plain and under the
+    wrapper; every run ended 0, the captured runs took the automatic points and their reports name inv_freq."""
+    rec = json.loads((GPU / "job_zero_code_4gpu.json").read_text())
+    assert rec["gpus"] == rec["ranks"] == 4 and rec["shape"] == "llama-3.2-1b"
+    assert {r["mode"] for r in rec["runs"]} == {"off", "defaults", "every1"} and all(r["rc"] == 0 for r in rec["runs"])
+    for r in (r for r in rec["runs"] if r["mode"] != "off"):
+        assert r["points"][:4] == ["fully_shard", "to_empty", "forward", "step1"], r["points"]
+        assert "`inv_freq`, `original_inv_freq`" in r["sentence"] and "at step `to_empty`" in r["sentence"]
+        assert "hung" not in r["sentence"], r["sentence"]
