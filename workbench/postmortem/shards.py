@@ -21,6 +21,7 @@ the layout from this module inside a training process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,9 +58,14 @@ def is_shard_dir(path: str | os.PathLike) -> bool:
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
     """Write a small JSON file by rename: a reader never sees half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, default=str)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the file before stays whole, and no half-written copy beside it
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 # -- reading -----------------------------------------------------------------------------
