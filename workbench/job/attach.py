@@ -52,12 +52,14 @@ def whoami() -> dict[str, Any]:
     """The engine's place in the job (the client orders engines by it)."""
     import torch.distributed as dist
 
+    from workbench.job.launcher import launcher_env
+
     cap = _STATE.get("cap")
     init = dist.is_available() and dist.is_initialized()
     return {"rank": dist.get_rank() if init else getattr(cap, "rank", 0),
             "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", []),
+            "local_rank": launcher_env()["local_rank"], "names": _STATE.get("names", []),
             "job": getattr(cap, "job", None), "breakpoint": _STATE.get("id") if cap is not None else None,
             "control": _control()}
 
@@ -68,9 +70,11 @@ def _control() -> dict[str, Any] | None:
     toward the job's ``MASTER_ADDR``; every request carries its token."""
     from workbench.rank import control
 
+    from workbench.job.launcher import launcher_env
+
     try:
         ip = _controller_ip()
-        return control.start(ip, int(os.environ.get("MASTER_PORT", "0") or 0) if ip != "127.0.0.1" else 0)
+        return control.start(ip, launcher_env()["master_port"] if ip != "127.0.0.1" else 0)
     except Exception:
         return None
 
@@ -86,12 +90,14 @@ def resume(delay: float = 0.2) -> bool:
 
 
 def _controller_ip() -> str:
-    """Loopback when the whole job is on this host, else the job's own rendezvous address."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    if local >= world:
+    """Loopback when the whole job is on this host (as ``launcher_env`` reads it: torchrun's or srun's own
+    variables), else the job's own rendezvous address (this host's where the job names none)."""
+    from workbench.job.launcher import launcher_env, one_host
+
+    where = launcher_env()
+    if one_host(where):
         return "127.0.0.1"
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    addr = where["master_addr"] or socket.gethostname()
     try:
         return socket.gethostbyname(addr)
     except OSError:
