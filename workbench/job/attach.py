@@ -68,9 +68,8 @@ def _control() -> dict[str, Any] | None:
     """The rank's control thread (``rank/control.py``: Python stacks while a cell hangs), started when a client
     first attaches, once per process: on loopback when the job is on one host, else on this host's address
     toward the job's ``MASTER_ADDR``; every request carries its token."""
-    from workbench.rank import control
-
     from workbench.job.launcher import launcher_env
+    from workbench.rank import control
 
     try:
         ip = _controller_ip()

@@ -271,6 +271,9 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
                    "or was killed)"
         entry["message"] = "\n".join(lines)
         hangs.append(entry)
+    dead = {str(r): {"after": (found.points[r][-1].get("point") if found.points.get(r) else None),
+                     "line": dead_line(r, found.points[r][-1].get("point") if found.points.get(r) else None)}
+            for r, d in sorted(found.shards.items()) if gone(d)}
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
     notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]
     t0 = min(float(d.get("started_at") or 0) for d in found.shards.values())
@@ -299,13 +302,35 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "versions": dict(first.get("versions") or {}),
         "job": {"id": found.job, "launcher": first.get("launcher"), "argv": first.get("argv"),
                 "hosts": sorted({str(d.get("host")) for d in found.shards.values()}),
-                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}},
+                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}, "dead": dead},
         "problems": list(found.problems),
     }
 
     rec = RunRecord(manifest, *(frame_stack(frames, t) for t in ("tensors", "outputs", "events")), notes,
                     trace=frame_stack(frames, "trace"), ledger=ledger)
     return rec, list(found.problems)
+
+
+def gone(doc: dict[str, Any]) -> bool:
+    """A shard with no close (still "running") whose process is gone: killed or crashed. Known only for a rank of
+    this host (its pid no longer runs, or runs another program started since); a rank elsewhere is not named."""
+    if doc.get("status") != "running" or doc.get("host") != host() or not isinstance(doc.get("pid"), int):
+        return False
+    try:
+        import psutil
+
+        return psutil.Process(doc["pid"]).create_time() > float(doc.get("started_at") or 0) + 1.0
+    except ImportError:
+        pass
+    except Exception:  # no such process (psutil.NoSuchProcess), or one we may not read
+        return not os.path.exists(f"/proc/{doc['pid']}")
+    return not os.path.exists(f"/proc/{doc['pid']}")
+
+
+def dead_line(rank: int, after: str | None) -> str:
+    """``rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed)``."""
+    where = f"after point `{after}`" if after else "before its first point"
+    return f"rank {rank} stopped {where} (its shard ends without a close: killed or crashed)"
 
 
 def _stacks(path: Path, rank: int) -> str:
