@@ -12,8 +12,8 @@ and a point; each rank prints its loss per step and ``done`` at the end. The fau
 - ``odd-object``: a point is given a wrapper whose ``named_parameters`` raises;
 - ``ledger-bug`` / ``poison-bug``: a bug of the workbench's own in the ledger's (poison's) hook, planted
   after ``capture`` (its ``_start`` / ``track`` raise);
-- ``die``: the rank SIGKILLs itself after point ``step1`` (``--monitor-interval`` keeps torchrun from
-  ending the other rank before it fails in the next all-reduce).
+- ``die``: the rank SIGKILLs itself after point ``step1``; the other fails in the next all-reduce (and,
+  with ``--attach on-error --own-sigterm``, serves post mortem before it exits).
 """
 
 from __future__ import annotations
@@ -61,8 +61,14 @@ def main() -> None:
     ap.add_argument("--read-only", help="a read-only mount for the read-only rank's capture")
     ap.add_argument("--ledger", default="full")
     ap.add_argument("--strict", action="store_true")
+    ap.add_argument("--attach", help="the capture's post-mortem attach (on-error, ...)")
+    ap.add_argument("--deadline", type=float, default=600.0, help="the post mortem's deadline, seconds")
+    ap.add_argument("--own-sigterm", action="store_true", help="the job takes SIGTERM itself (as one that saves a "
+                    "checkpoint on preemption would): torchrun's SIGTERM after a rank died does not end it")
     args = ap.parse_args()
 
+    if args.own_sigterm:
+        signal.signal(signal.SIGTERM, lambda *_: None)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     fault = dict(f.split("=", 1) for f in args.fault).get(str(rank), "none")
@@ -75,7 +81,8 @@ def main() -> None:
         path = Path(args.read_only) / "runs"
     ledger = {"full": True, "calls": "calls"}[args.ledger]
     strict = {"strict": True} if args.strict else {}
-    cap = wj.capture(path, ledger=ledger, points=[f"step{i}" for i in range(4)], **strict)
+    cap = wj.capture(path, ledger=ledger, points=[f"step{i}" for i in range(4)], attach=args.attach,
+                     attach_deadline=args.deadline, **strict)
     if fault == "ledger-bug":
         from workbench.rank import ledger as ledger_mod
 

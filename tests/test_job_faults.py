@@ -11,6 +11,7 @@ The mounts need root (CI runs as root); without it those cases skip.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -200,18 +201,52 @@ def test_a_point_keeps_no_strong_reference_to_its_objects_without_attach(tmp_pat
 
 
 def test_a_killed_rank_is_named_dead_with_the_survivors_error(tmp_path):
-    """Rank 1 SIGKILLs itself after point step1; rank 0 fails in the all-reduce it waited in. torchrun
-    checks its workers every 5 s here, so rank 0 fails on its own before the launcher ends it."""
-    run = _run(tmp_path, "--fault", "1=die", launcher=("--monitor-interval", "5"))
+    """Rank 1 SIGKILLs itself after point step1; rank 0 fails in the all-reduce it waited in and serves post mortem
+    (2 s, no client). The job takes torchrun's SIGTERM itself (as one that checkpoints on preemption), so rank 0
+    serves before it exits. The report and the post mortem's account both name rank 1 dead."""
+    run = _run(tmp_path, "--fault", "1=die", "--attach", "on-error", "--deadline", "2", "--own-sigterm")
     assert run.returncode != 0
     out = tmp_path / "out"
-    d = wb.load(out).bug.diagnose()
-    head = "rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed); " \
-           "rank 0 failed in all_reduce #3: "
-    assert d.sentence.startswith(head), d.sentence
-    led = wb.load(out).bug.ledger
+    rec = wb.load(out).bug
+    d = rec.diagnose()
+    dead = "rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed)"
+    head = f"{dead}; rank 0 failed in all_reduce #3: "
+    led = rec.ledger
     error = led[(led["rank"] == 0) & (led["seq"] == 3)]["error"].iloc[0]
-    assert error and d.sentence == head + error
+    assert error and d.sentence == head + error, d.sentence
     report = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True,
                             text=True, timeout=120, env=_env())
     assert head in report.stdout, report.stdout + report.stderr
+    account = json.loads((out / "attach.json").read_text())["post_mortem"]
+    assert account["ranks"]["1"]["role"] == "dead"
+    assert account["line"].startswith("rank 0 raised RuntimeError: ") and account["line"].endswith(f"; {dead}"), \
+        account["line"]
+    assert "did not say their engines stopped" not in run.stderr  # a dead rank is not waited for
+
+
+def test_a_breakpoint_whose_controller_cannot_start_says_so_in_one_line(tmp_path, alone, capfd):
+    with wj.capture(tmp_path / "runs", poison=False, ledger=False) as cap:
+        (tmp_path / "runs" / "attach").write_text("a file where the breakpoint's folder goes\n")
+        how = cap.breakpoint(deadline=5)
+    assert how["by"] == "error"
+    err = capfd.readouterr().err
+    assert re.fullmatch(r"workbench: rank 0: no breakpoint: the controller did not start \(FileExistsError: .*\); "
+                        r"every rank goes on\n", err), err
+
+
+def test_a_full_disk_when_the_job_raises_is_one_line_before_the_jobs_own_traceback(tmp_path, mounts):
+    disk = mounts(tmp_path / "disk", size="64k")
+    script = (f"import workbench.job as wj\n"
+              f"cap = wj.capture({str(disk)!r}, poison=False, ledger=False)\n"
+              f"with open({str(disk / 'filler')!r}, 'wb', buffering=0) as f:\n"
+              f"    try:\n        while True: f.write(bytes(4096)); f.flush()\n    except OSError: pass\n"
+              f"raise ValueError('the job fails on its own')\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**_env(), "WORKBENCH_JOB_ID": "x"}, cwd=tmp_path)
+    assert run.returncode == 1
+    lines = run.stderr.splitlines()
+    said = [line for line in lines if line.startswith("workbench:")]
+    assert said == [f"workbench: rank 0: capture stopped recording the job's exception: no space left on device "
+                    f"({disk / 'rank0'}); {disk / 'rank0'} keeps 0 point(s); the job goes on without it"], run.stderr
+    assert lines.index(said[0]) < lines.index("Traceback (most recent call last):")
+    assert lines[-1] == "ValueError: the job fails on its own"

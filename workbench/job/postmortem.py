@@ -403,10 +403,12 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
         ranks: dict[str, Any] = {}
         end = time.monotonic() + 10.0
         for r in range(cap.world_size):
-            while store is not None and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
+            dead = _dead(cap, r)
+            while store is not None and not dead and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
                 time.sleep(0.05)
-            got = _get(store, f"{key}/rank/{r}") if store is not None else None
-            ranks[str(r)] = got or {"rank": r, "role": "?", "where": "?"}
+            # only a key that is there: the store's get waits for a missing one (its timeout: minutes)
+            got = _get(store, f"{key}/rank/{r}") if store is not None and _has(store, f"{key}/rank/{r}") else None
+            ranks[str(r)] = got or dead or {"rank": r, "role": "?", "where": "?"}
         if alone:
             ranks[str(cap.rank)] = {"rank": cap.rank, "role": "raised", "where": alone.get("where")}
         return {"post_mortem": {"reason": go.get("reason"), "rank": go.get("rank"), "error": go.get("error"),
@@ -427,6 +429,20 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
         _STATE["role"] = "served"
 
 
+def _dead(cap: Any, rank: int) -> dict[str, Any] | None:
+    """A rank whose shard ends without a close and whose process is gone (``shards.gone``): it will never answer."""
+    from workbench.postmortem import shards
+
+    try:
+        doc = json.loads((shards.rank_dir(cap.root, rank) / shards.MANIFEST).read_text())
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(doc, dict) or not shards.gone(doc):
+        return None
+    after = (doc.get("points") or [None])[-1]
+    return {"rank": rank, "role": "dead", "after": after, "line": shards.dead_line(rank, after)}
+
+
 def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
     """One line: who raised where, or the deadlock's proof; where each other rank waits."""
     if go.get("reason") == "deadlock":
@@ -437,6 +453,8 @@ def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
             err = info.get("error") or {}
             parts.append(f"rank {r} raised {err.get('type', '?')}: {str(err.get('message', ''))[:160]} "
                          f"at {info.get('where')}")
+        elif info.get("role") == "dead":
+            parts.append(info["line"])
         else:
             calls = info.get("open_calls") or []
             in_call = (f" in {calls[0].get('op')} #{calls[0].get('seq')} on group {calls[0].get('group')}"

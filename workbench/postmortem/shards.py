@@ -319,12 +319,16 @@ def gone(doc: dict[str, Any]) -> bool:
     try:
         import psutil
 
-        return psutil.Process(doc["pid"]).create_time() > float(doc.get("started_at") or 0) + 1.0
+        proc = psutil.Process(doc["pid"])  # a zombie is dead too (its launcher has not reaped it yet)
+        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > float(doc.get("started_at") or 0) + 1.0
     except ImportError:
-        pass
+        try:
+            with open(f"/proc/{doc['pid']}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
     except Exception:  # no such process (psutil.NoSuchProcess), or one we may not read
         return not os.path.exists(f"/proc/{doc['pid']}")
-    return not os.path.exists(f"/proc/{doc['pid']}")
 
 
 def dead_line(rank: int, after: str | None) -> str:
