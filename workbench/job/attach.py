@@ -32,7 +32,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -335,9 +334,12 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
 
     from ipyparallel.engine.app import IPEngine
 
-    tmp = Path(tempfile.mkdtemp(prefix="wb-bp-"))
+    # the engine's own files sit in the capture's folder, not in the temp dir: a rank the launcher kills at the
+    # breakpoint (SIGTERM, no ``finally``) leaves nothing in TMPDIR (a ``wb-bp-*`` folder there before)
+    tmp = Path(getattr(cap, "root", ".")) / "attach" / f"engine-rank{getattr(cap, 'rank', 0)}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "profile").mkdir(parents=True)
     (tmp / "engine.json").write_text(engine_json)
-    (tmp / "profile").mkdir()
     saved = {"stdout": sys.stdout, "stderr": sys.stderr, "displayhook": sys.displayhook,
              "main": sys.modules.get("__main__"), "path": list(sys.path)}
     ns = _namespace(cap, objects)
