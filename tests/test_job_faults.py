@@ -250,3 +250,49 @@ def test_a_full_disk_when_the_job_raises_is_one_line_before_the_jobs_own_traceba
                     f"({disk / 'rank0'}); {disk / 'rank0'} keeps 0 point(s); the job goes on without it"], run.stderr
     assert lines.index(said[0]) < lines.index("Traceback (most recent call last):")
     assert lines[-1] == "ValueError: the job fails on its own"
+
+
+def _published(row: dict) -> str:
+    """A ledger row as a rank's watcher publishes its open call in the job's store."""
+    from workbench.job.postmortem import KEEP
+
+    return json.dumps([{k: row.get(k) for k in KEEP}], default=str)
+
+
+def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
+    """The post mortem's proof pairs two ranks' open calls as the analysis does (``mismatch_kind``): every op used
+    right, as the ledger recorded it on real gloo ranks, is one call on both ranks (a scatter's root records its
+    whole list, the receiver one tensor), so ranks waiting in it past ``hang_after`` are no proof; a planted dtype
+    mismatch is one."""
+    import torch.distributed as dist
+    from test_ledger_ops import OPS, _scenario
+
+    from workbench.job import postmortem
+
+    def pairs(names: list[str], plant: str = "") -> dict:
+        """Each call both ranks made, as their ledger files hold it (read as the job's watcher reads them)."""
+        from workbench.rank.ledger_read import LedgerReader
+
+        s = healthy.session(_scenario(names, plant=plant))
+        s.run()
+        reader = LedgerReader(s.ledger_dir)
+        reader.poll()
+        out: dict = {}
+        for row in reader.calls():
+            out.setdefault((row["step"], str(row["group"]), int(row["seq"])), {})[int(row["rank"])] = row
+        return {k: v for k, v in out.items() if len(v) == 2}
+
+    right = pairs(OPS)
+    assert {k[0] for k in right} == set(OPS)
+    assert [k for k, v in right.items() if not postmortem._same(v[0], v[1])] == []
+    store = dist.HashStore()
+    scatter = next(v for k, v in right.items() if k[0] == "scatter")
+    for r in (0, 1):
+        store.set(f"pm/open/{r}", _published(scatter[r]))
+    assert postmortem._prove(store, "pm", 2) is None  # both wait in the same scatter: slow, not deadlocked
+    planted = next(v for k, v in pairs(["scatter"], plant="scatter").items() if k[0] == "scatter")
+    assert not postmortem._same(planted[0], planted[1])
+    for r in (0, 1):
+        store.set(f"pm/open/{r}", _published(planted[r]))
+    proof = postmortem._prove(store, "pm", 2)
+    assert proof is not None and proof["ranks"] == [0, 1]

@@ -231,7 +231,8 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
 def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
     pm = cap._pm
     key = _key(cap)
-    tail = LedgerTail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
+    tail = ledger_reader(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] \
+        else None
     published = None
     store = None
     while not stop.wait(poll):
@@ -262,7 +263,7 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
         if tail is None:
             continue
         now = time.time()
-        calls = tail.read()
+        calls = open_calls(tail)
         old = [c for c in calls if now - float(c.get("t") or now) > pm["hang_after"]]
         mine = json.dumps(old[:4], default=str) if old else "[]"
         if mine != published:
@@ -300,44 +301,31 @@ def _off_the_stuck_stream(cap: Any) -> None:
         sys.__stderr__.write(f"workbench: rank {cap.rank} serves on the default stream ({exc!r})\n")
 
 
-class LedgerTail:
-    """This rank's open collectives, from its own ledger file: only the lines since the last read."""
+KEEP = ("rank", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel", "bytes", "src", "send", "recv",
+        "user_frame", "t", "step", "attempt")  # what a rank publishes of a call: enough to pair it (mismatch_kind)
 
-    KEEP = ("group", "group_ranks", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step",
-            "attempt")
 
-    def __init__(self, path: str | None) -> None:
-        self.path, self.offset, self.open = path, 0, {}
+def open_calls(reader: Any) -> list[dict[str, Any]]:
+    """The calls a ledger reader (``open_only``) holds open after reading what was appended, oldest first."""
+    reader.poll()
+    calls = [{k: c.get(k) for k in KEEP} for c in reader.calls()]
+    return sorted(calls, key=lambda c: float(c.get("t") or 0))
 
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path:
-            return []
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        whole = data[: data.rfind(b"\n") + 1]
-        self.offset += len(whole)
-        for line in whole.splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            key = (ev.get("attempt"), ev.get("group"), ev.get("seq"))
-            if ev.get("ev") == "start":
-                self.open[key] = {k: ev.get(k) for k in self.KEEP}
-            elif ev.get("ev") == "end":
-                self.open.pop(key, None)
-        return sorted(self.open.values(), key=lambda c: float(c.get("t") or 0))
+
+def ledger_reader(path: str | None) -> Any:
+    """This rank's own ledger file followed line by line, keeping only the calls still open."""
+    from workbench.rank.ledger_read import LedgerReader
+
+    return LedgerReader([path] if path else [], open_only=True)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """One collective seen from two ranks (a send and its receive are one call of their channel)."""
-    ops = {a.get("op"), b.get("op")}
-    return (all(a.get(k) == b.get(k) for k in ("group", "seq", "shapes", "dtypes"))
-            and (len(ops) == 1 or ops == {"send", "recv"}))
+    """One collective seen from two ranks: the same group's same call that pairs, by the analysis' own rule
+    (``mismatch_kind``: what travels between the pair, so a scatter's root, whose payload is its whole list, and a
+    receiver are one call; a send and its receive are one call of their channel)."""
+    from workbench.rank.ledger_read import mismatch_kind
+
+    return a.get("group") == b.get("group") and a.get("seq") == b.get("seq") and mismatch_kind(a, b) is None
 
 
 def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:

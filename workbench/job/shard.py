@@ -600,7 +600,7 @@ class Capture:
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
-        return postmortem.LedgerTail(self._ledger.path).read() if self._ledger is not None else []
+        return postmortem.open_calls(postmortem.ledger_reader(self._ledger.path)) if self._ledger is not None else []
 
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised). A fault here is one
