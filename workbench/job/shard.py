@@ -298,7 +298,7 @@ class Capture:
             stack.callback(self._leave_poison_mode)
         if ledger:
             self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
-            stack.callback(self._ledger.close)
+            stack.callback(self._ledger.close, settle_later=True)  # calls still running end later
             if not self.strict:
                 self._ledger.guest = lambda exc: self._fault("in the ledger's hook", exc, now=False)
             self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
@@ -512,6 +512,7 @@ class Capture:
         self._latest = record
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
+            self._settle()
         self._t_last = time.time()
         self._write_manifest()
         return {"point": name, "rows": len(rows) + len(outputs), "bytes": len(line),
@@ -562,6 +563,8 @@ class Capture:
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
+        released = isinstance(exc, postmortem.Released) or postmortem.was_released()
         if self.stopped is None and not self._closed:
             try:
                 from workbench.rank.ledger import traceback_text
@@ -569,9 +572,10 @@ class Capture:
                 text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
                 self._points_file.write(json.dumps({
                     "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
-                    "message": str(exc)[:2000], "traceback": text[-6000:]}) + "\n")
+                    "message": str(exc)[:2000], "traceback": text[-6000:],
+                    **({"released": True} if released else {})}) + "\n")
                 self._points_file.flush()
-                self.doc["status"] = "raised"
+                self.doc["status"] = "released" if released else "raised"
                 self._write_manifest()
             except Exception as hook_exc:  # one line, then the job's own exception as it would have been
                 self._fault("recording the job's exception", hook_exc)
@@ -580,6 +584,11 @@ class Capture:
                 postmortem.on_exception(self, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
+        if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
+            with contextlib.suppress(Exception):
+                sys.__stderr__.write(postmortem.released_line(self, exc))
+                sys.__stderr__.flush()
+            return
         self._hook(kind, exc, tb)
 
     def snapshot(self) -> dict[str, Any]:
@@ -597,6 +606,13 @@ class Capture:
             except OSError:
                 pass
         return out
+
+    def _settle(self) -> None:
+        """The ends of the calls whose device work finished by now (the probe's copies waited for the stream)."""
+        with contextlib.suppress(Exception):
+            from workbench.rank import ledger as ledger_mod
+
+            ledger_mod.settle()
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""

@@ -33,6 +33,8 @@ class RunRecord:
     @property
     def label(self) -> str:
         fix = self.manifest.get("fix")
+        if not fix and self.manifest.get("job"):  # a job's own capture has no fix paths, so no "bug path"
+            return "the job"
         return f"fix: {fix}" if fix else "bug path"
 
     @property
