@@ -534,6 +534,8 @@ class Capture:
         """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
         ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
         handled), as ``capture(attach="on-error")`` does for an uncaught one. Returns how it ended."""
+        if not self._usable():
+            return None
         exc = exc if exc is not None else sys.exc_info()[1]
         if exc is None:
             raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
