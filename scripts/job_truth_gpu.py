@@ -55,7 +55,7 @@ def job(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dev = torch.device("cuda" if cuda else "cpu")
-    if args.mode == "deadlock":
+    if args.mode.startswith("deadlock"):
         return deadlock_job(args, dev, rank)
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,18 +105,23 @@ def deadlock_job(args: argparse.Namespace, dev, rank: int) -> None:
 
     import workbench.job as wj
 
-    side = dist.new_group()  # a second group over the same ranks (a data-parallel group, say)
+    # a second group over the same ranks: on the job's backend (a data-parallel group, say), or ``--side gloo``:
+    # a CPU group the job keeps for host-side coordination beside its NCCL world
+    mixed = args.mode == "deadlock_mixed"
+    side = dist.new_group(backend="gloo") if mixed else dist.new_group()
     warm = torch.ones(1, device=dev)
     dist.all_reduce(warm)
-    dist.all_reduce(warm, group=side)  # both communicators up before the capture
+    dist.all_reduce(warm.cpu() if mixed else warm, group=side)  # both groups up before the capture
     cap = wj.capture(args.job_dir, attach="on-deadlock", attach_deadline=300, hang_after=args.hang_after)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to(dev)
     cap.point("built", model=model)
     for n in range(4):
         loss = model(torch.ones(8, 64, device=dev) * (n + 1)).pow(2).mean()
-        group = side if n == 2 and rank == 1 else None  # rank 1: the wrong group
-        dist.all_reduce(loss, group=group)
+        if n == 2 and rank == 1:  # rank 1: the wrong group
+            dist.all_reduce(loss.detach().cpu() if mixed else loss, group=side)
+        else:
+            dist.all_reduce(loss)
         print(f"rank {rank} step {n} loss {loss.item():.4f}", flush=True)
     cap.close()
     dist.destroy_process_group()
@@ -320,11 +325,11 @@ def postmortem(args: argparse.Namespace, work: Path) -> dict:
     return rec
 
 
-def deadlock(args: argparse.Namespace, work: Path) -> dict:
+def deadlock(args: argparse.Namespace, work: Path, mode: str = "deadlock") -> dict:
     import workbench as wb
 
-    rec: dict = {"job": "deadlock"}
-    run = Run(args, "deadlock", work)
+    rec: dict = {"job": mode}
+    run = Run(args, mode, work)
     cluster = None
     try:
         doc = run.attach_doc(args.limit)
@@ -360,11 +365,55 @@ def deadlock(args: argparse.Namespace, work: Path) -> dict:
     except Exception as exc:
         _check(rec, "the run went through", False, " ".join(f"{type(exc).__name__}: {exc}".split()))
         rec["log_tail"] = run.log()[-3000:]
+        rec["diagnosis"] = _diagnose(run)
     finally:
         if cluster is not None and cluster.alive:
             cluster.stop()
         run.kill()
     return rec
+
+
+def _diagnose(run: Run) -> dict:
+    """What each rank was doing when the run failed: every thread's Python stack (SIGUSR1: the capture's
+    faulthandler), its open calls from its ledger, whether the attach's controller started."""
+    from workbench.postmortem import shards
+
+    out: dict = {}
+    pids = {}
+    for d in sorted(run.dir.glob("rank*")):
+        try:
+            doc = json.loads((d / shards.MANIFEST).read_text())
+            pids[int(doc["rank"])] = int(doc["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(3.0)
+    for r in sorted(pids):
+        try:
+            text = (shards.rank_dir(run.dir, r) / shards.STACKS).read_text(errors="replace")
+        except OSError:
+            text = ""
+        out[f"rank{r}_stacks"] = text[-4000:]
+    for r in sorted(pids):
+        try:
+            lines = shards.ledger_file(run.dir, r).read_text().splitlines()[-3:]
+            out[f"rank{r}_ledger_tail"] = [{k: json.loads(x).get(k) for k in ("ev", "op", "group", "seq", "state",
+                                                                             "error", "note")} for x in lines]
+        except (OSError, ValueError) as exc:
+            out[f"rank{r}_ledger_tail"] = repr(exc)
+    try:
+        led = shards.read(run.dir)[0].ledger
+        out["open_calls"] = [f"rank {x.rank} {x.op} #{x.seq} group {x.group}" for x in
+                             led[led["state"] == "started"].itertuples()]
+    except Exception as exc:
+        out["open_calls"] = repr(exc)
+    out["controller_log"] = (run.dir / "attach" / "controller.log").read_text()[-1500:] \
+        if (run.dir / "attach" / "controller.log").exists() else None
+    return out
 
 
 def client(args: argparse.Namespace) -> int:
@@ -384,7 +433,8 @@ def client(args: argparse.Namespace) -> int:
     runs = []
     for part in args.parts.split(","):
         t = time.time()
-        rec = {"clean": clean, "postmortem": postmortem, "deadlock": deadlock}[part](args, work)
+        rec = {"clean": clean, "postmortem": postmortem, "deadlock": deadlock,
+               "deadlock_mixed": lambda a, w: deadlock(a, w, "deadlock_mixed")}[part](args, work)
         rec["part_s"] = time.time() - t
         runs.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "log_tail"}, default=str)[:3000], flush=True)
@@ -394,6 +444,7 @@ def client(args: argparse.Namespace) -> int:
         clean_sentence=by.get("clean", {}).get("sentence"),
         postmortem_probe_ranks=by.get("postmortem", {}).get("postmortem_probe_ranks"),
         deadlock_end_after_resume_s=by.get("deadlock", {}).get("deadlock_end_after_resume_s"),
+        deadlock_mixed_end_after_resume_s=by.get("deadlock_mixed", {}).get("deadlock_end_after_resume_s"),
         ok=all(c["ok"] for r in runs for c in r.get("checks", [])), runs=runs)
     n = args.nproc
     (out / f"job_truth_{n}gpu.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -401,7 +452,8 @@ def client(args: argparse.Namespace) -> int:
              f"{summary['torch']}); all checks passed: {summary['ok']}",
              f"clean_sentence: {summary['clean_sentence']}",
              f"postmortem_probe_ranks: {summary['postmortem_probe_ranks']}",
-             f"deadlock_end_after_resume_s: {summary['deadlock_end_after_resume_s']}"]
+             f"deadlock_end_after_resume_s: {summary['deadlock_end_after_resume_s']}",
+             f"deadlock_mixed_end_after_resume_s: {summary['deadlock_mixed_end_after_resume_s']}"]
     for r in runs:
         lines.append(f"-- {r['job']} ({r['part_s']:.1f}s)")
         for k in ("rc", "job_s", "launch_to_attach_s", "connect_s", "probe_s", "resume_s", "resume_to_end_s",
@@ -415,6 +467,8 @@ def client(args: argparse.Namespace) -> int:
                                                                                     not c["ok"] else ""))
         if r.get("log_tail"):
             lines.append("  log: " + r["log_tail"][-1500:].replace("\n", "\n    "))
+        for k, v in (r.get("diagnosis") or {}).items():
+            lines.append(f"  {k}: " + str(v).replace("\n", "\n    "))
     (out / f"job_truth_{n}gpu.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0 if summary["ok"] else 1
@@ -423,7 +477,7 @@ def client(args: argparse.Namespace) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["client", "job"], default="client")
-    ap.add_argument("--mode", choices=["clean", "postmortem", "deadlock"], default="clean")
+    ap.add_argument("--mode", choices=["clean", "postmortem", "deadlock", "deadlock_mixed"], default="clean")
     ap.add_argument("--job-dir", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--work", default="")

@@ -14,7 +14,7 @@ torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version()
 'transformers', transformers.__version__, 'ipyparallel', ipyparallel.__version__, 'main', '${WB_COMMIT:-}')"
 } 2>&1 | tee "$OUT/env_truth.txt"
 t0=$(date +%s)
-timeout -k 20 "${LIMIT:-560}" $PY scripts/job_truth_gpu.py --out "$OUT" ${PARTS:+--parts "$PARTS"}
+timeout -k 20 "${LIMIT:-560}" $PY scripts/job_truth_gpu.py --out "$OUT" ${PARTS:+--parts "$PARTS"} ${EXTRA:-}
 rc=$?
 echo "job_truth: $(( $(date +%s) - t0 ))s, rc=$rc"
 ps -eo pid,args | grep -E "wb-job-truth|job_truth_gpu" | grep -v grep || echo "no process left"

@@ -331,7 +331,10 @@ def probe_here(names: list[str]) -> dict[str, Any]:
 
     ns = here()
     objects = {n: ns[n] for n in names if n in ns}
+    held = (getattr(ns.get("cap") or _STATE.get("cap"), "_pm", None) or {}).get("device_held")
     try:
+        if held:  # the post mortem could not free this rank's device: asking it would wait for good
+            raise TimeoutError(f"its device is held behind a collective that never completes ({held})")
         return {"rows": phases.probe_rows(objects)}
     except Exception as exc:
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]

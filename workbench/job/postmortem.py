@@ -52,6 +52,7 @@ MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("
          True: ("error", "deadlock")}
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
+ABORT_WAIT_S = 5.0  # how long a waiting rank gives the abort of its communicators before it serves without
 END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
 
 
@@ -319,24 +320,37 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
     from torch.distributed import distributed_c10d as c10d
 
     from workbench.rank import control
-    from workbench.rank import ledger as ledger_mod
 
     t0 = time.perf_counter()
-    with contextlib.suppress(Exception):
-        ledger_mod.settle()  # what ended before the abort is written completed; what ends after it, released
     calls = me.get("open_calls") or []
     _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
                           else None, "held": _hold_main_thread()}
     control.mark()
-    try:
-        groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
-        n = control.abort_groups(groups, c10d._get_default_group())
-    except Exception as exc:  # one line; the rank still serves what it can
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+            box["n"] = control.abort_groups(groups, c10d._get_default_group())
+        except Exception as exc:
+            box["exc"] = exc
+        finally:
+            done.set()
+
+    # on its own thread, bounded: an abort seen blocking for good (4 x H200, NCCL 2.28: a rank whose main thread
+    # waited in a synchronous copy behind a call of the world group, with a second NCCL group beside it) must not
+    # keep the rank from serving
+    threading.Thread(target=abort, name="workbench-abort", daemon=True).start()
+    if not done.wait(ABORT_WAIT_S) or "exc" in box:
+        why = (f"{type(box['exc']).__name__}: {box['exc']}" if "exc" in box
+               else f"the abort did not return in {ABORT_WAIT_S:g} s")
+        cap._pm["device_held"] = why  # its probe answers with its last point's rows, without asking the device
         with contextlib.suppress(Exception):
-            sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not abort its communicators "
-                                 f"({type(exc).__name__}: {exc})\n")
-        return None
-    _STATE["released"].update(groups=n, abort_s=time.perf_counter() - t0)
+            sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not free its communicators "
+                                 f"({why}); its device stays held\n")
+        return _STATE["released"]
+    _STATE["released"].update(groups=box["n"], abort_s=time.perf_counter() - t0)
     return _STATE["released"]
 
 
@@ -416,6 +430,8 @@ def _off_the_stuck_stream(cap: Any) -> None:
     notebook runs there (the probe's copies, a ``.cpu()``) would wait for ever; and CUDA's current device and
     PyTorch's current stream are per thread (a new thread starts on device 0, default stream)."""
     torch = sys.modules.get("torch")
+    if cap._pm.get("device_held"):  # a CUDA call here could wait behind the abort that never returned
+        return
     dev = getattr(getattr(cap, "ctx", None), "device", None)
     if getattr(dev, "type", "") != "cuda":
         dev = cap._pm.get("device")

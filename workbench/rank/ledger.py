@@ -448,16 +448,21 @@ def _watch(event: Any, done: Any) -> None:
 
 
 def _poll_once() -> int:
-    """End every watched call whose device work has finished; how many are still running."""
-    keep: list[tuple[Any, Any]] = []
-    ready: list[tuple[Any, Any]] = []
+    """End every watched call whose device work has finished; how many are still running. The works are asked
+    outside the lock: a query that blocks (a driver call behind a stuck stream) never holds up a thread that
+    issues a call (``_watch``) or settles."""
     with _PENDING_LOCK:
-        for item in _PENDING:
-            (ready if item[0].query() else keep).append(item)
-        _PENDING[:] = keep
-    for _, done in ready:
-        done()
-    return len(keep)
+        items = list(_PENDING)
+    ready = [item for item in items if item[0].query()]
+    if ready:
+        with _PENDING_LOCK:  # only what is still pending: another poller may have ended some of them meanwhile
+            still = {id(item) for item in _PENDING}
+            ready = [item for item in ready if id(item) in still]
+            taken = {id(item) for item in ready}
+            _PENDING[:] = [item for item in _PENDING if id(item) not in taken]
+        for _, done in ready:
+            done()
+    return len(items) - len(ready)
 
 
 def _poll_events() -> None:
