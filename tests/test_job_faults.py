@@ -215,7 +215,7 @@ def test_a_killed_rank_is_named_dead_with_the_survivors_error(tmp_path):
     error = led[(led["rank"] == 0) & (led["seq"] == 3)]["error"].iloc[0]
     assert error and d.sentence == head + error, d.sentence
     report = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True,
-                            text=True, timeout=120, env=_env())
+                            text=True, timeout=120, env=_env(), cwd=tmp_path)  # its page goes beside the job
     assert head in report.stdout, report.stdout + report.stderr
     account = json.loads((out / "attach.json").read_text())["post_mortem"]
     assert account["ranks"]["1"]["role"] == "dead"
