@@ -4,6 +4,7 @@
     cluster = wb.start(ranks=2)
     s = cluster.session("fsdp1-rotary-meta-init")
     s.step(); s.run(); s.history; s.compare(fix="cast-params-only")
+    print(wb.diff("runs/good", "runs/bad"))   # two captures of a job: where they first part
     cluster.stop()
 
 Client names load lazily: engines import ``workbench.rank`` through this package and
@@ -30,6 +31,7 @@ _LAZY = {
     "Frame": ("workbench.analysis.frames", "Frame"),
     "scenario_names": ("workbench.scenarios", "names"),
     "load": ("workbench.postmortem.bundle", "load"),
+    "diff": ("workbench.postmortem.diff", "diff"),
     "Bundle": ("workbench.postmortem.bundle", "Bundle"),
     "Stepper": ("workbench.live.stepper", "Stepper"),
     "viz": ("workbench.viz", None),
@@ -38,6 +40,7 @@ _LAZY = {
     "bundle": ("workbench.postmortem.bundle", None),
     "collectives": ("workbench.analysis.collectives", None),
     "teach": ("workbench.teach", None),
+    "replicated": ("workbench.rank.agree", "replicated"),
 }
 
 __all__ = ["BundleError", "ClusterError", "RankErrors", "Scenario", "UnknownName", "WorkbenchError", *_LAZY]

@@ -183,6 +183,7 @@ def persistent_faults(run: Run) -> pd.DataFrame:
     for s in run.steps:
         for r in run.status[s].itertuples(index=False):
             per.setdefault((int(r.rank), r.name), []).append((s, r.status, r.detail))
+    together = _moved_together(run, fps)
     for (rank, name), seq in per.items():
         if seq[-1][1] not in BAD:
             continue
@@ -194,12 +195,31 @@ def persistent_faults(run: Run) -> pd.DataFrame:
         for j in range(len(seq) - 1, k, -1):
             a, b = fps.get((seq[j - 1][0], rank, name)), fps.get((seq[j][0], rank, name))
             derived = seq[j - 1][1] == "poison" and seq[j][1] == "nan"  # arithmetic on never-written memory
-            if a != b and a not in (None, "meta") and b not in (None, "meta") and not derived:
+            # where the probe says which ranks agree: the reference copy moved too (a training step), not a rewrite
+            moved = (seq[j - 1][0], seq[j][0], name) in together
+            if a != b and a not in (None, "meta") and b not in (None, "meta") and not derived and not moved:
                 k = j
                 break
         rows.append({"rank": rank, "name": name, "status": seq[-1][1], "since": seq[k][0],
                      "since_status": seq[k][1], "detail": seq[-1][2], "last": seq[-1][0]})
     return pd.DataFrame(rows, columns=["rank", "name", "status", "since", "since_status", "detail", "last"])
+
+
+def _moved_together(run: Run, fps: dict[tuple[str, int, str], Any]) -> set[tuple[str, str, str]]:
+    """(step before, step, name) where a tensor's reference copy (the lowest rank of its ``agree`` group) changed
+    from one step to the next: every replica was updated (an optimizer step), so a copy that stayed apart was
+    not rewritten there. Empty for records whose probe did not say what must agree."""
+    t = run.tensors
+    if "agree" not in t or not len(t):
+        return set()
+    refs = {(s, n): findings.agree_ranks(a)[0] for s, n, a in t[["step", "name", "agree"]].itertuples(index=False)
+            if findings.agree_ranks(a)}
+    out = set()
+    for before, now in zip(run.steps, run.steps[1:]):
+        for (s, name), r in refs.items():
+            if s == now and fps.get((before, r, name)) not in (None, fps.get((now, r, name))):
+                out.add((before, now, name))
+    return out
 
 
 SELF_EVIDENT = ("poison", "nan", "inf", "reference")  # wrong on its own terms, whatever the other ranks hold
@@ -232,6 +252,8 @@ def bad_outputs(run: Run) -> list[dict[str, Any]]:
     ref = {r.name: r.fingerprint for r in o[o["rank"] == 0].itertuples(index=False)}
     if "ref_max_abs_diff" in o and o["ref_max_abs_diff"].map(is_number).any():
         ref = {}  # the scenario says what right is: ranks may differ by design (roles, shards)
+    learned = "agree" in o  # the probe said which outputs must agree (rank/agree.py): only those are compared
+    held = findings.output_held(o)
     out = []
     for r in o.itertuples(index=False):
         diff = getattr(r, "ref_max_abs_diff", None)
@@ -241,6 +263,10 @@ def bad_outputs(run: Run) -> list[dict[str, Any]]:
         elif floor.departs(diff, getattr(r, "ref_floor", None)):
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name,
                         "how": floor.words(diff, getattr(r, "ref_floor", None))})
+        elif learned:
+            apart = findings.output_apart(r, held, by_inputs=bool(ref))  # a reference says what right is
+            if apart is not None:
+                out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": apart})
         elif int(r.rank) != 0 and r.name in ref and ref[r.name] != r.fingerprint \
                 and not _true(getattr(r, "sharded", None)):  # a rank-local output (ctx.local) differs by design
             out.append({"step": r.step, "rank": int(r.rank), "name": r.name, "how": "differs from rank 0"})

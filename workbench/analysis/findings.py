@@ -12,7 +12,8 @@ import pandas as pd
 
 from workbench.analysis import floor
 
-STATUSES = ["ok", "sharded", "meta", "differs", "dtype", "reference", "inf", "nan", "poison", "missing"]
+STATUSES = ["ok", "sharded", "apart", "meta", "differs", "dtype", "reference", "inf", "nan", "poison", "missing"]
+APART = "differs, not expected to agree"  # a neutral status: a difference no expectation asked to be absent
 FINDING_COLUMNS = ["step", "severity", "rank", "name", "detector", "finding"]
 
 
@@ -29,6 +30,8 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
     """
     if tensors.empty:
         return pd.DataFrame(columns=["rank", "name", "status", "detail"])
+    if "agree" in tensors:  # the probe said what must agree (rank/agree.py): compare only there
+        return _status_learned(tensors, reference_rank)
     ref = _rank0(tensors, reference_rank)
     # one dict lookup per row (a .loc per row took ~1 s at 64 ranks x 60 tensors)
     ref_rows = dict(zip(ref.index, ref[["dtype", "numel", "is_meta", "fingerprint"]].to_dict("records")))
@@ -59,6 +62,73 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
         elif row.rank != reference_rank and not r0["is_meta"] and r0["fingerprint"] != row.fingerprint:
             st, detail = "differs", f"content differs from rank {reference_rank}"
         out.append({"rank": row.rank, "name": row.name, "status": st, "detail": detail})
+    return pd.DataFrame(out)
+
+
+def agree_ranks(v: object) -> list[int]:
+    """The ranks an ``agree`` cell names (``"0,2"``); none for ``""``, None or NaN (this rank's own)."""
+    if not isinstance(v, str) or not v:
+        return []
+    return [int(x) for x in v.split(",") if x.strip().lstrip("-").isdigit()]
+
+
+def _by_words(by: object, ranks: list[int], world: int) -> str:
+    """`` (mesh dim `replicate`)``: why a group must agree, when it is not simply every rank (today's words)."""
+    if not isinstance(by, str) or not by or (len(ranks) == world and not by.startswith(("mesh", "DDP"))):
+        return ""
+    return f" ({by})"
+
+
+def _status_learned(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
+    """``status`` where each row says the ranks it must agree across (``agree``): a copy is compared with the
+    lowest rank of its group that holds it; a row of no group that differs from the reference rank is
+    ``apart`` (neutral: "differs, not expected to agree"), never ``differs``."""
+    cols = ["dtype", "numel", "is_meta", "fingerprint"]
+    held = {(int(r), n): v for r, n, *v in tensors[["rank", "name", *cols]].itertuples(index=False)}
+    world = tensors["rank"].nunique()
+    out = []
+    for row in tensors.itertuples(index=False):
+        st, detail = "ok", ""
+        group = agree_ranks(getattr(row, "agree", None))
+        by = getattr(row, "agree_by", None)
+        rank = int(row.rank)
+        if row.is_meta:
+            st, detail = "meta", "on the meta device: no data"
+        elif _count(row.poisoned) > 0:
+            st, detail = "poison", f"{row.poisoned} of {row.numel} elements never written since to_empty"
+        elif getattr(row, "written", None) == "never written":
+            st, detail = "poison", "bytes unchanged since to_empty handed them out"
+        elif _count(row.nan) > 0:
+            st, detail = "nan", f"{row.nan} NaN of {row.numel}"
+        elif _count(row.inf) > 0:
+            st, detail = "inf", f"{row.inf} Inf of {row.numel}"
+        elif _bad_ref(getattr(row, "ref_diff", None)):
+            st, detail = "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
+        elif group:
+            ref_rank = next((r for r in sorted(group) if (r, row.name) in held), rank)
+            ref = held.get((ref_rank, row.name))
+            why = _by_words(by, group, world)
+            if ref_rank == rank or ref is None:
+                pass
+            elif ref[0] != row.dtype:
+                st, detail = "dtype", f"{row.dtype} here, {ref[0]} on rank {ref_rank}{why}"
+            elif ref[1] != row.numel:
+                st, detail = "differs", f"{row.numel} elements here, {ref[1]} on rank {ref_rank}{why}"
+            elif not ref[2] and ref[3] != row.fingerprint:
+                st, detail = "differs", f"content differs from rank {ref_rank}{why}"
+        elif _flag(getattr(row, "sharded", None)):
+            st, detail = "sharded", "this rank's own (a shard or a role's copy): checked on its own, not against rank 0"
+        else:
+            ref = held.get((reference_rank, row.name))
+            if ref is None:
+                st, detail = "missing", f"rank {reference_rank} has no such tensor"
+            elif rank != reference_rank and not ref[2] and \
+                    (ref[0] != row.dtype or ref[1] != row.numel or ref[3] != row.fingerprint):
+                st = "apart"
+                detail = (f"{APART}: differs from rank {reference_rank}, and nothing (a placement, a wrapper, a "
+                          "collective, a declaration) says the ranks hold it whole" if not by else
+                          f"{APART}: differs from rank {reference_rank} ({by})")
+        out.append({"rank": rank, "name": row.name, "status": st, "detail": detail})
     return pd.DataFrame(out)
 
 
@@ -99,7 +169,7 @@ def divergence(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: 
     """Per rank, the tensors whose status is not ok, summarised to one line."""
     st = status(tensors)
     rows = []
-    for (rank, s), g in st[~st["status"].isin(["ok", "meta", "sharded"])].groupby(["rank", "status"]):
+    for (rank, s), g in st[~st["status"].isin(["ok", "meta", "sharded", "apart"])].groupby(["rank", "status"]):
         names = list(g["name"])
         rows.append({"severity": "error" if s in ("nan", "poison", "inf") else "warning", "rank": int(rank),
                      "name": names[0], "detector": f"status {s}",
@@ -117,6 +187,8 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
     if outputs.empty:
         return rows
     ref = _rank0(outputs)
+    learned = "agree" in outputs  # the probe said which outputs must agree, and across which ranks
+    held = output_held(outputs)
     for o in outputs.itertuples(index=False):
         if _count(o.nan) > 0:
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "outputs",
@@ -126,11 +198,39 @@ def output_health(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, event
             rows.append({"severity": "error", "rank": int(o.rank), "name": o.name, "detector": "reference",
                          "finding": f"max |output - reference| = {diff:.3g}"
                          + (f" (the engine's own floor in this run: {fl:.3g})" if floor.floor_of(fl) else "")})
+        elif learned:
+            apart = output_apart(o, held)
+            if apart is not None:
+                rows.append({"severity": "warning", "rank": int(o.rank), "name": o.name, "detector": "outputs",
+                             "finding": apart})
         elif o.rank != 0 and o.name in ref.index and ref.loc[o.name]["fingerprint"] != o.fingerprint \
                 and not _flag(getattr(o, "sharded", None)):
             rows.append({"severity": "warning", "rank": int(o.rank), "name": o.name, "detector": "outputs",
                          "finding": "differs from rank 0"})
     return rows
+
+
+def output_held(outputs: pd.DataFrame) -> dict[tuple[int, str], tuple[object, object]]:
+    """(rank, name) -> (fingerprint, inputs digest) of a step's outputs: what ``output_apart`` compares."""
+    fed = outputs["inputs"] if "inputs" in outputs else [None] * len(outputs)
+    return {(int(r), n): (f, i) for r, n, f, i in zip(outputs["rank"], outputs["name"], outputs["fingerprint"], fed)}
+
+
+def output_apart(o: object, held: dict[tuple[int, str], tuple[object, object]], by_inputs: bool = True) -> str | None:
+    """How an output departs from the ranks it must agree with, or None: ``differs from rank 0`` (the lowest rank
+    of its group that has it). Its group: the ranks its ``agree`` names; else, when nothing was said of it
+    (``agree_by`` empty) and ``by_inputs``, the ranks whose forwards were fed the same inputs in the step."""
+    group = agree_ranks(getattr(o, "agree", None))
+    fed = getattr(o, "inputs", None)
+    if not group and by_inputs and not getattr(o, "agree_by", None) and isinstance(fed, str) and fed \
+            and floor.number(getattr(o, "ref_max_abs_diff", None)) is None:
+        group = sorted(r for (r, n), (_, i) in held.items() if n == o.name and i == fed)
+        group = group if len(group) > 1 else []
+    rank = int(o.rank)
+    ref_rank = next((r for r in sorted(group) if (r, o.name) in held), rank)
+    if not group or ref_rank == rank or held[(ref_rank, o.name)][0] == o.fingerprint:
+        return None
+    return f"differs from rank {ref_rank}"
 
 
 def reference_check(step: str, tensors: pd.DataFrame, outputs: pd.DataFrame, events: pd.DataFrame) -> list[dict]:

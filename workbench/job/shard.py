@@ -278,6 +278,7 @@ class Capture:
     def _install(self, poison: bool | str, ledger: bool | str, attempt: int) -> None:
         """Install step by step, each step's undo on the stack before the next step runs: a step that fails
         (the ledger's file, the stacks file) leaves nothing of the steps before it (no mode, no wrapper)."""
+        from workbench.rank import agree
         from workbench.rank import ledger as ledger_mod
         from workbench.rank import poison as poison_mod
 
@@ -288,6 +289,7 @@ class Capture:
         stack.callback(self._points_file.close)
         stack.callback(poison_mod.uninstall)
         poison_mod.reset_tracking()
+        agree.forget()  # what an earlier capture in this process synced is not this run's
         poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)
         self._poison = poison_mod
         if not self.strict:
@@ -455,25 +457,27 @@ class Capture:
             self._fault("at trace", exc)
             return contextlib.nullcontext()
 
-    def point(self, name: str, **objects: Any) -> dict[str, Any]:
+    def point(self, name: str, same_on: Any = "learned", **objects: Any) -> dict[str, Any]:
         """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
 
         Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
-        tensor is an output (``logits=out``), as ``output(name, t)`` records it. Returns the point's
-        size: rows, bytes written, seconds spent; None where the capture is closed or a fault stopped it (a
-        fault here is one line on stderr: ``guest.py``).
+        tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
+        bare tensors must agree across (``"world"``, a group, ranks; None: each rank's own; a dict per
+        output name); left out, learned (``rank/agree.py``). Returns the point's size: rows, bytes written,
+        seconds spent; None where the capture is closed or a fault stopped it (a fault here is one line on
+        stderr: ``guest.py``).
         """
         if not self._usable():
             return None
         try:
-            return self._point(name, objects)
+            return self._point(name, same_on, objects)
         except Exception as exc:
             if self.strict:
                 raise
             self._fault(f"at point `{name}`", exc)
             return None
 
-    def _point(self, name: str, objects: dict[str, Any]) -> dict[str, Any]:
+    def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
         import torch
 
         from workbench.rank import probe, remote, trace
@@ -488,7 +492,8 @@ class Capture:
         objects = dict(objects)
         for key, value in list(objects.items()):
             if isinstance(value, torch.Tensor):
-                self.ctx.output(key, value)
+                spec = same_on.get(key, "learned") if isinstance(same_on, dict) else same_on
+                self.ctx.output(key, value, same_on=spec)
                 del objects[key]
         self._remember(objects)
         with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
@@ -496,9 +501,7 @@ class Capture:
             rows = probe.probe_objects(objects, self.rank, held)
             remote._annotate(rows, objects, self.ctx, held)
             outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
-        for row in outputs:
-            row["sharded"] = row["name"].split(".", 1)[0] in self.ctx.rank_local
-            row.update(self.ctx.output_extras.get(row["name"], {}))
+        remote.annotate_outputs(outputs, self.ctx)
         record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
                   "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
                   "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
@@ -768,10 +771,12 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
     import platform
 
-    out = {"python": platform.python_version()}
+    from workbench.rank.columns import cpu_model, kernel_knobs
+
+    out = {"python": platform.python_version(), "cpu": cpu_model()}
     for pkg in ("torch", "transformers", "workbench"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    return out
+    return out | kernel_knobs()  # the float kernels this rank runs (SIMD width, oneDNN ISA), where set

@@ -55,9 +55,16 @@ class RankContext:
         have them at all)."""
         self.rank_local.update(keys)
 
-    def output(self, name: str, tensor: torch.Tensor, **extra: Any) -> None:
-        """Record an output (logits, loss) to be probed after the step, with scalar extras."""
+    def output(self, name: str, tensor: torch.Tensor, *, same_on: Any = "learned", **extra: Any) -> None:
+        """Record an output (logits, loss) to be probed after the step, with scalar extras. ``same_on``: the ranks
+        it must agree across (``"world"``, a process group, a mesh, a list of ranks; None: this rank's own);
+        left out, it is learned (a collective that synced it), else this rank's own: per-rank batches give
+        per-rank outputs."""
         self.outputs[name] = tensor.detach()
+        if same_on != "learned":
+            from workbench.rank.agree import declared_output
+
+            extra = {**extra, **declared_output(same_on)}
         self.output_extras[name] = extra
 
     def note(self, message: str) -> None:

@@ -48,10 +48,12 @@ import torch.distributed as dist
 import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workbench.rank import control
+from workbench.rank import agree, control
 from workbench.rank.traffic import traffic
 
 NAMESPACES = ("c10d", "_c10d_functional")
+# calls after which what they carry holds the same bytes on every rank of the group (rank/agree.py)
+SYNCING = {"broadcast_": "broadcast", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce"}
 OP_NAMES = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce_coalesced", "broadcast_": "broadcast",
     "_allgather_base_": "all_gather_into_tensor", "allgather_": "all_gather",
@@ -353,6 +355,8 @@ class _Recorder(TorchDispatchMode):
                 break
         # a receiver that passes nothing to send (a scatter's non-source): what it receives into
         payload = payload or theirs
+        if raw in SYNCING and members and not self.coalesced:
+            agree.synced(payload, members, SYNCING[raw])  # what it carries agrees across the group from now on
         if raw in P2P and ranks:
             # Point-to-point calls pair per directed channel (the k-th send from a to b with b's k-th
             # receive from a), not in the group's collective order: a batch_isend_irecv may post in any order.
@@ -671,6 +675,10 @@ def _coalesced_wrapper(original):
         if rec is None:
             return original(process_group, tensors, buffer_size, src)
         rec.coalesced.append({"tensors": [(t.dtype, t.numel()) for t in tensors], "buckets": 0})
+        try:
+            agree.synced(tensors, dist.get_process_group_ranks(process_group), "broadcast")
+        except Exception:  # never fail the user's call for the sake of an expectation
+            pass
         try:
             return original(process_group, tensors, buffer_size, src)
         finally:

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.rank import context, control, ledger, poison, probe, reference, trace
+from workbench.rank import agree, context, control, ledger, poison, probe, reference, trace
 
 
 def start_session(session_id: str, fix: str | None, params: dict[str, Any], poison_on: bool,
                   ledger_dir: str | None = None, attempt: int = 0) -> int:
     context.new_context(session_id, fix, params, poison_on)
+    agree.forget()
     poison.reset_tracking()
     poison.set_poison(poison_on)
     ledger.open_ledger(session_id, ledger_dir, context._RANK["rank"], attempt)
@@ -53,6 +54,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     book = ledger.get_ledger(session_id)
     failed = getattr(ctx, "_failed_step", None)
     halted = False  # this step's error stops the later steps on this rank: the client's cursor stays here
+    fed = agree.FedInputs(ctx.user_objects())  # what this step's forwards are fed: equal inputs, equal outputs
     if failed is not None:
         # The steps after a failure would only cascade (AttributeError on what it never built): say so once.
         error = {"kind": "skipped", "error": "Skipped",
@@ -60,7 +62,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     else:
         try:
             with ledger.recording(book, step) if book is not None else contextlib.nullcontext(), \
-                    poison.allocations():
+                    poison.allocations(), fed:
                 control.in_step(step or getattr(fn, "__name__", "?"))  # control.interrupt may stop it
                 try:
                     fn(ctx)
@@ -81,9 +83,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
     tensors = probe.probe_objects(objects, ctx.rank, held)
     _annotate(tensors, objects, ctx, held)
     outputs = probe.probe_dict(ctx.outputs, ctx.rank, kind="output")
-    for row in outputs:
-        row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
-        row.update(ctx.output_extras.get(row["name"], {}))
+    annotate_outputs(outputs, ctx, fed.digest)
     return {
         "rank": ctx.rank, "error": error, "halted": halted, "elapsed": elapsed, "probe_s": time.perf_counter() - t1,
         "tensors": tensors, "outputs": outputs, "notes": ctx.notes[:],
@@ -106,6 +106,7 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
     """Per row: ``written`` since materialisation, and ``ref_diff`` against a computable value. ``held``: the
     modules' (name, tensor) pairs the probe already walked; a module missing there is walked here."""
     by_name: dict[str, Any] = {}
+    whole: dict[str, Any] = {}  # as held: a DTensor whole, for its placements
     sharded: set[str] = set()
     for key, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
@@ -114,13 +115,28 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
                 pairs = [(n, t) for n, _, t in probe.named_tensors(obj, f"{key}.")]
             for n, t in pairs:
                 by_name[n] = probe._local(t)
+                whole[n] = t
                 if type(t).__name__ == "DTensor":
                     sharded.add(n)  # a DTensor: this rank holds a shard, not the whole tensor
+        elif isinstance(obj, dict):
+            whole.update({f"{key}.{k}": v for k, v in obj.items() if isinstance(v, torch.Tensor)})
+        elif isinstance(obj, torch.Tensor):
+            whole[key] = obj
     for row in rows:
         t = by_name.get(row["name"])
         row["written"] = None if t is None else poison.written_state(t, row.get("poisoned"), row.get("fingerprint"))
         row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
+    agree.annotate(rows, whole, {**objects, **ctx.user_objects()}, ctx.rank_local)
     reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
+
+
+def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext, fed: str = "") -> None:
+    """An output's rows: rank-local or not, the step's extras (a ``same_on`` declaration among them), and the
+    ranks it must agree across."""
+    for row in rows:
+        row["sharded"] = row["name"].split(".", 1)[0] in ctx.rank_local
+        row.update(ctx.output_extras.get(row["name"], {}))
+    agree.annotate_outputs(rows, ctx.outputs, ctx.output_extras, ctx.rank_local, fed)
 
 
 # What the catalogue's first steps import on a rank beyond the rank layer: FSDP, the transformers

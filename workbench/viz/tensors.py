@@ -13,7 +13,8 @@ from workbench.analysis.findings import STATUSES
 from workbench.analysis.frames import fmt, last_step, short, shorten
 
 COLORS = {
-    "ok": "#2ca02c", "sharded": "#98df8a", "meta": "#c7c7c7", "differs": "#ff7f0e", "dtype": "#9467bd",
+    "ok": "#2ca02c", "sharded": "#98df8a", "apart": "#aec7e8", "meta": "#c7c7c7", "differs": "#ff7f0e",
+    "dtype": "#9467bd",
     "reference": "#bcbd22", "inf": "#e377c2", "nan": "#d62728", "poison": "#8c0000", "missing": "#7f7f7f",
 }
 

@@ -208,6 +208,41 @@ def says_dtype_split(f: TensorFacts) -> Diagnosis:
     return Diagnosis("dtype-split", sentence, f.step, sorted(set(f.split["rank"])), names[0], None, ev_frame(f.rows()))
 
 
+def _replicas(f: TensorFacts) -> tuple[str, list[list[int]]] | None:
+    """(mesh dims, the replicas' ranks) when the first diverging tensor is a DTensor replicated along mesh dims
+    whose replicas hold different bytes: ``("mesh dim `replicate`", [[0, 1], [2, 3]])``."""
+    if f.first["status"] != "differs":
+        return None
+    t = f.run.at(f.run.tensors, f.step)
+    if "replica" not in t or "agree_by" not in t:
+        return None
+    g = t[t["name"] == f.first["name"]]
+    by = [b for b in g["agree_by"] if isinstance(b, str) and b.startswith("mesh dim")]
+    if not by or g["replica"].map(lambda v: isinstance(v, str) and v != "").sum() < len(g):
+        return None
+    groups: dict[str, list[int]] = {}
+    for r, rep in sorted(zip(g["rank"], g["replica"])):
+        groups.setdefault(rep, []).append(int(r))
+    return (by[0], list(groups.values())) if len(groups) > 1 else None
+
+
+def when_replicas_parted(f: TensorFacts) -> bool:
+    """a DTensor replicated along mesh dims holds different bytes on its replicas"""
+    return _replicas(f) is not None
+
+
+def says_replicas_parted(f: TensorFacts) -> Diagnosis:
+    """`t` differs between the replicas (mesh dim `replicate`: ranks 0,1 vs 2,3) from step `S`"""
+    by, groups = _replicas(f)
+    names = list(dict.fromkeys(f.at_first[f.at_first["status"] == "differs"]["name"]))
+    ranks = sorted(set(f.at_first["rank"]))
+    sides = " vs ".join(",".join(str(r) for r in g) if i else ranks_words(g) for i, g in enumerate(groups))
+    verb = "differs" if len(names) == 1 else "differ"
+    sentence = (f"{named(names, f.among)} {verb} between the replicas ({by}: {sides}) from step `{f.step}`"
+                + f.out)
+    return Diagnosis("replicas-parted", sentence, f.step, ranks, names[0], None, ev_frame(f.rows()))
+
+
 def says_diverged(f: TensorFacts) -> Diagnosis:
     """`t` on rank R <status> from step `S` on (detail)"""
     names, ranks = list(dict.fromkeys(f.at_first["name"])), sorted(set(f.at_first["rank"]))
@@ -243,6 +278,7 @@ RULES: tuple[Rule, ...] = (
     Rule("tensor", "agreed-wrong", when_agreed_wrong, says_agreed_wrong),
     Rule("tensor", "wrong-value", when_wrong_value, says_wrong_value),
     Rule("tensor", "dtype-split", when_dtype_split, says_dtype_split),
+    Rule("tensor", "replicas-parted", when_replicas_parted, says_replicas_parted),
     Rule("tensor", "diverged", always, says_diverged),
     Rule("tensor", "tie-broken", when_tie_broken, says_tie_broken, adds=True),
 )

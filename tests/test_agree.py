@@ -1,0 +1,238 @@
+"""Right code reads clean: what must agree across ranks is learned from the job's parallelism (issues 51, 48).
+
+Real torchrun jobs on gloo (2 CPU ranks; HSDP on 4): DDP with per-rank batches, expert parallel with plain
+tensors (each rank its own experts, a replicated router), tensor parallel, HSDP 2 x 2; each layout also with
+one real divergence, which the diagnosis names; then a live data-parallel step on the shared cluster. Without
+engines: the status a row gets from its ``agree`` columns, and records without them keep today's rule.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ready
+from torch import nn
+
+import workbench as wb
+from workbench.analysis import findings
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "jobs" / "parallel_layouts_job.py"
+
+
+def _torchrun(out: Path, ranks: int, *modes: str) -> dict[str, wb.Bundle]:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_CAPTURE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(ranks), str(JOB), str(out), *modes], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=out.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {m: wb.load(out / m) for m in modes}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict[str, wb.Bundle]:
+    return _torchrun(tmp_path_factory.mktemp("layouts") / "runs", 2, "ddp", "ddp-changed", "ddp-loss-world", "ep",
+                     "ep-router", "tp")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> dict[str, wb.Bundle]:
+    return _torchrun(tmp_path_factory.mktemp("hsdp") / "runs", 4, "hsdp", "hsdp-seed-per-shard", "hsdp-broadcast")
+
+
+def _clean(b: wb.Bundle) -> None:
+    assert b.problems == []
+    d = b.bug.diagnose()
+    assert d.clean, d.sentence
+    found = b.bug.findings()
+    assert found[found["detector"].str.startswith("status") | (found["detector"] == "outputs")].empty, found
+
+
+def test_a_ddp_job_with_per_rank_batches_reads_clean(two):
+    """Each rank seeds its own init (DDP's broadcast makes them one) and trains on its own batches: logits and loss
+    differ by design, the parameters agree (a DDP replica, and broadcast at wrap)."""
+    _clean(two["ddp"])
+    t = two["ddp"].bug.tensors
+    assert set(t["agree"]) == {"0,1"} and set(t["agree_by"]) == {"DDP replica"}
+    o = two["ddp"].bug.outputs
+    assert set(o["agree"]) == {""} and o.groupby(["step", "name"])["fingerprint"].nunique().min() == 2  # they differ
+    st = findings.status(two["ddp"].bug.tensors.query("step == 'step0'").drop(columns=["step", "step_index"]))
+    assert set(st["status"]) == {"ok"}
+
+
+def test_a_ddp_rank_changed_after_the_broadcast_is_named(two):
+    d = two["ddp-changed"].bug.diagnose()
+    assert d.mechanism == "diverged" and d.ranks == [1] and d.tensor == "model.module.2.weight", d.sentence
+    assert d.sentence.startswith("`module.2.weight` on rank 1 differs from step `step0` on (content differs from "
+                                 "rank 0 (DDP replica))"), d.sentence
+
+
+def test_a_loss_declared_same_on_world_that_differs_is_named(two):
+    d = two["ddp-loss-world"].bug.diagnose()
+    assert d.mechanism == "outputs-only" and d.ranks == [1], d.sentence
+    assert "output `loss` on rank 1: differs from rank 0" in d.sentence and "`logits`" not in d.sentence
+    assert "the cause is outside what was probed" in d.sentence
+
+
+def test_expert_parallel_with_plain_tensors_reads_clean(two):
+    _clean(two["ep"])
+    t = two["ep"].bug.tensors
+    last = t[t["step"] == "step1"]
+    router = last[last["name"].str.contains("router")]
+    experts = last[last["name"].str.contains("experts")]
+    assert set(router["agree"]) == {"0,1"} and set(experts["agree"]) == {""}
+    st = findings.status(last.drop(columns=["step", "step_index"])).set_index(["rank", "name"])["status"]
+    assert st[(1, "model.experts.0.weight")] == "apart"  # visible, neutral: differs, not expected to agree
+
+
+def test_a_router_that_differs_on_one_rank_is_named(two):
+    d = two["ep-router"].bug.diagnose()
+    assert d.mechanism == "diverged" and d.ranks == [1], d.sentence
+    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differs from step `step0`"), d.sentence
+    assert "experts" not in d.sentence
+
+
+def test_a_tensor_parallel_module_reads_clean(two):
+    _clean(two["tp"])
+    t = two["tp"].bug.tensors
+    t = t[(t["step"] == "forward") & (t["rank"] == 0)].set_index("name")
+    assert t.loc["model.0.weight", "agree"] == "" and t.loc["model.2.bias", "agree"] == "0,1"  # Row's bias: Replicate
+    assert t.loc["model.2.bias", "agree_by"] == "mesh dim `tp`"
+
+
+def test_hsdp_replicas_diverging_at_init_read_as_replicas_parting(four):
+    d = four["hsdp"].bug.diagnose()
+    assert d.mechanism == "replicas-parted" and d.ranks == [2, 3] and d.tensor == "model.0.weight", d.sentence
+    assert d.sentence.startswith("`model.0.weight`, `model.0.bias`, `model.2.weight` and 1 more differ between "
+                                 "the replicas (mesh dim `replicate`: ranks 0,1 vs 2,3) from step `materialize`"), \
+        d.sentence
+    t = four["hsdp"].bug.tensors
+    row = t[(t["rank"] == 3) & (t["name"] == "model.0.weight")].iloc[0]
+    assert (row["agree"], row["replica"]) == ("1,3", "1")
+
+
+@pytest.mark.parametrize("fix", ["hsdp-seed-per-shard", "hsdp-broadcast"])
+def test_hsdp_fixes_read_clean(four, fix):
+    _clean(four[fix])
+
+
+# -- without engines ------------------------------------------------------------------------------------------
+def _rows(agree: dict[int, str], fps: dict[int, str], **more) -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "name": "w", "dtype": "float32", "numel": 4, "is_meta": False, "nan": 0,
+                          "inf": 0, "poisoned": 0, "fingerprint": fps[r], "agree": agree[r], "agree_by": "",
+                          **more} for r in sorted(fps)])
+
+
+def test_a_row_is_compared_only_within_its_group():
+    # two replica groups {0,2} and {1,3}: rank 3 equals rank 1, not rank 0; rank 2 departs from rank 0
+    t = _rows({0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}, {0: "a", 1: "b", 2: "c", 3: "b"})
+    st = findings.status(t).set_index("rank")
+    assert list(st["status"]) == ["ok", "ok", "differs", "ok"]
+    assert st.loc[2, "detail"] == "content differs from rank 0"
+    # nothing says they agree: visible, neutral, never a finding
+    own = findings.status(_rows({0: "", 1: ""}, {0: "a", 1: "b"}))
+    assert list(own["status"]) == ["ok", "apart"] and own["detail"][1].startswith(findings.APART)
+    assert findings.divergence("s", _rows({0: "", 1: ""}, {0: "a", 1: "b"}), pd.DataFrame(), pd.DataFrame()) == []
+
+
+def test_records_without_the_columns_keep_todays_rule():
+    t = _rows({0: "", 1: ""}, {0: "a", 1: "b"}).drop(columns=["agree", "agree_by"])
+    assert list(findings.status(t)["status"]) == ["ok", "differs"]
+
+
+# -- a live data-parallel step --------------------------------------------------------------------------------
+dp = wb.Scenario("dp-per-rank-batches", params={"break_mean": False})
+
+
+@dp.step
+def build(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ctx.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ctx.model = DDP(ctx.net)
+    ctx.opt = torch.optim.SGD(ctx.model.parameters(), lr=0.1)
+
+
+@dp.step
+def train(ctx):
+    g = torch.Generator().manual_seed(10 + ctx.rank)  # this rank's own batch
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    logits = ctx.model(x)
+    loss = ((logits - y) ** 2).mean()
+    ctx.opt.zero_grad()
+    loss.backward()
+    ctx.opt.step()
+    ctx.output("logits", logits)
+    ctx.output("loss", loss)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)  # a collective makes this one agree: it is compared
+    ctx.output("mean_loss", mean)
+    if ctx.params.get("break_mean") and ctx.rank == 1:
+        mean.add_(1.0)
+
+
+def test_a_live_dp_step_with_per_rank_batches_reads_clean(cluster):
+    live = ready(cluster)
+    s = live.session(dp)
+    s.run()
+    d = s.diagnose()
+    assert d.clean, d.sentence
+    o = s.record().outputs
+    assert dict(zip(o[o["rank"] == 0]["name"], o[o["rank"] == 0]["agree"])) == \
+        {"logits": "", "loss": "", "mean_loss": "0,1"}
+    broken = live.session(dp, break_mean=True)
+    broken.run()
+    d = broken.diagnose()
+    assert d.mechanism == "outputs-only" and "output `mean_loss` on rank 1: differs from rank 0" in d.sentence, \
+        d.sentence
+    assert "`loss`" not in d.sentence and "`logits`" not in d.sentence
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.gain = 1.0  # a plain float: outside what the probe reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.gain
+
+
+fed = wb.Scenario("same-inputs", params={"gain_on_rank1": 1.0})
+
+
+@fed.step
+def build_scaled(ctx):
+    torch.manual_seed(0)
+    ctx.model = Scaled()
+    if ctx.rank == 1:
+        ctx.model.gain = ctx.params["gain_on_rank1"]
+
+
+@fed.step
+def forward(ctx):
+    torch.manual_seed(5)  # every rank feeds the same batch: the outputs are expected to agree
+    with torch.no_grad():
+        ctx.output("y", ctx.model(torch.randn(2, 8)))
+
+
+def test_outputs_of_forwards_fed_the_same_inputs_are_expected_to_agree(cluster):
+    live = ready(cluster)
+    s = live.session(fed)
+    s.run()
+    assert s.diagnose().clean, s.diagnose().sentence
+    s = live.session(fed, gain_on_rank1=2.0)
+    s.run()
+    d = s.diagnose()
+    assert d.mechanism == "outputs-only" and "output `y` on rank 1: differs from rank 0" in d.sentence, d.sentence
+    assert "the cause is outside what was probed" in d.sentence

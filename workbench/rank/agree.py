@@ -1,0 +1,388 @@
+"""What must agree across ranks, learned on the rank from what the job itself says.
+
+Every probed tensor and output gets three small columns:
+
+- ``agree``: the global ranks that must hold the same bytes of it, this rank among them (``"0,2"``), or
+  ``""``: this rank's own (a shard, an expert, a per-rank batch's output), never compared with another rank;
+- ``agree_by``: what said so (``mesh dim `replicate```, ``DDP replica``, ``FSDP``, ``broadcast``, ...);
+- ``replica``: for a DTensor, this rank's coordinate along the mesh dims it is replicated on (``"1"``):
+  ranks with one value hold one replica, so a sentence can say which replicas parted.
+
+Where it comes from, strongest first: DTensor placements (ranks along the ``Replicate`` mesh dims, at the
+same coordinates on the others); a declaration (``ctx.output(..., same_on=...)``, ``replicated(module)``,
+``ctx.local`` for the opposite); a wrapper (a DDP module is a replica across DDP's group, FSDP1's wrapped
+module across FSDP's, an FSDP2 module's plain buffers across its mesh); a collective (a tensor broadcast or
+all-reduced whole across a group, or a parameter whose gradient was, agrees across it from then on: the
+ledger tells ``synced`` as it records the call). Without any of these a tensor is this rank's own: data,
+expert and pipeline parallel code holds per-rank values by design.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+COLUMNS = ("agree", "agree_by", "replica")
+_CAP = 200_000  # storages remembered; the oldest go first
+_SYNCED: OrderedDict[tuple, tuple[Any, tuple[int, ...], str]] = OrderedDict()  # storage key -> (weak ref, ranks, how)
+_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (ranks, how)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    return ",".join(str(int(r)) for r in sorted(set(ranks)))
+
+
+def _world() -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return tuple(range(dist.get_world_size()))
+    return ()
+
+
+def group_ranks(spec: Any) -> tuple[int, ...] | None:
+    """The ranks ``spec`` names: ``"world"`` (or True), a process group, a device mesh, a list of ranks; None
+    (or False, ``""``): no rank but this one (``()``). Returns None for a spec it cannot read."""
+    import torch.distributed as dist
+
+    if spec is None or spec is False or spec == "":
+        return ()
+    if spec is True or spec == "world":
+        return _world()
+    if isinstance(spec, dist.ProcessGroup):
+        return tuple(dist.get_process_group_ranks(spec))
+    mesh = getattr(spec, "mesh", None)
+    if isinstance(mesh, torch.Tensor):  # a DeviceMesh
+        return tuple(int(r) for r in mesh.flatten().tolist())
+    if isinstance(spec, (list, tuple, set, frozenset)) and all(isinstance(r, int) for r in spec):
+        return tuple(sorted(spec))
+    return None
+
+
+# -- what the collectives said ------------------------------------------------------------------
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    try:
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "to_local"):
+            return None  # a DTensor: its placements say it
+        if t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        return (s.data_ptr(), t.storage_offset(), t.numel(), str(t.dtype))
+    except Exception:
+        return None
+
+
+def synced(tensors: Iterable[torch.Tensor], ranks: Iterable[int] | None, how: str) -> None:
+    """``tensors`` were broadcast or all-reduced whole across ``ranks``: they agree there from now on. Called by
+    the ledger as it records the call (a call that then fails was still meant to make them agree)."""
+    ranks = tuple(sorted(int(r) for r in ranks or ()))
+    if len(ranks) < 2:
+        return
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    for t in tensors:
+        key = _storage_key(t)
+        if key is None:
+            continue
+        try:
+            ref = StorageWeakRef(t.untyped_storage())  # the memory, not this Python object (p.data is a new one)
+        except Exception:
+            continue
+        _SYNCED.pop(key, None)
+        _SYNCED[key] = (ref, ranks, how)
+        while len(_SYNCED) > _CAP:
+            _SYNCED.popitem(last=False)
+
+
+def _synced_of(t: torch.Tensor | None) -> tuple[tuple[int, ...], str] | None:
+    if t is None:
+        return None
+    key = _storage_key(t)
+    hit = _SYNCED.get(key) if key is not None else None
+    if hit is None:
+        return None
+    ref, ranks, how = hit
+    if ref.expired():  # freed since: its address now holds another tensor
+        _SYNCED.pop(key, None)
+        return None
+    return ranks, how
+
+
+def forget() -> None:
+    """A new session or capture: what earlier calls synced is not this run's."""
+    _SYNCED.clear()
+
+
+# -- what the user declared -------------------------------------------------------------------------
+def replicated(module: nn.Module, group: Any = "world") -> nn.Module:
+    """Declare ``module`` a replica across ``group`` (``"world"``, a process group, a mesh, a list of ranks):
+    its parameters and buffers must hold the same bytes there. Returns the module."""
+    ranks = group_ranks(group)
+    if ranks is None:
+        raise ValueError(f"replicated: cannot read the ranks of {group!r} (give 'world', a process group, a "
+                         "device mesh or a list of ranks)")
+    _DECLARED[module] = (ranks, "declared replicated")
+    return module
+
+
+def declared_output(spec: Any) -> dict[str, str]:
+    """The columns of an output declared ``same_on=spec``."""
+    ranks = group_ranks(spec)
+    if ranks is None:
+        raise ValueError(f"same_on: cannot read the ranks of {spec!r} (give 'world', a process group, a device "
+                         "mesh, a list of ranks or None)")
+    return {"agree": ranks_text(ranks) if len(ranks) > 1 else "", "agree_by": "declared" if ranks else "declared "
+            "per rank", "replica": ""}
+
+
+# -- the wrappers ---------------------------------------------------------------------------------------
+def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
+    """(ranks, how for parameters, how for buffers) when ``mod`` is a wrapper that makes its module a replica."""
+    import torch.distributed as dist
+
+    name = type(mod).__name__
+    try:
+        if name == "DistributedDataParallel" and isinstance(mod, nn.parallel.DistributedDataParallel):
+            ranks = tuple(dist.get_process_group_ranks(mod.process_group))
+            bufs = "DDP replica" if getattr(mod, "broadcast_buffers", True) else \
+                "DDP replica, but broadcast_buffers=False: DDP never syncs its buffers"
+            return ranks, "DDP replica", bufs
+        if name == "FullyShardedDataParallel":
+            pg = getattr(mod, "process_group", None)
+            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else _world()
+            return ranks, "FSDP", "FSDP"
+        if any(c.__name__ == "FSDPModule" for c in type(mod).__mro__):
+            for p in mod.parameters():
+                mesh = getattr(p, "device_mesh", None)
+                if mesh is not None:
+                    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+                    return ranks, "FSDP2", "FSDP2 (a plain buffer: replicated)"
+            return _world(), "FSDP2", "FSDP2 (a plain buffer: replicated)"
+    except Exception:
+        return None
+    return None
+
+
+def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]:
+    """id(tensor) -> (ranks, how) for every tensor a wrapper or a declaration makes a replica."""
+    out: dict[int, tuple[tuple[int, ...], str]] = {}
+    seen: set[int] = set()
+    for obj in objects.values():
+        if not isinstance(obj, nn.Module):
+            continue
+        for _, mod in obj.named_modules():
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            w = _wrapper(mod)
+            if w is None and mod in _DECLARED:
+                ranks, how = _DECLARED[mod]
+                w = (ranks, how, how)
+            if w is None:
+                continue
+            ranks, p_how, b_how = w
+            inner = getattr(mod, "module", mod) if isinstance(getattr(mod, "module", None), nn.Module) else mod
+            for sub in {id(m): m for m in [mod, *inner.modules()]}.values():
+                for p in sub._parameters.values():
+                    if p is not None:
+                        out.setdefault(id(p), (ranks, p_how))
+                for b in sub._buffers.values():
+                    if b is not None:
+                        out.setdefault(id(b), (ranks, b_how))
+    return out
+
+
+# -- placements --------------------------------------------------------------------------------------------
+def placement(t: Any) -> dict[str, str] | None:
+    """A DTensor's columns: the ranks along its Replicate mesh dims at this rank's coordinates on the others."""
+    mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    try:
+        coord = mesh.get_coordinate()
+        grid = mesh.mesh
+        if coord is None:
+            return None
+        names = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(grid.ndim))
+        if any(p.is_partial() for p in placements):
+            return {"agree": "", "agree_by": "partial (a pending reduction)", "replica": ""}
+        rep = [i for i, p in enumerate(placements) if p.is_replicate()]
+        if not rep:
+            return {"agree": "", "agree_by": "sharded on " + ", ".join(f"`{names[i]}`" for i in range(grid.ndim)),
+                    "replica": ""}
+        index = tuple(slice(None) if i in rep else coord[i] for i in range(grid.ndim))
+        ranks = grid[index].flatten().tolist()
+        dims = ", ".join(f"`{names[i]}`" for i in rep)
+        return {"agree": ranks_text(ranks) if len(ranks) > 1 else "",
+                "agree_by": f"mesh dim {dims}" if len(rep) == 1 else f"mesh dims {dims}",
+                "replica": ",".join(str(coord[i]) for i in rep)}
+    except Exception:
+        return None
+
+
+# -- the rows ------------------------------------------------------------------------------------------------
+def _cols(ranks: tuple[int, ...], how: str) -> dict[str, str]:
+    return {"agree": ranks_text(ranks) if len(ranks) > 1 else "", "agree_by": how, "replica": ""}
+
+
+OWN = {"agree": "", "agree_by": "", "replica": ""}
+
+
+def of_tensor(t: Any, owned: Mapping[int, tuple[tuple[int, ...], str]] | None = None) -> dict[str, str]:
+    """The columns of one tensor (see the module docstring for the order)."""
+    p = placement(t)
+    if p is not None:
+        return p
+    if type(t).__name__ == "FlatParameter":
+        return {**OWN, "agree_by": "an FSDP flat parameter's shard"}
+    hit = (owned or {}).get(id(t))
+    if hit is not None:
+        return _cols(*hit)
+    hit = _synced_of(t)
+    if hit is not None:
+        return _cols(*hit)
+    grad = getattr(t, "grad", None) if isinstance(t, nn.Parameter) else None
+    hit = _synced_of(grad) if isinstance(grad, torch.Tensor) else None
+    if hit is not None and hit[1] == "all_reduce":
+        return _cols(hit[0], "its gradient is all-reduced")
+    return dict(OWN)
+
+
+def _with_module(objects: Mapping[str, Any], cols: dict[str, dict[str, str]]) -> None:
+    """A module synced in part is a replica: a tensor nothing else speaks for, held by a module whose own or whose
+    submodules' tensors a collective synced (a Linear whose weight was broadcast and bias forgotten; a model whose
+    state dict was broadcast but not its non-persistent buffers), must agree across the same ranks. An expert's
+    module, with nothing synced in it, stays its rank's own."""
+    for key, obj in objects.items():
+        if not isinstance(obj, nn.Module) or type(obj).named_parameters is not nn.Module.named_parameters:
+            continue
+        mods = list(obj.named_modules(remove_duplicate=False))
+        found: dict[str, tuple[str, str]] = {}  # module name -> (a synced tensor's name under it, its agree_by)
+        for mod_name, mod in reversed(mods):  # children before parents
+            pre = f"{key}.{mod_name}." if mod_name else f"{key}."
+            here = next(((pre + n, cols[pre + n]) for n, t in [*mod._parameters.items(), *mod._buffers.items()]
+                         if t is not None and cols.get(pre + n, {}).get("agree_by") in SYNC_WORDS), None)
+            if here is None:
+                here = next((found[f"{mod_name}.{c}" if mod_name else c] for c, _ in mod.named_children()
+                             if (f"{mod_name}.{c}" if mod_name else c) in found), None)
+            if here is None:
+                continue
+            found[mod_name] = here
+            name, col = here
+            rel = name[len(pre):] if name.startswith(pre) else name
+            for n, t in [*mod._parameters.items(), *mod._buffers.items()]:
+                c = cols.get(pre + n)
+                if t is not None and c is not None and c is not OWN_DECLARED and not c["agree"] and not c["agree_by"]:
+                    c.update(agree=col["agree"], agree_by=f"its module's `{rel}` {SYNC_WORDS[col['agree_by']]}")
+
+
+SYNC_WORDS = {"broadcast": "was broadcast", "all_reduce": "was all-reduced",
+              "its gradient is all-reduced": "has its gradient all-reduced"}
+OWN_DECLARED = {"agree": "", "agree_by": "declared this rank's own (ctx.local)", "replica": ""}
+
+
+def annotate(rows: list[dict[str, Any]], by_name: Mapping[str, Any], every: Mapping[str, Any],
+             rank_local: Iterable[str] = ()) -> None:
+    """Fill the columns of probed rows: ``by_name`` the probed tensors as held (DTensors whole), ``every`` all the
+    objects the rank holds (a wrapper not probed still says what its module is)."""
+    owned = _owned(every)
+    local = set(rank_local)
+    cols: dict[str, dict[str, str]] = {}
+    for row in rows:
+        if row["name"].split(".", 1)[0] in local:
+            cols[row["name"]] = OWN_DECLARED
+            continue
+        t = by_name.get(row["name"])
+        cols[row["name"]] = of_tensor(t, owned) if t is not None else dict(OWN)
+    _with_module({k: v for k, v in every.items() if k not in local}, cols)
+    for row in rows:
+        row.update(cols[row["name"]])
+
+
+# -- the data: what the forwards were fed -----------------------------------------------------------------------
+def _digest(v: Any, h: Any) -> None:
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        t = t.to_local() if hasattr(t, "to_local") and type(t) is not torch.Tensor else t
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.device.type != "meta":
+            flat = t.reshape(-1)[: 1 << 20].contiguous().cpu()
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _digest(x, h)
+    elif isinstance(v, Mapping):
+        for k in sorted(v, key=str):
+            h.update(str(k).encode())
+            _digest(v[k], h)
+    elif isinstance(v, (int, float, bool, str)) or v is None:
+        h.update(repr(v).encode())
+
+
+class FedInputs:
+    """While a live step runs: a digest of what the outermost forwards of the rank's own modules were fed (the
+    modules the context held when the step began). Equal digests across ranks mean the ranks fed their forwards the
+    same data, so what those forwards output is expected to agree; per-rank batches give per-rank outputs."""
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        self.tops = {id(m) for m in objects.values() if isinstance(m, nn.Module)}
+        self.depth = 0
+        self.calls = 0
+        import hashlib
+
+        self.hash = hashlib.sha1()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> FedInputs:
+        if self.tops:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            self._handles = [register_module_forward_pre_hook(self._pre),
+                             register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.tops:
+            if self.depth == 0:
+                try:
+                    _digest(args, self.hash)
+                    self.calls += 1
+                except Exception:  # a digest never fails the user's forward
+                    pass
+            self.depth += 1
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if id(module) in self.tops:
+            self.depth = max(0, self.depth - 1)
+
+    @property
+    def digest(self) -> str:
+        return self.hash.hexdigest()[:16] if self.calls else ""
+
+
+def annotate_outputs(rows: list[dict[str, Any]], outputs: Mapping[str, Any], extras: Mapping[str, dict],
+                     rank_local: Iterable[str] = (), fed: str = "") -> None:
+    """Outputs: declared (``same_on``), else synced by a collective, else this rank's own; ``fed``: the digest of
+    what this step's forwards were fed (``FedInputs``), for the client to compare across ranks (``inputs``)."""
+    local = set(rank_local)
+    for row in rows:
+        row["inputs"] = fed
+        declared = (extras.get(row["name"]) or {}).get("agree")
+        if declared is not None:
+            continue  # the extras carry the declaration
+        if row["name"].split(".", 1)[0] in local:
+            row.update(OWN, agree_by="declared this rank's own (ctx.local)")
+            continue
+        t = outputs.get(row["name"])
+        hit = _synced_of(t) if isinstance(t, torch.Tensor) else None
+        row.update(_cols(*hit) if hit is not None else dict(OWN))
