@@ -45,7 +45,10 @@ class Job:
     def __init__(self, tmp: Path, *args: str, script: Path = SCRIPT):
         self.out = tmp / "runs" / "bp"
         self.log_path = tmp / "torchrun.log"
-        self.proc = subprocess.Popen([*TORCHRUN, str(script), str(self.out), *args], env=_env(), cwd=tmp,
+        self.tmpdir = tmp / "tmpdir"  # the job's own TMPDIR: what the workbench leaves there is seen
+        self.tmpdir.mkdir(exist_ok=True)
+        self.proc = subprocess.Popen([*TORCHRUN, str(script), str(self.out), *args],
+                                     env={**_env(), "TMPDIR": str(self.tmpdir)}, cwd=tmp,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
@@ -81,6 +84,11 @@ class Job:
             except psutil.NoSuchProcess:
                 pass
         self.proc.wait(timeout=30)
+
+    def left_in_tmpdir(self) -> list[str]:
+        """What the workbench left in the job's TMPDIR (torch's own ``torchelastic_*``, ``torchinductor_*`` aside)."""
+        torch_own = ("torchelastic_", "torchinductor_")
+        return sorted(p.name for p in self.tmpdir.iterdir() if not p.name.startswith(torch_own))
 
     def result(self) -> dict:
         return json.loads((self.out / "result.json").read_text())
@@ -193,6 +201,22 @@ def test_no_client_the_job_resumes_at_its_deadline(job_factory):
     assert doc["status"] == "resumed" and doc["by"] == "deadline"
     assert not psutil.pid_exists(doc["controller_pid"]) or \
         psutil.Process(doc["controller_pid"]).status() == psutil.STATUS_ZOMBIE
+    assert job.left_in_tmpdir() == []
+
+
+def test_sigterm_to_torchrun_at_a_breakpoint_leaves_no_process_and_no_temp_file(job_factory):
+    job = job_factory("--deadline", "120")
+    doc = job.at_breakpoint()
+    cluster = wb.connect(job=job.out)  # a notebook attached when the scheduler ends the job
+    assert cluster.run(_double_scale) == {0: 2.0, 1: 2.0}
+    procs = psutil.Process(job.proc.pid).children(recursive=True)
+    assert any(p.pid == doc["controller_pid"] for p in procs)
+    job.proc.send_signal(signal.SIGTERM)  # torchrun's own: it ends its ranks, as a scheduler's preemption would
+    assert job.wait(120) != 0
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    cluster.stop()
+    assert alive == [], alive
+    assert job.left_in_tmpdir() == []
 
 
 def test_a_notebook_that_detaches_leaves_the_job_to_its_deadline(job_factory):

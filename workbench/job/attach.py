@@ -32,10 +32,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from workbench.job import guest
 
 ATTACH = "attach.json"
 _STATE: dict[str, Any] = {}  # the breakpoint in progress in this process: namespace, stop event, loop
@@ -52,12 +53,14 @@ def whoami() -> dict[str, Any]:
     """The engine's place in the job (the client orders engines by it)."""
     import torch.distributed as dist
 
+    from workbench.job.launcher import launcher_env
+
     cap = _STATE.get("cap")
     init = dist.is_available() and dist.is_initialized()
     return {"rank": dist.get_rank() if init else getattr(cap, "rank", 0),
             "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0) or 0), "names": _STATE.get("names", []),
+            "local_rank": launcher_env()["local_rank"], "names": _STATE.get("names", []),
             "job": getattr(cap, "job", None), "breakpoint": _STATE.get("id") if cap is not None else None,
             "control": _control()}
 
@@ -66,11 +69,12 @@ def _control() -> dict[str, Any] | None:
     """The rank's control thread (``rank/control.py``: Python stacks while a cell hangs), started when a client
     first attaches, once per process: on loopback when the job is on one host, else on this host's address
     toward the job's ``MASTER_ADDR``; every request carries its token."""
+    from workbench.job.launcher import launcher_env
     from workbench.rank import control
 
     try:
         ip = _controller_ip()
-        return control.start(ip, int(os.environ.get("MASTER_PORT", "0") or 0) if ip != "127.0.0.1" else 0)
+        return control.start(ip, launcher_env()["master_port"] if ip != "127.0.0.1" else 0)
     except Exception:
         return None
 
@@ -86,12 +90,14 @@ def resume(delay: float = 0.2) -> bool:
 
 
 def _controller_ip() -> str:
-    """Loopback when the whole job is on this host, else the job's own rendezvous address."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    if local >= world:
+    """Loopback when the whole job is on this host (as ``launcher_env`` reads it: torchrun's or srun's own
+    variables), else the job's own rendezvous address (this host's where the job names none)."""
+    from workbench.job.launcher import launcher_env, one_host
+
+    where = launcher_env()
+    if one_host(where):
         return "127.0.0.1"
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    addr = where["master_addr"] or socket.gethostname()
     try:
         return socket.gethostbyname(addr)
     except OSError:
@@ -107,7 +113,10 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
     log = open(folder / "controller.log", "ab")
     proc = subprocess.Popen([sys.executable, "-c", _CONTROLLER, str(os.getpid()), f"--profile-dir={pdir}",
                              f"--cluster-id={cluster_id}", f"--ip={_controller_ip()}", "--ping=500",
-                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                             "--log-level=WARN"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # not the rank's process group: torchrun's killpg of a rank
+    # (after another rank died) would end the post mortem's controller while its rank still serves; rank 0's
+    # death still ends it (PR_SET_PDEATHSIG, below)
     log.close()
     engine_file = sec / f"ipcontroller-{cluster_id}-engine.json"
     client_file = sec / f"ipcontroller-{cluster_id}-client.json"
@@ -177,21 +186,45 @@ def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
     return store.get(key).decode()
 
 
-def _all_done(key: str, rank: int, timeout: float) -> None:
+def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
     """Rank 0 waits, through the job's store (no collective: the job's group and ledger see nothing), until
-    every rank's engine has stopped serving, before it stops the controller the others still talk to."""
-    import datetime
-
+    every rank's engine has stopped serving, before it stops the controller the others still talk to. A rank
+    whose shard (under ``root``) says it is dead is not waited for; one that does not answer in ``timeout``
+    seconds, or a store that fails, is one line on stderr."""
     import torch.distributed as dist
+
+    from workbench.postmortem import shards
 
     store = job_store()
     if store is None:
         return
-    with contextlib.suppress(Exception):
+    try:
         store.set(f"{key}/done/{rank}", "1")
-        if rank == 0:
-            store.wait([f"{key}/done/{r}" for r in range(dist.get_world_size())],
-                       datetime.timedelta(seconds=timeout))
+        if rank != 0:
+            return
+        waiting = set(range(dist.get_world_size())) - {0}
+        end = time.monotonic() + timeout
+        while waiting and time.monotonic() < end:
+            waiting = {r for r in waiting if not store.check([f"{key}/done/{r}"]) and not _gone(shards, root, r)}
+            if waiting:
+                time.sleep(0.1)
+        if waiting:
+            guest.say(f"workbench: rank {rank}: {'rank' if len(waiting) == 1 else 'ranks'} "
+                 f"{','.join(map(str, sorted(waiting)))} did not say their engines stopped in {timeout:g}s; the "
+                 "breakpoint's controller stops now")
+    except Exception as exc:
+        guest.say(f"workbench: rank {rank}: the breakpoint's end could not be agreed through the job's store "
+             f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); going on")
+
+
+def _gone(shards: Any, root: Any, rank: int) -> bool:
+    """Whether rank ``rank``'s shard under ``root`` ends without a close and its process is gone."""
+    if root is None:
+        return False
+    try:
+        return shards.gone(json.loads((shards.rank_dir(root, rank) / shards.MANIFEST).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
@@ -245,7 +278,10 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
         except Exception as exc:  # every rank hears of it and goes on
             info = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
     got = json.loads(_share(key, info, rank, timeout=120 + deadline))
-    if "error" in got:
+    if "error" in got:  # rank 0 says it, once for the job; every rank goes on
+        if rank == 0:
+            guest.say(f"workbench: rank 0: no {'post mortem' if ident == 'post-mortem' else 'breakpoint'}: the "
+                      f"controller did not start ({got['error']}); every rank goes on")
         return {"by": "error", "error": got["error"], "seconds": time.time() - t0, "attach_s": None}
     _STATE["id"] = ident
     if rank == 0:
@@ -266,7 +302,7 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
         if rank == 0:
             _stop_controller(proc)
         raise
-    _all_done(key, rank, timeout=60.0)
+    _all_done(key, rank, timeout=60.0, root=root)
     if rank == 0:
         _stop_controller(proc)
         with contextlib.suppress(Exception):
@@ -328,9 +364,12 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
 
     from ipyparallel.engine.app import IPEngine
 
-    tmp = Path(tempfile.mkdtemp(prefix="wb-bp-"))
+    # the engine's own files sit in the capture's folder, not in the temp dir: a rank the launcher kills at the
+    # breakpoint (SIGTERM, no ``finally``) leaves nothing in TMPDIR (a ``wb-bp-*`` folder there before)
+    tmp = Path(getattr(cap, "root", ".")) / "attach" / f"engine-rank{getattr(cap, 'rank', 0)}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "profile").mkdir(parents=True)
     (tmp / "engine.json").write_text(engine_json)
-    (tmp / "profile").mkdir()
     saved = {"stdout": sys.stdout, "stderr": sys.stderr, "displayhook": sys.displayhook,
              "main": sys.modules.get("__main__"), "path": list(sys.path)}
     ns = _namespace(cap, objects)

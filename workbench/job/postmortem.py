@@ -249,7 +249,8 @@ def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
 def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
     pm = cap._pm
     key = _key(cap)
-    tail = LedgerTail(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] else None
+    tail = ledger_reader(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] \
+        else None
     published = None
     store = None
     while not stop.wait(poll):
@@ -283,7 +284,7 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
         if tail is None:
             continue
         now = time.time()
-        calls = tail.read()
+        calls = open_calls(tail)
         old = [c for c in calls if now - float(c.get("t") or now) > pm["hang_after"]]
         mine = json.dumps(old[:4], default=str) if old else "[]"
         if mine != published:
@@ -447,44 +448,31 @@ def _off_the_stuck_stream(cap: Any) -> None:
         sys.__stderr__.write(f"workbench: rank {cap.rank} serves on the default stream ({exc!r})\n")
 
 
-class LedgerTail:
-    """This rank's open collectives, from its own ledger file: only the lines since the last read."""
+KEEP = ("rank", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel", "bytes", "src", "send", "recv",
+        "user_frame", "t", "step", "attempt")  # what a rank publishes of a call: enough to pair it (mismatch_kind)
 
-    KEEP = ("group", "group_ranks", "seq", "op", "dtypes", "shapes", "bytes", "user_frame", "t", "step",
-            "attempt")
 
-    def __init__(self, path: str | None) -> None:
-        self.path, self.offset, self.open = path, 0, {}
+def open_calls(reader: Any) -> list[dict[str, Any]]:
+    """The calls a ledger reader (``open_only``) holds open after reading what was appended, oldest first."""
+    reader.poll()
+    calls = [{k: c.get(k) for k in KEEP} for c in reader.calls()]
+    return sorted(calls, key=lambda c: float(c.get("t") or 0))
 
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path:
-            return []
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        whole = data[: data.rfind(b"\n") + 1]
-        self.offset += len(whole)
-        for line in whole.splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            key = (ev.get("attempt"), ev.get("group"), ev.get("seq"))
-            if ev.get("ev") == "start":
-                self.open[key] = {k: ev.get(k) for k in self.KEEP}
-            elif ev.get("ev") == "end":
-                self.open.pop(key, None)
-        return sorted(self.open.values(), key=lambda c: float(c.get("t") or 0))
+
+def ledger_reader(path: str | None) -> Any:
+    """This rank's own ledger file followed line by line, keeping only the calls still open."""
+    from workbench.rank.ledger_read import LedgerReader
+
+    return LedgerReader([path] if path else [], open_only=True)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """One collective seen from two ranks (a send and its receive are one call of their channel)."""
-    ops = {a.get("op"), b.get("op")}
-    return (all(a.get(k) == b.get(k) for k in ("group", "seq", "shapes", "dtypes"))
-            and (len(ops) == 1 or ops == {"send", "recv"}))
+    """One collective seen from two ranks: the same group's same call that pairs, by the analysis' own rule
+    (``mismatch_kind``: what travels between the pair, so a scatter's root, whose payload is its whole list, and a
+    receiver are one call; a send and its receive are one call of their channel)."""
+    from workbench.rank.ledger_read import mismatch_kind
+
+    return a.get("group") == b.get("group") and a.get("seq") == b.get("seq") and mismatch_kind(a, b) is None
 
 
 def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
@@ -550,10 +538,12 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
         ranks: dict[str, Any] = {}
         end = time.monotonic() + 10.0
         for r in range(cap.world_size):
-            while store is not None and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
+            dead = _dead(cap, r)
+            while store is not None and not dead and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
                 time.sleep(0.05)
-            got = _get(store, f"{key}/rank/{r}") if store is not None else None
-            ranks[str(r)] = got or {"rank": r, "role": "?", "where": "?"}
+            # only a key that is there: the store's get waits for a missing one (its timeout: minutes)
+            got = _get(store, f"{key}/rank/{r}") if store is not None and _has(store, f"{key}/rank/{r}") else None
+            ranks[str(r)] = got or dead or {"rank": r, "role": "?", "where": "?"}
         if alone:
             ranks[str(cap.rank)] = {"rank": cap.rank, "role": "raised", "where": alone.get("where")}
         return {"post_mortem": {"reason": go.get("reason"), "rank": go.get("rank"), "error": go.get("error"),
@@ -575,6 +565,20 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
         _STATE["role"] = "served"
 
 
+def _dead(cap: Any, rank: int) -> dict[str, Any] | None:
+    """A rank whose shard ends without a close and whose process is gone (``shards.gone``): it will never answer."""
+    from workbench.postmortem import shards
+
+    try:
+        doc = json.loads((shards.rank_dir(cap.root, rank) / shards.MANIFEST).read_text())
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(doc, dict) or not shards.gone(doc):
+        return None
+    after = (doc.get("points") or [None])[-1]
+    return {"rank": rank, "role": "dead", "after": after, "line": shards.dead_line(rank, after)}
+
+
 def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
     """One line: who raised where, or the deadlock's proof; where each other rank waits."""
     if go.get("reason") == "deadlock":
@@ -587,7 +591,9 @@ def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
         if info.get("role") == "raised":
             err = info.get("error") or {}
             parts.append(f"rank {r} raised {err.get('type', '?')}: {' '.join(str(err.get('message', '')).split())} "
-                          f"at {info.get('where')}")
+                         f"at {info.get('where')}")
+        elif info.get("role") == "dead":
+            parts.append(info["line"])
         else:
             calls = info.get("open_calls") or []
             in_call = (f" in {calls[0].get('op')} #{calls[0].get('seq')} on group {calls[0].get('group')}"

@@ -45,14 +45,17 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench.job import postmortem
+from workbench.job import guest, postmortem
+from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
@@ -66,7 +69,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
             ledger: bool | str = True,
             name: str | None = None, job: str | None = None, points: list[str] | None = None,
             attach: bool | str | None = None, attach_deadline: float = 600.0,
-            hang_after: float = 60.0) -> Capture | NoCapture:
+            hang_after: float = 60.0, strict: bool = False) -> Capture | NoCapture:
     """Start this rank's capture into ``path/rank<r>/`` (call it on every rank, before building the model).
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
@@ -76,7 +79,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     ``ledger``: record every collective this thread issues (a dispatch mode over every op); ``"calls"``:
     only around ``torch.distributed``'s collective functions, at no cost per op and with ``torch.compile``
     still compiling (``rank/ledger_calls.py`` says what it misses); the environment's
-    ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``0``) overrides it. ``name``: the run's title (default:
+    ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``full``, ``0``) overrides it. ``name``: the run's title (default:
     the directory's name). ``job``: the job id every shard carries (default: the launcher's job or run
     id, else one the ranks agree on through the process group's store). ``points``: the names of the points
     the job will reach, in order (optional): a rank stuck on its way to one is read as stuck in that step
@@ -85,6 +88,9 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     ``attach_deadline`` seconds: ``"on-error"`` once a rank raises, ``"on-deadlock"`` once the ledgers prove a
     deadlock (every rank in a call open past ``hang_after`` seconds, not one collective), ``"post-mortem"``
     both (``postmortem.py`` says how; the raising rank then fails as it would have).
+    ``strict``: the capture's own failures (a full disk, a path it cannot make, a bug of the workbench's) raise
+    into the job; by default each is one line on stderr and the capture turns itself off on that rank, the job
+    going on as it would have without it (``guest.py``).
     """
     triggers = postmortem.modes(attach)
     where = os.environ.get(ENV_OFF, "1").strip()
@@ -94,8 +100,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
         path = where
     if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
         return _CURRENT[0]
-    if os.environ.get(ENV_LEDGER):
-        ledger = {"calls": "calls", "0": False, "off": False}.get(os.environ[ENV_LEDGER].strip().lower(), True)
+    ledger = _ledger_mode(ledger, strict) if enabled else ledger
     if poison not in (True, False, "to_empty"):
         raise ValueError(f"poison must be True, False or 'to_empty'; got {poison!r}")
     if ledger not in (True, False, "calls"):
@@ -107,15 +112,62 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
                          f"{hang_after!r}")
     if not enabled:
         return NoCapture()
-    cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points)
-    postmortem.install(cap, triggers, attach_deadline, hang_after)
-    return cap
+    cap = None
+    try:
+        cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points, strict=strict)
+        postmortem.install(cap, triggers, attach_deadline, hang_after)
+        return cap
+    except Exception as exc:
+        if strict:
+            if cap is not None:
+                cap._stop()
+            raise
+        if cap is not None:
+            cap._fault("at capture", exc)
+            return NoCapture(cap.stopped)
+        line = (f"workbench: rank {_rank_word()}: capture stopped at capture: {guest.cause(exc, path)}; nothing was "
+                "kept; the job goes on without it")
+        guest.say(line)
+        return NoCapture(line)
+
+
+LEDGER_MODES = {"calls": "calls", "full": True, "1": True, "on": True, "true": True, "yes": True,
+                "0": False, "off": False, "false": False, "no": False}
+
+
+def _ledger_mode(ledger: bool | str, strict: bool) -> bool | str:
+    """``WORKBENCH_CAPTURE_LEDGER`` over the script's ``ledger``; a value it does not know is refused in one line
+    (the script's own choice stands: not silently the most expensive mode)."""
+    raw = os.environ.get(ENV_LEDGER, "")
+    if not raw.strip():
+        return ledger
+    got = LEDGER_MODES.get(raw.strip().lower())
+    if got is not None:
+        return got
+    line = (f"{ENV_LEDGER}={raw!r} is not a ledger mode (calls, full or 1, off or 0): refused; the script's "
+            f"ledger={ledger!r} stands")
+    if strict:
+        raise ValueError(line)
+    guest.say(f"workbench: rank {_rank_word()}: {line}")
+    return ledger
+
+
+def _rank_word() -> str:
+    """This process's rank for a line said before the launcher's variables were read (they may be the fault)."""
+    try:
+        return str(launcher_env(dist_ok=False)["rank"])
+    except Exception:
+        return os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "?"
 
 
 class NoCapture:
-    """Capture switched off: every call returns at once."""
+    """Capture switched off: every call returns at once. ``stopped``: the line said where a fault stopped it at
+    ``capture`` (None where it was switched off)."""
 
     enabled = False
+
+    def __init__(self, stopped: str | None = None) -> None:
+        self.stopped = stopped
 
     def point(self, name: str, **objects: Any) -> None:
         return None
@@ -152,22 +204,6 @@ class NoCapture:
         return None
 
 
-def launcher_env() -> dict[str, Any]:
-    """Rank, world size, local rank and the launcher that set them (None where none did)."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return {"launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env", "rank": int(env["RANK"]),
-                "world_size": int(env["WORLD_SIZE"]), "local_rank": int(env.get("LOCAL_RANK", 0))}
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return {"launcher": "srun", "rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0))}
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return {"launcher": None, "rank": dist.get_rank(), "world_size": dist.get_world_size(), "local_rank": 0}
-    return {"launcher": None, "rank": 0, "world_size": 1, "local_rank": 0}
-
-
 def _launcher_job() -> str | None:
     env = os.environ
     if env.get(ENV_JOB):
@@ -197,22 +233,29 @@ def _store_job() -> str | None:
 class Capture:
     """This rank's capture: ``point`` probes and appends, ``close`` (or exit) marks the shard finished."""
 
-    enabled = True
-
     def __init__(self, path: str | os.PathLike, *, poison: bool | str = True, ledger: bool | str = True,
-                 name: str | None = None, job: str | None = None, points: list[str] | None = None):
+                 name: str | None = None, job: str | None = None, points: list[str] | None = None,
+                 strict: bool = False):
         import torch
 
-        from workbench.rank import agree, context
-        from workbench.rank import ledger as ledger_mod
-        from workbench.rank import poison as poison_mod
+        from workbench.rank import context
 
+        self.strict = strict
+        self.stopped: str | None = None  # the one line a fault said; the capture is off from then on
+        self._closed = True  # until installed: close() has nothing to undo
+        self._unwound = False
+        self._fault_lock = threading.Lock()
+        self._stack = contextlib.ExitStack()  # every install step's undo, last first (close, a fault, a failed start)
+        self._ledger: Any = None
+        self._poison_mode: Any = None
+        self._hook = sys.excepthook
+        self._latest: dict[str, Any] | None = None
+        self._objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
+        self._objects_weak = True
         where = launcher_env()
         self.rank, self.world_size = where["rank"], where["world_size"]
         self.root = Path(path)
         self.dir = shards.rank_dir(self.root, self.rank)
-        _keep_previous(self.root, self.rank)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._job_given = job or _launcher_job()
         self.job = self._job_given or _store_job()
         self.points: list[str] = []
@@ -230,62 +273,196 @@ class Capture:
             "planned": [str(p) for p in points or []],
             "versions": _versions(),
         }
+        try:
+            self._install(poison, ledger, attempt)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._unwind()
+            self._unwound = True
+            raise
+        self._closed = False
+
+    def _install(self, poison: bool | str, ledger: bool | str, attempt: int) -> None:
+        """Install step by step, each step's undo on the stack before the next step runs: a step that fails
+        (the ledger's file, the stacks file) leaves nothing of the steps before it (no mode, no wrapper)."""
+        from workbench.rank import agree
+        from workbench.rank import ledger as ledger_mod
+        from workbench.rank import poison as poison_mod
+
+        stack = self._stack
+        _keep_previous(self.root, self.rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)
-        self._stack = contextlib.ExitStack()
+        stack.callback(self._points_file.close)
+        stack.callback(poison_mod.uninstall)
         poison_mod.reset_tracking()
         agree.forget()  # what an earlier capture in this process synced is not this run's
         poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)
         self._poison = poison_mod
-        self._stack.callback(poison_mod.uninstall)
+        if not self.strict:
+            poison_mod._STATE["guest"] = lambda exc: self._fault("in the poison's hook", exc, now=False)
         if poison is True:  # also torch.empty and the other Python allocators: a function mode over every call
-            self._stack.enter_context(poison_mod.allocations())
-        self._ledger = None
+            self._poison_mode = poison_mod._Allocations()
+            self._poison_mode.__enter__()
+            stack.callback(self._leave_poison_mode)
         if ledger:
             self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
+            stack.callback(self._ledger.close, settle_later=True)  # calls still running end later
+            if not self.strict:
+                self._ledger.guest = lambda exc: self._fault("in the ledger's hook", exc, now=False)
             self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
-            self._stack.callback(self._ledger.close, settle_later=True)  # calls still running end later
             if ledger == "calls":  # around the job's collective calls only: no per-op cost, torch.compile compiles
                 from workbench.rank.ledger_calls import CallLedger
 
-                self._stack.callback(CallLedger(self._ledger).install().uninstall)
+                calls = CallLedger(self._ledger)
+                stack.callback(calls.uninstall)
+                calls.install()
             else:
-                self._stack.enter_context(ledger_mod.recording(self._ledger, "0"))
-        self._stacks_file = None
+                stack.callback(ledger_mod.start_recording(self._ledger, "0"))
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
-            self._stacks_file = open(self.dir / shards.STACKS, "w")
-            faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True, chain=False)
+            stacks_file = open(self.dir / shards.STACKS, "w")
+            stack.callback(stacks_file.close)
+            faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True, chain=False)
+            stack.callback(faulthandler.unregister, signal.SIGUSR1)
         self._hook = sys.excepthook
         sys.excepthook = self._excepthook
+        stack.callback(self._give_back_excepthook)
         atexit.register(self.close)
-        self._closed = False
-        self._latest: dict[str, Any] | None = None
-        self.objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
+        stack.callback(atexit.unregister, self.close)
         _CURRENT[:] = [self]
+        stack.callback(self._forget)
         _register_handler()
         self._write_manifest()
+
+    def _leave_poison_mode(self) -> None:
+        from workbench.rank.ledger import leave_mode
+
+        if not leave_mode(self._poison_mode, dispatch=False):
+            self._poison_mode.off = True  # a mode the job pushed since sits above it: it stays, passing through
+
+    def _give_back_excepthook(self) -> None:
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._hook
+
+    def _forget(self) -> None:
+        if _CURRENT and _CURRENT[0] is self:
+            _CURRENT.clear()
+
+    def _unwind(self) -> None:
+        """Every install step undone, last first (each runs whatever the others do; the first error is raised
+        after)."""
+        stack, self._stack = self._stack, contextlib.ExitStack()
+        stack.close()
+
+    @property
+    def enabled(self) -> bool:
+        return self.stopped is None and not self._closed
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The last point's objects (not its tensors), the namespace a breakpoint's engines see. Held weakly where the
+        capture attaches nothing post mortem (a point does not keep the job's model or state dict alive): what
+        cannot be held weakly (a dict) is not kept, what was freed since is left out."""
+        if not self._objects_weak:
+            return dict(self._objects)
+        out = {}
+        for key, ref in self._objects.items():
+            obj = ref()
+            if obj is not None:
+                out[key] = obj
+        return out
+
+    def _remember(self, objects: dict[str, Any]) -> None:
+        self._objects_weak = not getattr(self, "_pm", None)
+        if not self._objects_weak:
+            self._objects = dict(objects)
+            return
+        refs = {}
+        for key, obj in objects.items():
+            with contextlib.suppress(TypeError):
+                refs[key] = weakref.ref(obj)
+        self._objects = refs
+
+    # -- the guest's rule: the capture's own faults are one line, never the job's ----------------
+    def _usable(self) -> bool:
+        """Whether a call into the capture records: not once closed, nor once a fault stopped it (a hook's fault,
+        said on another thread or inside a mode, is unwound here, on the job's own thread)."""
+        if self.stopped is not None:
+            self._stop()
+            return False
+        return not self._closed
+
+    def _kept(self) -> str:
+        n = len(self.points)
+        return f"{self.dir} keeps {n} point(s)" + (f" up to `{self.points[-1]}`" if n else "")
+
+    def _fault(self, where: str, exc: BaseException, now: bool = True) -> None:
+        """A fault of the capture's own: one line on stderr (once), the capture off on this rank. ``now``: on the
+        job's thread, outside any hook: unwind at once (else the modes go at the job's next call into it)."""
+        with self._fault_lock:
+            first = self.stopped is None
+            if first:
+                self.stopped = (f"workbench: rank {self.rank}: capture stopped {where}: {guest.cause(exc, self.dir)}; "
+                                f"{self._kept()}; the job goes on without it")
+        if first:
+            if self._ledger is not None:
+                self._ledger.off = True
+            if self._poison_mode is not None:
+                self._poison_mode.off = True
+            from workbench.rank import poison as poison_mod
+
+            poison_mod._STATE["poison"] = False
+            guest.say(self.stopped)
+        if now:
+            self._stop()
+
+    def _stop(self) -> None:
+        """After a fault: every install step undone, the shard marked stopped where it still can be written."""
+        if self._unwound:
+            return
+        self._unwound = self._closed = True
+        with contextlib.suppress(Exception):
+            postmortem.uninstall(self)
+        with contextlib.suppress(Exception):
+            self._unwind()
+        self.doc.update(status="stopped", stopped=self.stopped)
+        with contextlib.suppress(Exception):
+            self._write_manifest()
 
     # -- what a point records -------------------------------------------------------------
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
         """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
-        self.ctx.output(name, tensor, **extra)
+        if self._usable():
+            self.ctx.output(name, tensor, **extra)
 
     def expect(self, name: str, value: Any) -> None:
         """What tensor ``name`` (as probed, e.g. ``model.model.rotary_emb.inv_freq``) should hold."""
-        self.ctx.expect(name, value)
+        if self._usable():
+            self.ctx.expect(name, value)
 
     def local(self, *keys: str) -> None:
         """Objects (by the point's keyword) that are this rank's own, never compared with rank 0's."""
-        self.ctx.local(*keys)
+        if self._usable():
+            self.ctx.local(*keys)
 
     def note(self, message: str) -> None:
         """A line for the next point: what this rank did that the tables cannot show."""
-        self.ctx.note(message)
+        if self._usable():
+            self.ctx.note(message)
 
     def trace(self, model: Any, run: str = "model") -> Any:
         """Trace one forward of ``model`` (a row per module call); the rows go with the next point."""
         from workbench.rank.trace import trace_forward
 
-        return trace_forward(self.ctx, model, run=run)
+        if not self._usable():
+            return contextlib.nullcontext()
+        try:
+            return trace_forward(self.ctx, model, run=run)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fault("at trace", exc)
+            return contextlib.nullcontext()
 
     def point(self, name: str, same_on: Any = "learned", **objects: Any) -> dict[str, Any]:
         """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
@@ -294,14 +471,24 @@ class Capture:
         tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
         bare tensors must agree across (``"world"``, a group, ranks; None: each rank's own; a dict per
         output name); left out, learned (``rank/agree.py``). Returns the point's size: rows, bytes written,
-        seconds spent.
+        seconds spent; None where the capture is closed or a fault stopped it (a fault here is one line on
+        stderr: ``guest.py``).
         """
+        if not self._usable():
+            return None
+        try:
+            return self._point(name, same_on, objects)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fault(f"at point `{name}`", exc)
+            return None
+
+    def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
         import torch
 
         from workbench.rank import probe, remote, trace
 
-        if self._closed:
-            raise RuntimeError("this capture is closed")
         t0 = time.perf_counter()
         now = time.time()
         if self.job is None:
@@ -315,7 +502,7 @@ class Capture:
                 spec = same_on.get(key, "learned") if isinstance(same_on, dict) else same_on
                 self.ctx.output(key, value, same_on=spec)
                 del objects[key]
-        self.objects = dict(objects)
+        self._remember(objects)
         with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
             held: dict[str, list] = {}
             rows = probe.probe_objects(objects, self.rank, held)
@@ -349,14 +536,16 @@ class Capture:
         (``workbench/job/attach.py`` says how it returns)."""
         from workbench.job import attach
 
-        if self._closed:
-            raise RuntimeError("this capture is closed")
+        if not self._usable():
+            return {"by": "off", "seconds": 0.0}
         return attach.breakpoint(self, deadline=deadline, controller=controller, **objects)
 
     def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
         ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
         handled), as ``capture(attach="on-error")`` does for an uncaught one. Returns how it ended."""
+        if not self._usable():
+            return None
         exc = exc if exc is not None else sys.exc_info()[1]
         if exc is None:
             raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
@@ -388,25 +577,25 @@ class Capture:
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
         released = isinstance(exc, postmortem.Released) or postmortem.was_released()
-        try:
-            from workbench.rank.ledger import traceback_text
+        if self.stopped is None and not self._closed:
+            try:
+                from workbench.rank.ledger import traceback_text
 
-            text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
-            self._points_file.write(json.dumps({
-                "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
-                "message": str(exc)[:2000], "traceback": text[-6000:], **({"released": True} if released else {})})
-                + "\n")
-            self._points_file.flush()
-            self.doc["status"] = "released" if released else "raised"
-            self._write_manifest()
-        except Exception:
-            pass
+                text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
+                self._points_file.write(json.dumps({
+                    "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
+                    "message": str(exc)[:2000], "traceback": text[-6000:],
+                    **({"released": True} if released else {})}) + "\n")
+                self._points_file.flush()
+                self.doc["status"] = "released" if released else "raised"
+                self._write_manifest()
+            except Exception as hook_exc:  # one line, then the job's own exception as it would have been
+                self._fault("recording the job's exception", hook_exc)
         if getattr(self, "_pm", None) and not self._closed:
             try:
                 postmortem.on_exception(self, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
-                with contextlib.suppress(Exception):
-                    sys.__stderr__.write(f"workbench: the post-mortem attach failed: {pm_exc!r}\n")
+                guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
             with contextlib.suppress(Exception):
                 sys.__stderr__.write(postmortem.released_line(self, exc))
@@ -439,31 +628,27 @@ class Capture:
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
-        return postmortem.LedgerTail(self._ledger.path).read() if self._ledger is not None else []
+        return postmortem.open_calls(postmortem.ledger_reader(self._ledger.path)) if self._ledger is not None else []
 
     def close(self) -> None:
-        """Stop recording and poisoning; the shard says the rank finished (unless it raised)."""
-        if getattr(self, "_closed", True):
+        """Stop recording and poisoning; the shard says the rank finished (unless it raised). A fault here is one
+        line on stderr (``guest.py``)."""
+        if not self._usable():
             return
-        self._closed = True
-        if getattr(self, "_pm", None):
-            postmortem.uninstall(self)
-        with contextlib.suppress(Exception):
-            self._stack.close()
-        if sys.excepthook == self._excepthook:
-            sys.excepthook = self._hook
-        if self.doc["status"] == "running":
-            self.doc["status"] = "finished"
-        with contextlib.suppress(Exception):
-            self._write_manifest()
-        self._points_file.close()
-        if self._stacks_file is not None:
+        self._closed = self._unwound = True
+        try:
             with contextlib.suppress(Exception):
-                faulthandler.unregister(signal.SIGUSR1)
-            self._stacks_file.close()
-        atexit.unregister(self.close)
-        if _CURRENT and _CURRENT[0] is self:
-            _CURRENT.clear()
+                postmortem.uninstall(self)
+            self._unwind()
+            if self.doc["status"] == "running":
+                self.doc["status"] = "finished"
+            self._write_manifest()
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fault("at close", exc)
+            with contextlib.suppress(Exception):
+                self._unwind()  # whatever the failed step left
 
     def __enter__(self) -> Capture:
         return self

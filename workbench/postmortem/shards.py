@@ -21,6 +21,7 @@ the layout from this module inside a training process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,9 +58,14 @@ def is_shard_dir(path: str | os.PathLike) -> bool:
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
     """Write a small JSON file by rename: a reader never sees half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, default=str)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the file before stays whole, and no half-written copy beside it
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -277,6 +283,9 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
                    "or was killed)"
         entry["message"] = "\n".join(lines)
         hangs.append(entry)
+    dead = {str(r): {"after": (found.points[r][-1].get("point") if found.points.get(r) else None),
+                     "line": dead_line(r, found.points[r][-1].get("point") if found.points.get(r) else None)}
+            for r, d in sorted(found.shards.items()) if gone(d)}
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
     notes += [{"step": _step_of(e.get("index"), names, planned), "rank": r,
                "note": "released by the workbench's post mortem (its communicators aborted); it ended there"}
@@ -308,13 +317,39 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "versions": dict(first.get("versions") or {}),
         "job": {"id": found.job, "launcher": first.get("launcher"), "argv": first.get("argv"),
                 "hosts": sorted({str(d.get("host")) for d in found.shards.values()}),
-                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}},
+                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}, "dead": dead},
         "problems": list(found.problems),
     }
 
     rec = RunRecord(manifest, *(frame_stack(frames, t) for t in ("tensors", "outputs", "events")), notes,
                     trace=frame_stack(frames, "trace"), ledger=ledger)
     return rec, list(found.problems)
+
+
+def gone(doc: dict[str, Any]) -> bool:
+    """A shard with no close (still "running") whose process is gone: killed or crashed. Known only for a rank of
+    this host (its pid no longer runs, or runs another program started since); a rank elsewhere is not named."""
+    if doc.get("status") != "running" or doc.get("host") != host() or not isinstance(doc.get("pid"), int):
+        return False
+    try:
+        import psutil
+
+        proc = psutil.Process(doc["pid"])  # a zombie is dead too (its launcher has not reaped it yet)
+        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > float(doc.get("started_at") or 0) + 1.0
+    except ImportError:
+        try:
+            with open(f"/proc/{doc['pid']}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+    except Exception:  # no such process (psutil.NoSuchProcess), or one we may not read
+        return not os.path.exists(f"/proc/{doc['pid']}")
+
+
+def dead_line(rank: int, after: str | None) -> str:
+    """``rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed)``."""
+    where = f"after point `{after}`" if after else "before its first point"
+    return f"rank {rank} stopped {where} (its shard ends without a close: killed or crashed)"
 
 
 def _stacks(path: Path, rank: int) -> str:

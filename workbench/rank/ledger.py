@@ -144,22 +144,41 @@ class Ledger:
         self._file = open(self.path, "a", buffering=1)
         self._open: dict[tuple, dict[str, Any]] = {}  # (group, seq) -> start line: calls whose end is unwritten
         self._closing = False
+        # A guest in someone's job (``workbench.job``): ``guest(exc)`` hears of the recorder's own failures (a full
+        # disk, a bug) instead of the job, and the ledger goes ``off`` (its modes pass every call through).
+        # None (live sessions): they raise, as before.
+        self.guest: Any = None
+        self.off = False
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.off:
+            return
         line = json.dumps(record, default=str)
-        with self._lock:
-            if self._file.closed:
-                return
-            self._file.write(line + "\n")
-            self._file.flush()
-            key = (record.get("group"), record.get("seq"))
-            if record.get("ev") == "start":
-                self._open[key] = record
-            elif record.get("ev") == "end":
-                self._open.pop(key, None)
-                if self._closing and not self._open:  # the last call still running at close() has ended
-                    self._file.close()
-                    _CLOSING.discard(self)
+        try:
+            with self._lock:
+                if self._file.closed:
+                    return
+                self._file.write(line + "\n")
+                self._file.flush()
+                key = (record.get("group"), record.get("seq"))
+                if record.get("ev") == "start":
+                    self._open[key] = record
+                elif record.get("ev") == "end":
+                    self._open.pop(key, None)
+                    if self._closing and not self._open:  # the last call still running at close() has ended
+                        self._file.close()
+                        _CLOSING.discard(self)
+        except Exception as exc:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """The recorder's own error: the guest's (once; the ledger is off from here), else raised."""
+        if self.guest is None:
+            raise exc
+        if not self.off:
+            self.off = True
+            _CLOSING.discard(self)
+            self.guest(exc)
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The calls started and not (yet) ended, oldest first."""
@@ -216,18 +235,30 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace not in NAMESPACES:
+        if func.namespace not in NAMESPACES or self.ledger.off:  # off: a guest's ledger that failed
             return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         if name in SKIP_OPS:  # not collectives of their own; a wait ends the functional call it waits on
             return self._wait(func, args, kwargs) if name == "wait_tensor" else func(*args, **kwargs)
-        rec = self._start(func, args, kwargs)
+        try:
+            rec = self._start(func, args, kwargs)
+        except Exception as exc:
+            self.ledger.fail(exc)  # raises, unless a guest's: then the call runs unrecorded
+            return func(*args, **kwargs)
         self._device = self._last_device
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
             self._end(rec, exc)
             raise
+        try:
+            return self._after(func, rec, out)
+        except Exception as exc:
+            self.ledger.fail(exc)
+            return out
+
+    def _after(self, func, rec: dict[str, Any], out: Any) -> Any:
+        """Where the call ends: its work's future, its CUDA events, a functional call's wait."""
         if func.namespace == "_c10d_functional":
             # A functional collective returns at once; its ``wait_tensor`` (DTensor's, FSDP2's) is where it ends.
             self._patch_wait()
@@ -369,6 +400,13 @@ class _Recorder(TorchDispatchMode):
 
     def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None,
              note: str | None = None, device: bool = False) -> None:
+        try:
+            self._end_line(rec, error, state, note, device)
+        except Exception as exc:  # on the job's thread, or a backend's callback thread
+            self.ledger.fail(exc)
+
+    def _end_line(self, rec: dict[str, Any], error: BaseException | None, state: str | None,
+                  note: str | None, device: bool) -> None:
         if state is None:
             state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
         text = None if error is None else f"{type(error).__name__}: {str(error)[:500]}"
@@ -670,6 +708,17 @@ def _new_group_wrapper(original):
 def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
     """Record every collective this thread issues inside the block into ``ledger`` (and make the subgroups it
     forms releasable)."""
+    stop = start_recording(ledger, step)
+    try:
+        yield ledger
+    finally:
+        stop()
+
+
+def start_recording(ledger: Ledger, step: str = "") -> Any:
+    """``recording`` without a block (a capture's, on until it closes): returns the function that stops it.
+    Its mode leaves the dispatch stack only from the top; where the job pushed a mode of its own above it since,
+    the recorder stays below, off (it passes every call through)."""
     ledger.step = step
     recorder = _Recorder(ledger)
     c10d = dist.distributed_c10d
@@ -679,15 +728,33 @@ def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
     if original_new is not None:
         c10d._new_group_with_tag = _new_group_wrapper(original_new)
     _ACTIVE.append(recorder)
-    try:
-        with recorder:
-            yield ledger
-    finally:
-        recorder.finish()
-        _ACTIVE.remove(recorder)
-        dist._broadcast_coalesced = original
-        if original_new is not None:
-            c10d._new_group_with_tag = original_new
+    recorder.__enter__()
+
+    def stop() -> None:
+        try:
+            if not leave_mode(recorder, dispatch=True):
+                ledger.off = True
+            recorder.finish()
+        finally:
+            if recorder in _ACTIVE:
+                _ACTIVE.remove(recorder)
+            dist._broadcast_coalesced = original
+            if original_new is not None:
+                c10d._new_group_with_tag = original_new
+
+    return stop
+
+
+def leave_mode(mode: Any, dispatch: bool) -> bool:
+    """Pop ``mode`` (a dispatch or function mode this code pushed) where it is the top of its stack; False where
+    another mode sits above it (a mode leaves a stack only from its top)."""
+    n = torch._C._len_torch_dispatch_stack() if dispatch else torch._C._len_torch_function_stack()
+    top = (torch._C._get_dispatch_stack_at(n - 1) if dispatch else torch._C._get_function_stack_at(n - 1)) \
+        if n else None
+    if top is not mode:
+        return False
+    mode.__exit__(None, None, None)
+    return True
 
 
 _LEDGERS: dict[str, Ledger] = {}

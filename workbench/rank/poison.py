@@ -34,7 +34,11 @@ POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
 }
 
 _ORIGINAL_TO_EMPTY = nn.Module.to_empty
-_STATE = {"poison": False, "materialized": 0}
+_STATE: dict[str, Any] = {"poison": False, "materialized": 0,
+                          # a guest in someone's job (``workbench.job``): ``guest(exc)`` hears of the hooks' own
+                          # failures instead of the job (the call the job made still returns its tensor); None
+                          # (live sessions): they raise, as before
+                          "guest": None}
 # data_ptr -> (poisoned at materialisation?, fingerprint then, numel): the tensors to_empty handed out.
 _TRACKED: dict[int, tuple[bool, int | None, int]] = {}
 
@@ -68,10 +72,24 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterator[torch.Tensor]:
 
 def _tracking_to_empty(self: nn.Module, *, device, recurse: bool = True) -> nn.Module:
     out = _ORIGINAL_TO_EMPTY(self, device=device, recurse=recurse)
-    with torch.no_grad():
-        for t in _tensors(self, recurse):
-            track(t.data, poison=_STATE["poison"])
+    try:
+        with torch.no_grad():
+            for t in _tensors(self, recurse):
+                track(t.data, poison=_STATE["poison"])
+    except Exception as exc:
+        _failed(exc)
     return out
+
+
+def _failed(exc: BaseException) -> None:
+    """A hook's own error: the guest's (its capture turns poison off), else raised."""
+    guest = _STATE.get("guest")
+    if guest is None:
+        raise exc
+    _STATE["guest"] = None
+    nn.Module.to_empty = _ORIGINAL_TO_EMPTY
+    _STATE["poison"] = False
+    guest(exc)
 
 
 def track(t: torch.Tensor, poison: bool) -> None:
@@ -149,6 +167,7 @@ def poisoned(on: bool = True) -> Iterator[None]:
 def uninstall() -> None:
     """Give ``nn.Module.to_empty`` back untouched (end of a session)."""
     _STATE["poison"] = False
+    _STATE["guest"] = None
     nn.Module.to_empty = _ORIGINAL_TO_EMPTY
 
 
@@ -162,21 +181,33 @@ _ALLOCATORS = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.
 class _Allocations(TorchFunctionMode):
     """With poison on: poison and track what the allocators hand out, poison what ``resize_`` grows."""
 
+    off = False  # a guest's mode after its hook failed, left below a mode the job pushed since: passes through
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
         if func is torch.Tensor.resize_:
             before = args[0].numel()
             out = func(*args, **kwargs)
-            if _STATE["poison"] and out.numel() > before and not out.is_meta and out.is_contiguous():
-                with torch.no_grad():
-                    poison_(out.detach().reshape(-1)[before:])  # only the grown part is uninitialised
+            try:
+                if _STATE["poison"] and out.numel() > before and not out.is_meta and out.is_contiguous():
+                    with torch.no_grad():
+                        poison_(out.detach().reshape(-1)[before:])  # only the grown part is uninitialised
+            except Exception as exc:
+                self.off = _STATE.get("guest") is not None
+                _failed(exc)
             return out
         out = func(*args, **kwargs)
         # With poison off only to_empty is tracked (by fingerprint): hashing every allocation would itself
         # allocate and change which stale bytes the allocator hands out next, the very thing poison-off shows.
-        if _STATE["poison"] and func in _ALLOCATORS and isinstance(out, torch.Tensor):
-            with torch.no_grad():
-                track(out.detach(), poison=True)
+        try:
+            if _STATE["poison"] and func in _ALLOCATORS and isinstance(out, torch.Tensor):
+                with torch.no_grad():
+                    track(out.detach(), poison=True)
+        except Exception as exc:
+            self.off = _STATE.get("guest") is not None
+            _failed(exc)
         return out
 
 

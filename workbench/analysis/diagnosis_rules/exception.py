@@ -27,7 +27,8 @@ from workbench.analysis.diagnosis_run import (
 from workbench.analysis.rankgroups import ranks_words
 
 OUTCOMES = ("rank-died", "hang")  # stories about ranks, which already name who raised
-PARTED = ("collective-mismatch", "rank-missing", "mispaired", "reinterpreted")  # stories read from the ledger
+# stories read from the ledger
+PARTED = ("collective-mismatch", "rank-missing", "rank-dead", "mispaired", "reinterpreted")
 
 
 class ExceptionFacts:

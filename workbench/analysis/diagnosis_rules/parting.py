@@ -1,8 +1,8 @@
 """Stage ``parting``: how the first call on which the ranks' ledgers disagree reads.
 
-A rank that never issued it; a receiving rank whose tensor now holds the sender's bytes (an extra
-coalesced bucket received into another dtype's); the extra bucket alone; different calls. Then
-each other group that parted in the same step on its own.
+A rank that never issued it (named dead where a captured job's shard says so); a receiving rank
+whose tensor now holds the sender's bytes (an extra coalesced bucket received into another dtype's);
+the extra bucket alone; different calls. Then each other group that parted in the same step on its own.
 """
 
 from __future__ import annotations
@@ -149,6 +149,32 @@ class PartFacts:
         return independent(self.run, self.div)
 
 
+def _dead(f: PartFacts) -> dict[int, str]:
+    """The ranks a captured job's shards name dead (no close, the process gone): rank -> their line
+    (``postmortem/shards.py`` words it)."""
+    job = f.run.manifest.get("job") or {}
+    return {int(r): str(d.get("line")) for r, d in (job.get("dead") or {}).items()}
+
+
+def when_rank_dead(f: PartFacts) -> bool:
+    """the ranks that never issued the call are dead: their shards end without a close and their processes are
+    gone (a captured job's rank killed or crashed)"""
+    dead = _dead(f)
+    return bool(f.absent) and all(r in dead for r in f.absent)
+
+
+def says_rank_dead(f: PartFacts) -> Diagnosis:
+    """rank R stopped after point `P` (its shard ends without a close: killed or crashed); each other rank where
+    it failed or hung, with its own error"""
+    dead = _dead(f)
+    parts = [dead[r] for r in sorted(f.absent)]
+    for s in f.stuck:
+        if s["rank"] not in f.absent:
+            error = (s.get("call") or {}).get("error")
+            parts.append(f"rank {s['rank']} {s['how']}" + (f": {error}" if isinstance(error, str) and error else ""))
+    return Diagnosis("rank-dead", "; ".join(parts), f.div.step, f.absent, None, f.call, ev_frame(f.call_rows()))
+
+
 def when_rank_missing(f: PartFacts) -> bool:
     """a rank never issued the call the others issued"""
     return bool(f.absent)
@@ -238,6 +264,7 @@ def says_independent_groups(f: PartFacts, d: Diagnosis) -> Diagnosis:
 
 # -- the order: tried top to bottom ------------------------------------------------------------------
 RULES: tuple[Rule, ...] = (
+    Rule("parting", "rank-dead", when_rank_dead, says_rank_dead),
     Rule("parting", "rank-missing", when_rank_missing, says_rank_missing),
     Rule("parting", "reinterpreted", when_reinterpreted, says_reinterpreted),
     Rule("parting", "mispaired", when_mispaired, says_mispaired),
