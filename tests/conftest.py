@@ -9,10 +9,46 @@ their own.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
+def _own_lane() -> str | None:
+    """Under pytest-xdist (``make test`` runs the suite in lanes), this worker's own ``TMPDIR`` and
+    ``IPYTHONDIR``, set before any test runs; the lane's directory (None outside xdist).
+
+    The lanes run side by side on one machine, so what a test reads back from the temp dir (what a run
+    left there) or from the profile directory (``workbench status``, ``down`` without an id, which
+    stops the profile's one orphaned cluster) must be its own lane's, never another lane's live
+    engines. The engines, torchrun jobs and CLI runs a test starts inherit both."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return None
+    lane = tempfile.mkdtemp(prefix=f"pytest-lane-{worker}-")
+    for var, sub in (("TMPDIR", "tmp"), ("IPYTHONDIR", "ipython")):
+        os.makedirs(os.path.join(lane, sub))
+        os.environ[var] = os.path.join(lane, sub)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    return lane
+
+
+LANE = _own_lane()
+
+
+def pytest_unconfigure(config):
+    """The lane's profiles go; its temp dir only when empty (what a test leaked stays for a look)."""
+    if LANE is None:
+        return
+    shutil.rmtree(os.path.join(LANE, "ipython"), ignore_errors=True)
+    for d in (os.path.join(LANE, "tmp"), LANE):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
 
 TEST_TIMEOUT_S = 8.0  # collective timeout: short, so the headline's gloo send times out quickly
 
