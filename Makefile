@@ -39,7 +39,7 @@ demo: $(STAMP)
 # time, so a file's own cluster starts once, the costliest files first (tests/conftest.py orders them; the
 # reorder by test count is off); each lane has its own TMPDIR, IPYTHONDIR and session cluster, and a test
 # marked `alone` runs while the other lanes wait. LANES=0 runs the suite in this one process.
-LANES ?= 3
+LANES ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(LANES) --dist loadfile --no-loadscope-reorder

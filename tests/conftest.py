@@ -83,9 +83,33 @@ def _lanes_lock(config, exclusive: bool):
             fcntl.flock(gate, fcntl.LOCK_UN)
 
 
-# What each test file costs in one lane, in seconds (a run of the suite on the 2-core box): ``make test``'s
-# lanes start the costliest first. A file missing here counts as light and runs after these.
-COST_S: dict[str, float] = {}
+# What each test file cost in one lane, in seconds (the suite in 3 lanes on a 2-core box shared with other
+# work, 2026-11-27: slow, but in proportion): ``make test``'s lanes start the costliest first. A file missing
+# here (under 100 s there) counts as light and runs after these.
+COST_S: dict[str, float] = {
+    "tests/test_fixtures.py": 1375,
+    "tests/test_browser.py": 1092,
+    "tests/test_job.py": 1085,
+    "tests/test_bundle.py": 1060,
+    "tests/test_notebooks.py": 789,
+    "tests/test_meshes.py": 743,
+    "tests/test_multihost.py": 705,
+    "tests/test_job_attach.py": 578,
+    "tests/test_cli.py": 550,
+    "tests/test_attach.py": 499,
+    "tests/test_docs.py": 496,
+    "tests/test_vllm_weightsync.py": 463,
+    "tests/test_rerun.py": 455,
+    "tests/test_registry_faults.py": 449,
+    "tests/test_faults.py": 422,
+    "tests/test_diagnosis.py": 347,
+    "tests/test_user_scenarios.py": 272,
+    "tests/test_teach.py": 261,
+    "tests/test_lifetime.py": 155,
+    "tests/test_tempfiles.py": 128,
+    "tests/test_flightrecorder.py": 113,
+    "tests/test_viz_scale.py": 103,
+}
 
 TEST_TIMEOUT_S = 8.0  # collective timeout: short, so the headline's gloo send times out quickly
 
