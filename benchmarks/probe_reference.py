@@ -31,8 +31,38 @@ import torch
 from torch import nn
 
 from workbench.rank.columns import COLUMNS, WINDOW, WINDOW_OFFSETS  # noqa: F401  (re-exported: the row vocabulary)
-from workbench.rank.fingerprint import _M32, _fingerprint_lanes
-from workbench.rank.poison import POISON_BITS, poison_count
+
+# The fingerprint and the poison count, frozen here as they were (not imported from the live modules): a
+# reference that imports what it checks would agree with any change to them.
+_M32 = 0xFFFFFFFF
+POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, 0x7FA5A5A5),
+    torch.bfloat16: (torch.int16, 0x7FA5),
+    torch.float16: (torch.int16, 0x7D5A),
+    torch.float64: (torch.int64, 0x7FF4A5A5A5A5A5A5),
+}
+
+
+def poison_count(t: torch.Tensor) -> torch.Tensor | None:
+    if t.dtype not in POISON_BITS:
+        return None
+    int_dtype, bits = POISON_BITS[t.dtype]
+    return (t.reshape(-1).view(int_dtype) == bits).sum()
+
+
+def _fingerprint_lanes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = flat.contiguous().view(torch.uint8) if flat.element_size() != 1 or flat.dtype != torch.uint8 else flat
+    b = b.reshape(-1)
+    pad = (-b.numel()) % 4
+    if pad or b.storage_offset() % 4:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
+    w = b.view(torch.int32).to(torch.int64) & _M32
+    idx = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+    a = ((w ^ ((idx * 0x9E3779B1) & _M32)) * 0x85EBCA77) & _M32
+    a = a ^ (a >> 15)
+    c = (((w + idx * 0xC2B2AE3D) & _M32) * 0x27D4EB2F) & _M32
+    c = c ^ (c >> 13)
+    return a.sum() & _M32, c.sum() & _M32
 
 HEAD = 8
 RAW_SMALL = 256  # bytes kept whole for tensors up to this size

@@ -10,6 +10,7 @@ finalizer, also when a test fails.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -242,8 +243,11 @@ SRUN_STAND_IN = """#!/bin/bash
 # srun on one host: `srun -n N [--options] program args...` starts N tasks with SLURM_LOCALID, highest first
 n=$2; shift 2
 while [[ $1 == --* ]]; do shift; done
-for i in $(seq $((n - 1)) -1 0); do SLURM_LOCALID=$i "$@" & done
-wait
+pids=()
+for i in $(seq $((n - 1)) -1 0); do SLURM_LOCALID=$i "$@" & pids+=($!); done
+rc=0  # as srun does: the job step's status is its tasks' worst
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
 """
 
 
@@ -274,7 +278,10 @@ def test_the_slurm_recipe_with_a_one_host_stand_in_for_srun(tmp_path):
             assert {r: v[:2] for r, v in c.run(_world).items()} == {0: (0, 2), 1: (1, 2)}
         finally:
             c.shutdown()
-        assert job.wait(timeout=30) is not None  # engines gone: srun returned, the job script ended
+        assert not c.alive
+        # the engines were ended by the shutdown (all on this host: killed, they hold nothing worth a graceful
+        # exit), srun returned their status and the batch script ended with it
+        assert job.wait(timeout=30) == 128 + signal.SIGKILL
     finally:
         if job.poll() is None:
             os.killpg(job.pid, 9)

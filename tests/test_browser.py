@@ -98,6 +98,82 @@ def test_report_draws_every_figure_offline(browser, bundle_path):
     assert (ARTIFACTS / f"report-{name}.png").stat().st_size > 10_000
 
 
+JOB = """
+import sys, torch
+from torch import nn
+import workbench.job as wj
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.rotary_emb = nn.Linear(8, 8), Rotary()
+
+    def forward(self, x):
+        return self.lin(x) * self.rotary_emb.inv_freq.sum()
+
+
+cap = wj.capture(sys.argv[1], name="train")
+with torch.device("meta"):
+    model = Model()
+cap.point("meta", model=model)
+model.to_empty(device="cpu")  # the user's bug: inv_freq (not persistent) is never written again
+torch.manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+cap.point("materialize", model=model)
+for i in range(3):
+    out = model(torch.ones(2, 8))
+    cap.point(f"step{i}", model=model, logits=out)
+cap.close()
+"""
+
+
+def test_a_jobs_report_reads_as_a_jobs(browser, tmp_path):
+    """The report of a job's own capture: its title once, no "bug path" (a job has no fix paths), the outline
+    on the column where the story starts (the buffer never written after ``materialize``), and no horizontal
+    scroll at 1300 px."""
+    from workbench.postmortem import bundle, report
+
+    script = tmp_path / "train.py"
+    script.write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKBENCH_CAPTURE", "RANK", "WORLD_SIZE"))}
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "train")], capture_output=True, text=True,
+                         timeout=120, env={**env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    b = bundle.load(tmp_path / "train")
+    d = b.bug.diagnose()
+    assert d.step == "materialize" and "inv_freq" in d.sentence, d.sentence
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = report.write(b, ARTIFACTS / "report-job.html")
+    text = path.read_text(encoding="utf-8")
+    assert "bug path" not in text
+    assert "<h1>train: the job&#x27;s own capture (no launcher, 1 rank(s))</h1>" in text
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    console = Console(page)
+    page.goto(path.as_uri(), wait_until="load")
+    page.wait_for_function("() => document.querySelectorAll('.plotly-graph-div .main-svg').length >= 2",
+                           timeout=60_000)
+    got = page.evaluate("""() => { const gd = document.getElementById('wb-fig-1');
+        const x0 = gd.layout.shapes[0].x0, x1 = gd.layout.shapes[0].x1;
+        return {scroll: document.documentElement.scrollWidth, width: document.documentElement.clientWidth,
+                outlined: gd.layout.xaxis.categoryarray[Math.round((x0 + x1) / 2)],
+                h1: document.querySelector('h1').textContent}; }""")
+    page.screenshot(path=str(ARTIFACTS / "report-job.png"))
+    page.close()
+    assert got["outlined"] == "materialize", got
+    assert got["scroll"] <= got["width"], f"the page scrolls sideways at 1300 px: {got}"
+    assert got["h1"].count("train") == 1, got
+    assert console.errors == [], console.errors
+
+
 # -- the status views at 2 and 8 ranks -------------------------------------------------
 @pytest.mark.parametrize("n", [2, 8])
 def test_status_view_reads_at_a_glance(browser, n):

@@ -5,6 +5,7 @@ Recorded by `bash scripts/gpu_suite.sh` through the device tool; no GPU is neede
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,13 @@ def test_fix_is_clean_on_nccl():
 def test_gpu_bundle_renders_a_report(name, tmp_path):
     page = wb.report.write(wb.load(GPU / name), tmp_path / "r.html").read_text()
     assert "nccl" in page and "cuda:1" in page and page.count("plotly-graph-div") >= 3
+
+
+def test_a_jobs_truth_on_4_gpus_was_recorded():
+    """Issue 45's GPU proof (scripts/job_truth_gpu.py): the clean job's sentence, the post mortem's probe ranks,
+    the deadlock's end after the resume, every check passed."""
+    doc = json.loads((GPU / "job_truth_4gpu.json").read_text())
+    assert doc["ok"] and all(c["ok"] for r in doc["runs"] for c in r["checks"])
+    assert "inv_freq" in doc["clean_sentence"] and "hung" not in doc["clean_sentence"]
+    assert doc["postmortem_probe_ranks"] == [0, 1, 2, 3]
+    assert doc["deadlock_end_after_resume_s"] < 5.0

@@ -65,3 +65,68 @@ def test_a_job_across_two_hosts_hangs_and_its_shards_name_it(tmp_path):
     job = rec.manifest["job"]
     assert job["id"] == "torchrun-wbjob42" and job["hosts"] == ["hosta", "hostb"]
     assert sorted(d["host"] for d in docs) == ["hosta", "hostb"]
+
+
+def _torchrun(hosts, script: str, out: str, tmp_path, tag: str, *args: str) -> list:
+    procs = []
+    for h in hosts.names[:2]:
+        log = open(tmp_path / f"{tag}-{h}.log", "w")
+        procs.append(hosts.popen(h, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                     "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                     f"{hosts.addr('hosta')}:29412", "--rdzv-id", f"wb{tag}",
+                                     os.path.join(netns.REPO, "examples", script), out, *args],
+                                 env={"PYTHONPATH": netns.REPO, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log))
+        log.close()
+    return procs
+
+
+def _attachable(out: str, procs, logs, limit: float = 240) -> dict:
+    t0 = time.monotonic()
+    while True:
+        try:
+            doc = json.loads(open(os.path.join(out, "attach.json")).read())
+            if doc.get("status") == "waiting":
+                return doc
+        except (OSError, ValueError):
+            pass
+        assert all(p.poll() is None for p in procs), logs()
+        assert time.monotonic() - t0 < limit, logs()
+        time.sleep(0.3)
+
+
+def test_a_job_across_two_hosts_attaches_from_a_third(tmp_path):
+    """torchrun across two hosts (c10d rendezvous): stopped at ``cap.breakpoint()``, then post mortem after rank 1
+    raises. A client on a third host connects through the shared directory, probes every rank and resumes; the
+    controller listens on the job's own network only (the rendezvous host's address, never every interface)."""
+    netns.reap_stale()
+    with netns.Hosts(3) as hosts:
+        client = netns.Client(hosts, "hostc")
+        try:
+            for tag, script, args in (("bp", "breakpoint_job.py", ("--deadline", "240")),
+                                      ("pm", "postmortem_job.py", ("--deadline", "240"))):
+                out = os.path.join(hosts.shared, tag)
+                procs = _torchrun(hosts, script, out, tmp_path, tag, *args)
+
+                def logs(tag=tag) -> str:
+                    return "".join((tmp_path / f"{tag}-{h}.log").read_text()[-2000:] for h in hosts.names[:2])
+
+                doc = _attachable(out, procs, logs)
+                ctl = [(a, p) for h in hosts.names[:2] for a, p, who in hosts.listening(h)
+                       if f"pid={doc['controller_pid']}," in who]
+                assert ctl and all(a == hosts.addr(doc["host"]) for a, _ in ctl), (ctl, doc["host"])
+                got = client.call("import workbench as wb\n"
+                                  "cluster = wb.connect(job=out)\n"
+                                  "rows = cluster.probe('model')\n"
+                                  "result = [sorted(set(rows['rank'])), sorted(set(cluster.hosts.values())),\n"
+                                  "          cluster.post_mortem and cluster.post_mortem['line']]\n"
+                                  "cluster.resume()", out=out, timeout=240)
+                assert got[0] == [0, 1] and got[1] == ["hosta", "hostb"], got
+                codes = [p.wait(timeout=120) for p in procs]
+                if tag == "bp":
+                    assert codes == [0, 0], logs()
+                    assert json.loads(open(os.path.join(out, "result.json")).read())["by"] == "client"
+                else:
+                    assert got[2].startswith("rank 1 raised RuntimeError: mat1 and mat2 shapes"), got[2]
+                    assert any(c != 0 for c in codes), logs()
+        finally:
+            client.close()

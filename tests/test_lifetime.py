@@ -21,7 +21,8 @@ import pytest
 import workbench as wb
 from workbench.live import lease
 
-GONE_WITHIN_S = 10.0  # the bound: no process of the tree 10 s after the client's death
+GONE_WITHIN_S = 10.0  # generous: the reaper wakes on the parent-death signal or within POLL_S (0.2 s); without it
+# the tree outlives its client for ever, which is the defect these tests guard
 
 
 def _slow_scenario(tmp_path) -> str:

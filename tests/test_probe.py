@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import nn
@@ -112,6 +113,41 @@ def test_windows_of_many_tensors_in_one_copy_are_the_bytes_at_the_window_offsets
     assert probe._windows_many([torch.zeros(10)]).numel() == 0  # small tensors keep no windows
 
 
+def _lanes_by_hand(t: torch.Tensor) -> tuple[int, int]:
+    """The fingerprint as docs/ and the probe's docstring define it, in plain Python integers with the constants
+    written out: an independent reference (it shares no code or constant with the module it checks)."""
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 4)
+    m = 0xFFFFFFFF
+    lane1 = lane2 = 0
+    for i, (w,) in enumerate(struct.iter_unpack("<I", raw), start=1):
+        a = ((w ^ ((i * 0x9E3779B1) & m)) * 0x85EBCA77) & m
+        c = (((w + i * 0xC2B2AE3D) & m) * 0x27D4EB2F) & m
+        lane1, lane2 = lane1 + (a ^ (a >> 15)), lane2 + (c ^ (c >> 13))
+    return lane1 & m, lane2 & m
+
+
+def test_the_fingerprint_reads_the_bytes_as_documented():
+    """Fixed inputs against the hand reference, and the probe's column against it: equal bytes equal
+    fingerprints, a moved word another one."""
+    t = torch.arange(10, dtype=torch.float32)
+    row = one(t)
+    lanes = _lanes_by_hand(t)
+    assert row["fingerprint"] == f"{lanes[0]:08x}{lanes[1]:08x}", (row["fingerprint"], lanes)
+    assert _lanes_by_hand(t.flip(0)) != lanes and one(t.flip(0))["fingerprint"] != row["fingerprint"]
+
+
+def test_poison_writes_the_documented_bit_patterns():
+    """Signalling-NaN patterns per float dtype, written out here rather than read from the module."""
+    patterns = {torch.float32: ("<I", 0x7FA5A5A5), torch.bfloat16: ("<H", 0x7FA5),
+                torch.float16: ("<H", 0x7D5A), torch.float64: ("<Q", 0x7FF4A5A5A5A5A5A5)}
+    for dtype, (fmt, bits) in patterns.items():
+        t = poison_(torch.zeros(3, dtype=dtype))
+        got = {w for (w,) in struct.iter_unpack(fmt, t.view(torch.uint8).numpy().tobytes())}
+        assert got == {bits}, (dtype, [hex(w) for w in got])
+        assert one(t)["poisoned"] == 3
+
+
 def test_cpu_shortcuts_give_the_general_paths_values():
     """The all-finite shortcut and the in-place fingerprint are speed only: same numbers, same bits."""
     from workbench.rank import fingerprint as fp
@@ -127,12 +163,7 @@ def test_cpu_shortcuts_give_the_general_paths_values():
                        float(torch.where(finite, x, -math.inf).max()),
                        float(torch.where(finite, x, 0.0).sum() / finite.sum().clamp(min=1))]
             assert [float(v) for v in _stats(t)[0]] == general, (dtype, n)
-            w = fp._words(t)
-            idx = torch.arange(1, w.numel() + 1, dtype=torch.int64)
-            a = ((w ^ ((idx * fp._K1) & fp._M32)) * fp._K2) & fp._M32
-            c = (((w + idx * fp._K3) & fp._M32) * fp._K4) & fp._M32
-            lanes = (int((a ^ (a >> 15)).sum() & fp._M32), int((c ^ (c >> 13)).sum() & fp._M32))
-            assert tuple(int(v) for v in fp._fingerprint_lanes(t)) == lanes, (dtype, n)
+            assert tuple(int(v) for v in fp._fingerprint_lanes(t)) == _lanes_by_hand(t), (dtype, n)
     mixed = [("a", "tensor", torch.randn(600)), ("b", "tensor", torch.randn(700).bfloat16()),
              ("c", "tensor", torch.randn(900))]
     together = probe_tensors(mixed, 0)

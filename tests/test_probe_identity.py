@@ -64,8 +64,27 @@ def fusable_model() -> nn.Module:
     return m
 
 
+def _sumsq(t: torch.Tensor) -> float:
+    x = t.detach().reshape(-1).double()
+    return float(torch.where(torch.isfinite(x), x, 0.0).square().sum())
+
+
+def pop_sumsq(module: nn.Module, rows: list[dict]) -> None:
+    """``sumsq`` came after the reference: every row has it, near the float64 sum of the finite values' squares
+    (the fused pass sums a block's lanes in fp32), and the rest of the row is the reference's."""
+    tensors = {n: t for n, _, t in probe.named_tensors(module)}
+    for r in rows:
+        got = r.pop("sumsq")
+        if r["fingerprint"] in ("meta", "empty"):
+            assert got is None
+            continue
+        want = _sumsq(tensors[r["name"]])
+        assert abs(got - want) <= 1e-6 * max(want, 1e-30), (r["name"], got, want)
+
+
 def same_rows(module: nn.Module) -> None:
     new, old = probe.probe_module(module, rank=1), ref.probe_module(module, rank=1)
+    pop_sumsq(module, new)
     assert [r["name"] for r in new] == [r["name"] for r in old]
     for a, b in zip(new, old):
         assert pickle.dumps(a) == pickle.dumps(b), (a["name"], {k: (a[k], b[k]) for k in a if a[k] != b[k]})
@@ -89,6 +108,7 @@ def tied_model() -> nn.Module:
 def tied_rows(module: nn.Module) -> None:
     """A tied module's rows: the reference's bytes plus ``shares`` on the rows whose tensor has other names."""
     new, old = probe.probe_module(module, rank=1), ref.probe_module(module, rank=1)
+    pop_sumsq(module, new)
     shares = {r["name"]: r.pop("shares") for r in new if "shares" in r}
     assert shares == {"0.weight": "1.weight", "inv_freq": "alias", "alias": "inv_freq"}, shares
     assert pickle.dumps(new) == pickle.dumps(old)

@@ -214,9 +214,12 @@ def both_roots(ctx):
     dist.broadcast(torch.full((4,), float(ctx.rank)), src=ctx.rank, group=ctx.pair)  # every rank its own root
 
 
+MESH_TIMEOUT_S = 20.0  # the 4-rank group's collective timeout: a call released sooner was released by the ledgers
+
+
 @pytest.fixture(scope="module")
 def mesh4():
-    c = wb.start(ranks=4, backend="gloo", timeout=20.0)
+    c = wb.start(ranks=4, backend="gloo", timeout=MESH_TIMEOUT_S)
     yield c
     c.stop()
 
@@ -260,7 +263,9 @@ def test_every_independent_failure_of_a_step_is_told_and_different_roots_are_rel
         assert "Connection closed" not in msg, msg
     # the call with different roots is declared and released from the ledgers, not left to the 20 s timeout
     assert sorted(frame.released) == [1, 2] and frame.hang.caught_by == "ledger deadlock"
-    assert took < 15, took
+    # released before the group's 20 s timeout could have cut it (the figure is benchmarks/hang_cycles.py's)
+    assert not any("Timed out" in msg for msg in frame.rank_errors.values()), frame.rank_errors
+    assert took < MESH_TIMEOUT_S, took
 
 
 @pytest.mark.slow
@@ -271,7 +276,8 @@ def test_two_groups_that_part_on_their_own_are_both_told_and_both_released(mesh4
     assert "rank 3: broadcast #1 float32 [4] 16 B src=3 (group rank 1)" in d.sentence, d.sentence  # pair (0,3)
     assert "rank 2: broadcast #1 float32 [4] 16 B src=2 (group rank 1)" in d.sentence, d.sentence  # pair (1,2)
     assert d.sentence.endswith("ranks 0-3 hung in broadcast #1 (released by the workbench)"), d.sentence
-    assert took < 15, took
+    assert not any("Timed out" in msg for msg in frame.rank_errors.values()), frame.rank_errors
+    assert took < MESH_TIMEOUT_S, took  # released before the group's own timeout could have ended it
 
 
 PIPED = '''

@@ -4,6 +4,7 @@
     cluster = wb.start(ranks=2)
     s = cluster.session("fsdp1-rotary-meta-init")
     s.step(); s.run(); s.history; s.compare(fix="cast-params-only")
+    print(wb.diff("runs/good", "runs/bad"))   # two captures of a job: where they first part
     cluster.stop()
 
 Client names load lazily: engines import ``workbench.rank`` through this package and
@@ -30,6 +31,7 @@ _LAZY = {
     "Frame": ("workbench.analysis.frames", "Frame"),
     "scenario_names": ("workbench.scenarios", "names"),
     "load": ("workbench.postmortem.bundle", "load"),
+    "diff": ("workbench.postmortem.diff", "diff"),
     "Bundle": ("workbench.postmortem.bundle", "Bundle"),
     "Stepper": ("workbench.live.stepper", "Stepper"),
     "viz": ("workbench.viz", None),

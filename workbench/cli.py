@@ -372,6 +372,32 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return 0 if all(r.reproduced for r in results) else 1
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Two runs of a job (captures, bundles, or one of each): where they first part, in one sentence; with -o,
+    the HTML page (the sentence, points x tensors coloured by the first kind of difference). Exit 1 when
+    they part (or share no points), 0 when they agree (bytes equal, or within rounding)."""
+    from workbench.postmortem.diff import diff
+
+    if args.output:
+        check_output(args.output, "-o")
+    d = diff(args.a, args.b, labels=tuple(args.labels.split(",", 1)) if args.labels else None)
+    print(d.sentence)
+    if args.output:
+        print(f"report: {d.to_html(args.output) and args.output}")
+    return 0 if d.same else 1
+
+
+def add_diff(sub: Any) -> None:
+    dp = sub.add_parser("diff", help="two runs of a job (captures or bundles): where they first part, in one sentence")
+    dp.add_argument("a", help="the first run (the good one): a directory of shards, a .wbundle or a bundle directory "
+                    "(BUNDLE@FIX: that fix's run)")
+    dp.add_argument("b", help="the second run (the bad one)")
+    dp.add_argument("-o", "--output", default=None, metavar="FILE", help="also write the HTML page here")
+    dp.add_argument("--labels", default=None, metavar="A,B", help="what the sentence calls them (default: the "
+                    "directories' names)")
+    dp.set_defaults(fn=cmd_diff)
+
+
 def ranks_for(args: argparse.Namespace) -> Any:
     """Fresh engines, or with ``--cluster P`` the warm ones of a running cluster (left up on exit)."""
     import workbench as wb
@@ -501,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reproduced only when bit-exact (default: the same story, values within rounding)")
     _add_cluster_args(rr, "--cluster")
     rr.set_defaults(fn=cmd_rerun)
+    add_diff(sub)
     u = sub.add_parser("up", help="start a cluster in the background and return (warm ranks for --cluster)")
     u.add_argument("--ranks", type=int, required=True)
     u.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])

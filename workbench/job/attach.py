@@ -257,7 +257,7 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
             "status": "waiting", "breakpoint": ident, "kind": "breakpoint" if isinstance(ident, int) else ident,
             "job": getattr(cap, "job", None), "world_size": world,
             "client_file": got["client_file"], "controller_pid": proc.pid if proc else None,
-            "point": (getattr(cap, "points", None) or [None])[-1], "names": sorted(_namespace(cap, objects)),
+            "point": (getattr(cap, "points", None) or [None])[-1], "names": shown_names(_namespace(cap, objects)),
             "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname(), "pid": os.getpid(),
             "ready_s": time.time() - t0, **extra})
     try:
@@ -278,6 +278,36 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
         _share(f"{key}/closed", "1", rank, timeout=0)
     result["total_s"] = time.time() - t0
     return result
+
+
+def shown_names(ns: dict[str, Any]) -> list[str]:
+    """The names a rank's namespace offers a notebook, sorted: a script's module dunders (``__name__``,
+    ``__builtins__``, ... where the frame that waits is the script's top level) left out."""
+    return sorted(n for n in ns if not (n.startswith("__") and n.endswith("__")))
+
+
+def probe_here(names: list[str]) -> dict[str, Any]:
+    """This rank's probe rows for ``names`` now (``cluster.probe`` on a job): ``{"rows": [...]}``. Where the rank
+    cannot read them (its device still held behind a collective that never completes), the rows its shard holds
+    from its last point, each labelled ``as of point X`` (``as_of``), with why; ``{"error": ...}`` where it has
+    neither."""
+    from workbench.rank import phases
+
+    ns = here()
+    objects = {n: ns[n] for n in names if n in ns}
+    held = (getattr(ns.get("cap") or _STATE.get("cap"), "_pm", None) or {}).get("device_held")
+    try:
+        if held:  # the post mortem could not free this rank's device: asking it would wait for good
+            raise TimeoutError(f"its device is held behind a collective that never completes ({held})")
+        return {"rows": phases.probe_rows(objects)}
+    except Exception as exc:
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    latest = getattr(ns.get("cap") or _STATE.get("cap"), "_latest", None) or {}
+    rows = [dict(r, as_of=f"point {latest.get('point')}") for r in latest.get("tensors") or []
+            if str(r.get("name", "")).split(".")[0] in names]
+    if not rows:
+        return {"error": why}
+    return {"rows": rows, "as_of": latest.get("point"), "why": why}
 
 
 def _namespace(cap: Any, objects: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +334,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
     saved = {"stdout": sys.stdout, "stderr": sys.stderr, "displayhook": sys.displayhook,
              "main": sys.modules.get("__main__"), "path": list(sys.path)}
     ns = _namespace(cap, objects)
-    _STATE.update(ns=ns, cap=cap, by="deadline", names=sorted(ns))
+    _STATE.update(ns=ns, cap=cap, by="deadline", names=shown_names(ns))
     from workbench.rank import context
 
     fill_rank = not context._RANK  # what %%px cells' ``wbr.here()`` reads, where no live group set it

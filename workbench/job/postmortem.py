@@ -21,9 +21,18 @@ ranks never join) does not keep it: the rank prints its traceback and exits 1 th
 call open past ``hang_after`` seconds is published in the store; rank 0's thread reads them, and once
 every rank waits in a call that is not the same collective (another group, another op, another
 sequence number or shape) the deadlock is proven: the calls go to ``attach.json`` as the proof and
-every rank serves from its thread. The ranks stay in their calls afterwards (as they would have: the
-group's own timeout, or the launcher, ends them). A rank that waits while another issues no call at
-all is not a proof (that one may be computing) and attaches nothing.
+every rank serves from its thread. Once the attach is over (resumed, or the deadline) the job ends at
+once, each rank in one line and exit status 1, rather than at its group's timeout. A rank that waits
+while another issues no call at all is not a proof (that one may be computing) and attaches nothing.
+
+On NCCL a waiting rank's GPU is held: its stream waits behind kernels of a collective that never
+completes, so nothing the notebook runs there would return. Once a waiting rank's part of the account
+is in the store, its watcher frees it (``_release``): the main thread is told to stop at its next line
+of Python (``sys.monitoring``, Python 3.12), the job's communicators are aborted (as the live session's
+release does), the kernels end and the stream drains, so the probe reads the device; calls that end
+only at the abort are written failed ("aborted by the workbench"), never completed. A rank whose device
+still cannot be read answers ``cluster.probe`` with its last point's rows, labelled (``as_of``). After
+the attach a released rank ends in one line, exit status 1 (``Capture._excepthook``).
 """
 
 from __future__ import annotations
@@ -43,6 +52,15 @@ MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("
          True: ("error", "deadlock")}
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
+ABORT_WAIT_S = 5.0  # how long a waiting rank gives the abort of its communicators before it serves without
+END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
+
+
+class Released(BaseException):
+    """Raised on a waiting rank's main thread when the post mortem freed its stuck NCCL call (the job's
+    communicators aborted once the account was taken): the rank stops there, waits until the notebook is done
+    and ends with exit status 1 (``shard.Capture._excepthook``). A ``BaseException``, so the job's own
+    ``except Exception`` does not take it for one of its errors."""
 
 
 def modes(attach: Any) -> tuple[str, ...]:
@@ -256,8 +274,11 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             with contextlib.suppress(Exception):
                 store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             del frame
+            _release(cap, me)  # its part of the account is taken: free its stream so its device reads
             _off_the_stuck_stream(cap)
-            _serve(cap, objects, None, trigger=trigger)
+            served = _serve(cap, objects, None, trigger=trigger)
+            if trigger.get("reason") == "deadlock" and served.get("by") in ("client", "deadline"):
+                _end_after_deadlock(cap, trigger, store, key)
             return
         if tail is None:
             continue
@@ -278,12 +299,138 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
                                                            "t": time.time()}))
 
 
+def _nccl() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_initialized() and "nccl" in str(dist.get_backend())
+    except Exception:
+        return False
+
+
+def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
+    """On NCCL, free this waiting rank: its main thread is held behind kernels that wait for a collective that
+    can never complete (so is its GPU: nothing the notebook runs there would return). The main thread is told
+    to stop at its next line of Python (``Released``), then the job's communicators are aborted, as the live
+    session's release does (``control.abort_groups``): the kernels end, the stream drains, the main thread
+    stops in the capture's excepthook until the attach is over. The account holds this rank's open calls from
+    before. Gloo needs none of it (its waits hold no device)."""
+    if not _nccl():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    from workbench.rank import control
+
+    t0 = time.perf_counter()
+    calls = me.get("open_calls") or []
+    _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
+                          else None, "held": _hold_main_thread()}
+    control.mark()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+            box["n"] = control.abort_groups(groups, c10d._get_default_group())
+        except Exception as exc:
+            box["exc"] = exc
+        finally:
+            done.set()
+
+    # on its own thread, bounded: an abort seen blocking for good (4 x H200, NCCL 2.28: a rank whose main thread
+    # waited in a synchronous copy behind a call of the world group, with a second NCCL group beside it) must not
+    # keep the rank from serving
+    threading.Thread(target=abort, name="workbench-abort", daemon=True).start()
+    if not done.wait(ABORT_WAIT_S) or "exc" in box:
+        why = (f"{type(box['exc']).__name__}: {box['exc']}" if "exc" in box
+               else f"the abort did not return in {ABORT_WAIT_S:g} s")
+        cap._pm["device_held"] = why  # its probe answers with its last point's rows, without asking the device
+        with contextlib.suppress(Exception):
+            sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not free its communicators "
+                                 f"({why}); its device stays held\n")
+        return _STATE["released"]
+    _STATE["released"].update(groups=box["n"], abort_s=time.perf_counter() - t0)
+    return _STATE["released"]
+
+
+def _hold_main_thread() -> bool:
+    """Stop the main thread at its next line of Python once the abort frees it (Python 3.12's ``sys.monitoring``;
+    an asynchronous exception could land inside the excepthook of an error the abort raised): it waits there
+    until the attach is over, then raises ``Released``, so no more of the job's code runs on a rank whose
+    communicators are gone. Without ``sys.monitoring`` (Python 3.11) the main thread runs on until the job's
+    next collective raises, and its excepthook waits the same way. Lines of the workbench's own code pass."""
+    mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        return False
+    tool = next((i for i in range(6) if mon.get_tool(i) is None), None)
+    if tool is None:  # every tool id taken (debuggers, profilers, coverage)
+        return False
+    mon.use_tool_id(tool, "workbench-postmortem")
+    main = threading.main_thread()
+
+    def on_line(code: Any, line: int) -> Any:
+        if threading.current_thread() is not main:
+            return None if _user(code.co_filename) else mon.DISABLE  # the serving thread runs at full speed
+        if code.co_filename.startswith(_WORKBENCH):
+            return None
+        mon.set_events(tool, 0)
+        while _STATE.get("role") != "served":
+            time.sleep(0.05)
+        with contextlib.suppress(Exception):
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+        raise Released()
+
+    mon.register_callback(tool, mon.events.LINE, on_line)
+    mon.set_events(tool, mon.events.LINE)
+    return True
+
+
+def was_released() -> bool:
+    """Whether the post mortem aborted this rank's communicators (its main thread's next error is ours)."""
+    return bool(_STATE.get("released"))
+
+
+def released_line(cap: Any, exc: BaseException) -> str:
+    """What a released rank says when it ends (its excepthook), one line."""
+    got = _STATE.get("released") or {}
+    call = f" from {got['call']}" if got.get("call") else ""
+    after = "" if isinstance(exc, Released) else f" ({type(exc).__name__} on the aborted communicators)"
+    return (f"workbench: rank {getattr(cap, 'rank', '?')} was released{call} by the post mortem (its "
+            f"communicators aborted once the account was taken){after}; it ends here with exit status 1\n")
+
+
+def _end_after_deadlock(cap: Any, trigger: dict[str, Any], store: Any, key: str) -> None:
+    """After a deadlock's attach (the notebook resumed, or the deadline), the job ends now rather than at its
+    group's timeout: once rank 0 has closed the attach (no rank leaves while another still serves: the launcher
+    would end it), a released main thread ends the rank itself (its excepthook); one still stuck in its call
+    (gloo: its socket waits are not aborted) ends with the rank here, exit status 1, in one line."""
+    if cap.rank != 0:
+        with contextlib.suppress(Exception):
+            import datetime
+
+            store.wait([f"{key}/closed"], datetime.timedelta(seconds=60))
+    end = time.monotonic() + (END_WAIT_S if _STATE.get("released") else 0.0)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    line = (f"workbench: rank {cap.rank} ends now (exit status 1): the ledgers proved a deadlock "
+            f"({(trigger.get('proof') or {}).get('line', '?')}) and the post mortem is over; its call could "
+            "never complete\n")
+    with contextlib.suppress(Exception):
+        sys.__stdout__.flush()
+        sys.__stderr__.write(line)
+        sys.__stderr__.flush()
+    os._exit(1)
+
+
 def _off_the_stuck_stream(cap: Any) -> None:
     """Serve on the main thread's GPU with a stream of this thread's own. On NCCL a rank that waits in a
     collective has its default stream queued behind kernels that wait for that collective, so whatever the
     notebook runs there (the probe's copies, a ``.cpu()``) would wait for ever; and CUDA's current device and
     PyTorch's current stream are per thread (a new thread starts on device 0, default stream)."""
     torch = sys.modules.get("torch")
+    if cap._pm.get("device_held"):  # a CUDA call here could wait behind the abort that never returned
+        return
     dev = getattr(getattr(cap, "ctx", None), "device", None)
     if getattr(dev, "type", "") != "cuda":
         dev = cap._pm.get("device")
@@ -417,7 +564,8 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
     try:
         result = attach.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
                                doc=account, on_stuck=on_stuck)
-        if store is not None and cap.rank != 0 and _STATE.get("role") == "raised":
+        # no rank goes on (fails, is released, ends) before rank 0 closed the attach: the launcher would end the rest
+        if store is not None and cap.rank != 0:
             with contextlib.suppress(Exception):
                 import datetime
 
@@ -432,11 +580,14 @@ def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:
     if go.get("reason") == "deadlock":
         return f"deadlock (the ledgers): {(go.get('proof') or {}).get('line', '?')}"
     parts = []
-    for r, info in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+    # the rank that raised first (the one whose error triggered the attach), its message whole (on one line)
+    order = sorted(ranks.items(), key=lambda kv: (kv[1].get("role") != "raised", int(kv[0]) != go.get("rank"),
+                                                  int(kv[0])))
+    for r, info in order:
         if info.get("role") == "raised":
             err = info.get("error") or {}
-            parts.append(f"rank {r} raised {err.get('type', '?')}: {str(err.get('message', ''))[:160]} "
-                         f"at {info.get('where')}")
+            parts.append(f"rank {r} raised {err.get('type', '?')}: {' '.join(str(err.get('message', '')).split())} "
+                          f"at {info.get('where')}")
         else:
             calls = info.get("open_calls") or []
             in_call = (f" in {calls[0].get('op')} #{calls[0].get('seq')} on group {calls[0].get('group')}"

@@ -235,7 +235,7 @@ class Capture:
         if ledger:
             self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
             self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
-            self._stack.callback(self._ledger.close)
+            self._stack.callback(self._ledger.close, settle_later=True)  # calls still running end later
             if ledger == "calls":  # around the job's collective calls only: no per-op cost, torch.compile compiles
                 from workbench.rank.ledger_calls import CallLedger
 
@@ -326,6 +326,7 @@ class Capture:
         self._latest = record
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
+            self._settle()
         self._t_last = time.time()
         self._write_manifest()
         return {"point": name, "rows": len(rows) + len(outputs), "bytes": len(line),
@@ -376,15 +377,18 @@ class Capture:
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
+        released = isinstance(exc, postmortem.Released) or postmortem.was_released()
         try:
             from workbench.rank.ledger import traceback_text
 
             text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
             self._points_file.write(json.dumps({
                 "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
-                "message": str(exc)[:2000], "traceback": text[-6000:]}) + "\n")
+                "message": str(exc)[:2000], "traceback": text[-6000:], **({"released": True} if released else {})})
+                + "\n")
             self._points_file.flush()
-            self.doc["status"] = "raised"
+            self.doc["status"] = "released" if released else "raised"
             self._write_manifest()
         except Exception:
             pass
@@ -394,6 +398,11 @@ class Capture:
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 with contextlib.suppress(Exception):
                     sys.__stderr__.write(f"workbench: the post-mortem attach failed: {pm_exc!r}\n")
+        if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
+            with contextlib.suppress(Exception):
+                sys.__stderr__.write(postmortem.released_line(self, exc))
+                sys.__stderr__.flush()
+            return
         self._hook(kind, exc, tb)
 
     def snapshot(self) -> dict[str, Any]:
@@ -411,6 +420,13 @@ class Capture:
             except OSError:
                 pass
         return out
+
+    def _settle(self) -> None:
+        """The ends of the calls whose device work finished by now (the probe's copies waited for the stream)."""
+        with contextlib.suppress(Exception):
+            from workbench.rank import ledger as ledger_mod
+
+            ledger_mod.settle()
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
@@ -568,10 +584,12 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
     import platform
 
-    out = {"python": platform.python_version()}
+    from workbench.rank.columns import cpu_model, kernel_knobs
+
+    out = {"python": platform.python_version(), "cpu": cpu_model()}
     for pkg in ("torch", "transformers", "workbench"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "absent"
-    return out
+    return out | kernel_knobs()  # the float kernels this rank runs (SIMD width, oneDNN ISA), where set

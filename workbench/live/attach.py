@@ -352,7 +352,7 @@ class JobCluster(AttachedCluster):
         self.pids = {r: i["pid"] for r, i in self.info.items()}
         self.hosts = {r: i["host"] for r, i in self.info.items()}
         self.backend = self.info[0]["backend"] or "gloo"
-        self.names = self.info[0]["names"]
+        self.names = {r: i["names"] for r, i in self.info.items()}  # rank -> the names its namespace offers
         self.controls = {r: i.get("control") for r, i in self.info.items()}  # cluster.stacks() while a cell hangs
 
     def form_group(self) -> None:
@@ -381,7 +381,7 @@ class JobCluster(AttachedCluster):
         """Hand every rank back to the script (``cap.breakpoint()`` returns there) and detach; waits until the
         job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that). Post mortem:
         the rank that raised then fails with its exception (the launcher ends the others); after a deadlock
-        the ranks stay in their calls, as they would have."""
+        every rank ends at once (exit status 1, one line each) rather than at its group's timeout."""
         from workbench.job.attach import ATTACH
         from workbench.job.attach import resume as resume_rank
 
@@ -409,11 +409,57 @@ class JobCluster(AttachedCluster):
         self.resumed = {**doc, "resume_s": time.perf_counter() - t0}
         return self.resumed
 
+    def probe(self, *names: str) -> Any:
+        """Probe ``names`` in every rank's namespace: one DataFrame of the rows of every rank that answered. A rank
+        whose device cannot be read (post mortem on NCCL: held behind a collective that never completes) answers
+        with its last point's rows from its shard, labelled in the ``as_of`` column (``point X``); a rank that
+        does not answer at all has no rows. Either way one line per such rank, in ``df.attrs["problems"]`` and
+        the log; this never fails as a whole while one rank answered."""
+        import logging
+
+        from workbench.analysis.frames import COLUMNS, table
+        from workbench.job.attach import probe_here
+
+        self._check_usable()
+        asked = {r: self._client[self._ids[r]].apply_async(probe_here, list(names)) for r in range(self.world_size)}
+        end = time.monotonic() + self.deadline
+        rows: list[dict[str, Any]] = []
+        lines: list[str] = []
+        for r, ar in asked.items():
+            try:
+                got = ar.get(timeout=max(0.1, end - time.monotonic()))
+            except Exception as exc:
+                why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+                lines.append(f"rank {r}: no rows (it did not answer: {why})")
+                continue
+            if "error" in got:
+                lines.append(f"rank {r}: no rows ({got['error']})")
+                continue
+            rows += got["rows"]
+            if got.get("as_of") is not None:
+                lines.append(f"rank {r}: rows as of point {got['as_of']!r} from its shard (its device did not "
+                             f"answer now: {got.get('why')})")
+        if not rows:
+            raise ClusterError(f"no rank of {self.where} gave rows for {list(names)}: " + "; ".join(lines)
+                               if lines else f"no variable(s) {list(names)} on the ranks of {self.where}")
+        missing = set(names) - {r["name"].split(".")[0] for r in rows}
+        if missing:
+            lines.append(f"no variable(s) {sorted(missing)} on any rank")
+        df = table(rows, COLUMNS)
+        df.attrs["problems"] = lines
+        for line in lines:
+            logging.getLogger("workbench").warning("workbench: probe: %s", line)
+        return df
+
     def __repr__(self) -> str:
         state = "resumed" if self.resumed else "attached" if self._client is not None else "detached"
         pm = f", post mortem: {self.post_mortem.get('line')}" if self.post_mortem else ""
+        per_rank = getattr(self, "names", {}) or {}
+        common = sorted(set.intersection(*(set(n) for n in per_rank.values()))) if per_rank else []
+        extra = "".join(f"; rank {r} also {', '.join(sorted(set(n) - set(common)))}"
+                        for r, n in sorted(per_rank.items()) if set(n) - set(common))
         return (f"<JobCluster ranks={self.world_size} backend={self.backend} {state} to the job at {self.job_dir}, "
-                f"point {self.attach_doc.get('point')!r}, names {', '.join(getattr(self, 'names', []))}{pm}>")
+                f"point {self.attach_doc.get('point')!r}, names {', '.join(common)}{extra}{pm}>")
 
 
 def _alive(pid: int) -> bool:

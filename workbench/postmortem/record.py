@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import diagnosis, findings, flightrecorder
-from workbench.rank.columns import KERNEL_KNOBS, kernel_knobs
+from workbench.rank.columns import KERNEL_KNOBS, cpu_model, kernel_knobs
 
 SCHEMA_VERSION = 1
 
@@ -33,6 +33,8 @@ class RunRecord:
     @property
     def label(self) -> str:
         fix = self.manifest.get("fix")
+        if not fix and self.manifest.get("job"):  # a job's own capture has no fix paths, so no "bug path"
+            return "the job"
         return f"fix: {fix}" if fix else "bug path"
 
     @property
@@ -69,11 +71,4 @@ def versions(kernels: dict[str, str] | None = None) -> dict[str, str]:
 
 def _cpu() -> str:
     """The CPU model: float kernels (and so the last bits of a forward) depend on it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()

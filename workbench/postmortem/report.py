@@ -36,7 +36,8 @@ th{background:#f4f4f4}.error{color:#b00}.warning{color:#a60}pre{background:#f7f7
 h2{border-bottom:1px solid #ddd;padding-bottom:.2em}nav a{margin-right:1em}
 .env th{text-align:left}details{margin:.3em 0}summary{cursor:pointer}
 .proof{border-left:4px solid #b00;padding:2px 8px}
-.muted{color:#777;font-size:12px}pre{white-space:pre-wrap}th,td{text-align:left}
+.muted{color:#777;font-size:12px}pre{white-space:pre-wrap;overflow-wrap:anywhere}th,td{text-align:left}
+.wide{overflow-x:auto;max-width:100%}p,summary{overflow-wrap:anywhere}
 """
 
 
@@ -65,12 +66,15 @@ class _Page:
 
     def fig(self, fig: go.Figure) -> None:
         self.n_figs += 1
-        self.parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=not self._js_done,
-                                      config={"displaylogo": False}, div_id=f"wb-fig-{self.n_figs}"))
+        # a wide table or figure scrolls in its own box, never the page
+        self.parts.append("<div class='wide'>" + pio.to_html(fig, full_html=False, include_plotlyjs=not self._js_done,
+                                                             config={"displaylogo": False},
+                                                             div_id=f"wb-fig-{self.n_figs}") + "</div>")
         self._js_done = True
 
     def table(self, df: pd.DataFrame, max_rows: int = 60, cls: str = "") -> None:
-        self.parts.append(df.head(max_rows).to_html(index=False, escape=True, na_rep="", classes=cls or None))
+        self.parts.append("<div class='wide'>" + df.head(max_rows).to_html(index=False, escape=True, na_rep="",
+                                                                          classes=cls or None) + "</div>")
         if len(df) > max_rows:
             self.p(f"... {len(df) - max_rows} more rows", "muted")
 
@@ -94,7 +98,8 @@ def environment(records: list[RunRecord]) -> pd.DataFrame:
     for rec in records:
         m = rec.manifest
         vals = {
-            "scenario": m.get("scenario"), "incident": m.get("incident"), "fix": m.get("fix") or "(bug path)",
+            "scenario": m.get("scenario"), "incident": m.get("incident"),
+            "fix": m.get("fix") or (None if m.get("job") else "(bug path)"),
             "ranks": m.get("ranks"), "backend": m.get("backend"),
             "devices": ", ".join(f"rank {r}: {d}" for r, d in (m.get("devices") or {}).items()),
             "poison": m.get("poison"), "seed": m.get("seed"), "collective timeout (s)": m.get("timeout_s"),
@@ -249,7 +254,8 @@ def render(records: Iterable[RunRecord]) -> str:
         raise ValueError("nothing to report: no runs")
     first = records[0].manifest
     page = _Page()
-    page.h(1, f"{first.get('scenario', '?')}: {first.get('title', '')}")
+    scenario, title = str(first.get("scenario", "?")), str(first.get("title", ""))
+    page.h(1, title if title.startswith(f"{scenario}:") else f"{scenario}: {title}")  # a job's title names it
     nav = " ".join(f"<a href='#run-{i}'>{html.escape(r.label)}</a>" for i, r in enumerate(records))
     page.parts.append(f"<nav><a href='#what-happened'>what happened</a> <a href='#environment'>environment</a> {nav}"
                       + (" <a href='#compare'>bug vs fix</a>" if len(records) > 1 else "") + "</nav>")

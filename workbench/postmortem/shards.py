@@ -112,6 +112,7 @@ class Shards:
         self.shards: dict[int, dict[str, Any]] = {}  # rank -> shard.json
         self.points: dict[int, list[dict[str, Any]]] = {}  # rank -> its points, in order
         self.errors: dict[int, list[dict[str, Any]]] = {}  # rank -> its exceptions
+        self.released: dict[int, list[dict[str, Any]]] = {}  # rank -> where the post mortem stopped it
         self.job: str | None = None
         self.world_size = 0
 
@@ -166,7 +167,9 @@ def scan(path: str | os.PathLike) -> Shards:
         if bad:
             found.problem(f"rank{r}/{POINTS}: {bad} line(s) unreadable (cut by a kill?): skipped")
         found.points[r] = [x for x in lines if x.get("kind") == "point"]
-        found.errors[r] = [x for x in lines if x.get("kind") == "error"]
+        # a waiting rank the post mortem stopped (``postmortem.Released``) did not raise: a note, not an error
+        found.errors[r] = [x for x in lines if x.get("kind") == "error" and not x.get("released")]
+        found.released[r] = [x for x in lines if x.get("kind") == "error" and x.get("released")]
     return found
 
 
@@ -251,8 +254,17 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         frames.append(Frame.build(step, i, scenario, None, values, {}))
     hangs = []
     open_calls = ledger[ledger["state"] == collectives.OPEN] if len(ledger) else ledger
+    finished = {r for r, d in found.shards.items() if d.get("status") == "finished"}
     if len(open_calls):
-        finished = {r for r, d in found.shards.items() if d.get("status") == "finished"}
+        # a rank that closed its capture went past every call it issued: an end it never wrote (a shard of an
+        # older writer, an NCCL call still queued when the process ended) is no hang
+        done = open_calls[open_calls["rank"].astype(int).isin(finished)]
+        for row in done.itertuples():
+            found.problem(f"rank {row.rank}'s {row.op} #{row.seq} on group {row.group} has no end in its ledger, "
+                          "but the rank closed its capture after it: read as issued, not as a hang")
+        ledger.loc[done.index, "state"] = "issued"
+        open_calls = open_calls[~open_calls["rank"].astype(int).isin(finished)]
+    if len(open_calls):
         step = min(open_calls["step"], key=steps.index)
         failures = {int(r): RankFailure(int(r), "timeout", "Hung", STILL_INSIDE)
                     for r in open_calls["rank"] if int(r) not in finished}
@@ -266,6 +278,9 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         entry["message"] = "\n".join(lines)
         hangs.append(entry)
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
+    notes += [{"step": _step_of(e.get("index"), names, planned), "rank": r,
+               "note": "released by the workbench's post mortem (its communicators aborted); it ended there"}
+              for r, es in sorted(found.released.items()) for e in es[:1]]
     notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]
     t0 = min(float(d.get("started_at") or 0) for d in found.shards.values())
     t1 = max(float(d.get("updated_at") or 0) for d in found.shards.values())

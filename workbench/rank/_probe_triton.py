@@ -11,7 +11,7 @@ or a block whose lane sums came out non-finite (a NaN or Inf was read, or the su
 overflowed), is re-read by the careful loop, which masks, counts NaN, Inf and poison, and
 keeps min/max/sum to finite values. Each program folds its block into its tensor's
 accumulator row with atomics (integer sums, order-preserving keys for min/max, a float64
-sum), so the per-tensor statistics need no second pass; the tensor's first program also
+sum and sum of squares), so the per-tensor statistics need no second pass; the tensor's first program also
 copies its first 256 bytes and the bytes at the window offsets.
 """
 
@@ -44,14 +44,16 @@ def _hash(w, idx):
 
 
 @triton.jit
-def _careful(x, ok, lo, hi, s, nn_, ni):
+def _careful(x, ok, lo, hi, s, q, nn_, ni):
     good = ok & (tl.abs(x) < float("inf"))
     lo = tl.minimum(lo, tl.where(good, x, float("inf")))
     hi = tl.maximum(hi, tl.where(good, x, -float("inf")))
-    s += tl.where(good, x, 0.0)
+    xg = tl.where(good, x, 0.0)
+    s += xg
+    q += xg * xg
     nn_ += (ok & (x != x)).to(tl.int32)
     ni += (ok & (tl.abs(x) == float("inf"))).to(tl.int32)
-    return lo, hi, s, nn_, ni
+    return lo, hi, s, q, nn_, ni
 
 
 @triton.jit
@@ -75,6 +77,7 @@ def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constex
     lo = tl.full([BLOCK], float("inf"), tl.float32)
     hi = tl.full([BLOCK], -float("inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
+    q = tl.zeros([BLOCK], tl.float32)
     h1 = tl.zeros([BLOCK], tl.uint32)
     h2 = tl.zeros([BLOCK], tl.uint32)
     nn_ = tl.zeros([BLOCK], tl.int32)
@@ -95,15 +98,18 @@ def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constex
                 lo = tl.minimum(lo, x0)
                 hi = tl.maximum(hi, x0)
                 s += x0
+                q += x0 * x0
             else:
                 lo = tl.minimum(lo, tl.minimum(x0, x1))
                 hi = tl.maximum(hi, tl.maximum(x0, x1))
                 s += x0 + x1
+                q += x0 * x0 + x1 * x1
     total = tl.sum(s, axis=0)
     if (start + BLOCK * ITERS > n) | (tl.abs(total) >= float("inf")) | (total != total):
         lo = tl.full([BLOCK], float("inf"), tl.float32)
         hi = tl.full([BLOCK], -float("inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
+        q = tl.zeros([BLOCK], tl.float32)
         h1 = tl.zeros([BLOCK], tl.uint32)
         h2 = tl.zeros([BLOCK], tl.uint32)
         for it in range(ITERS):  # rare (tails, non-finite blocks): a loop, not unrolled, keeps registers free
@@ -114,11 +120,11 @@ def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constex
             h1 += tl.where(ok, a, 0)
             h2 += tl.where(ok, c, 0)
             x0, x1 = _unpack(w, KIND)
-            lo, hi, s, nn_, ni = _careful(x0, ok, lo, hi, s, nn_, ni)
+            lo, hi, s, q, nn_, ni = _careful(x0, ok, lo, hi, s, q, nn_, ni)
             if KIND == 2:
                 npz += (ok & (w == POISON)).to(tl.int32)
             else:
-                lo, hi, s, nn_, ni = _careful(x1, ok, lo, hi, s, nn_, ni)
+                lo, hi, s, q, nn_, ni = _careful(x1, ok, lo, hi, s, q, nn_, ni)
                 npz += (ok & ((w & 0xFFFF) == POISON)).to(tl.int32) + (ok & ((w >> 16) == POISON)).to(tl.int32)
         total = tl.sum(s, axis=0)
     tl.atomic_add(acc_t + 0, tl.sum(nn_, axis=0).to(tl.int64), sem="relaxed")
@@ -129,15 +135,16 @@ def _block(base, start, n, acc_t, accf_t, KIND: tl.constexpr, POISON: tl.constex
     tl.atomic_max(acc_t + 5, (0xFFFFFFFF - _key(tl.min(lo, axis=0))).to(tl.int64), sem="relaxed")
     tl.atomic_max(acc_t + 6, _key(tl.max(hi, axis=0)).to(tl.int64), sem="relaxed")
     tl.atomic_add(accf_t + 7, total.to(tl.float64), sem="relaxed")
+    tl.atomic_add(accf_t + 8, tl.sum(q, axis=0).to(tl.float64), sem="relaxed")
 
 
 @triton.jit
 def probe_all_kernel(desc, blk_t, acc, accf, words, hexs, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                      HINT: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
     """Every tensor in one launch. ``desc`` [T, 4] int64: pointer, 32-bit words, first program, kind
-    (0 bf16, 1 fp16, 2 fp32); ``blk_t`` [programs] int32: each program's tensor; ``acc``/``accf`` [T, 8]
+    (0 bf16, 1 fp16, 2 fp32); ``blk_t`` [programs] int32: each program's tensor; ``acc``/``accf`` [T, 9]
     (one zeroed buffer, int64 and float64 views): NaN, Inf, poison, lane 1, lane 2, 2**32-1 - min key,
-    max key, sum; ``words`` [T, 96] int32: the first 64 words, then 8 words at each window offset W0-W3;
+    max key, sum, sum of squares; ``words`` [T, 96] int32: the first 64 words, then 8 words at each window offset W0-W3;
     ``hexs`` [T, 768] uint8: the same bytes as lowercase hex (the rows' ``raw`` and ``windows``)."""
     pid = tl.program_id(0)
     t = tl.load(blk_t + pid)
@@ -149,8 +156,8 @@ def probe_all_kernel(desc, blk_t, acc, accf, words, hexs, BLOCK: tl.constexpr, I
     if HINT:
         base = tl.multiple_of(base, 16)
     start = local.to(tl.int64) * (BLOCK * ITERS)
-    acc_t = acc + t * 8
-    accf_t = accf + t * 8
+    acc_t = acc + t * 9
+    accf_t = accf + t * 9
     if kind == 0:
         _block(base, start, n, acc_t, accf_t, 0, 0x7FA5, BLOCK, ITERS, HINT)
     elif kind == 1:

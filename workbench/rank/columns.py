@@ -9,8 +9,11 @@ from __future__ import annotations
 
 COLUMNS = [
     "rank", "name", "kind", "dtype", "device", "is_meta", "shape", "numel",
-    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw", "windows",
+    "nan", "inf", "poisoned", "min", "max", "mean", "head", "fingerprint", "raw", "windows", "sumsq",
 ]
+# ``sumsq``: the sum of squares of the finite values (float64). With ``mean`` (so the sum: mean x (numel - nan -
+# inf)), min, max and the NaN/Inf counts it is a summary that adds up across shards: the same tensor sharded over
+# 2 ranks or 4 compares through it (``workbench.postmortem.diff``). Rows recorded before it lack it.
 TRACE_COLUMNS = [
     "rank", "run", "call", "module", "type", "dtype", "shape", "numel",
     "in_nonfinite", "nan", "inf", "absmax", "meanabs", "fingerprint", "device",
@@ -30,3 +33,17 @@ def kernel_knobs() -> dict[str, str]:
     import os
 
     return {k: os.environ[k] for k in KERNEL_KNOBS if os.environ.get(k)}
+
+
+def cpu_model() -> str:
+    """The CPU model: float kernels (and so the last bits of a forward) depend on it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -29,7 +29,9 @@ op of a step passes one Python check (a tiny Qwen3 CPU forward: 4.2 ms -> 6.0 ms
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import re
@@ -138,6 +140,8 @@ class Ledger:
         self._seq: dict[str, int] = {}
         self._lock = threading.Lock()
         self._file = open(self.path, "a", buffering=1)
+        self._open: dict[tuple, dict[str, Any]] = {}  # (group, seq) -> start line: calls whose end is unwritten
+        self._closing = False
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, default=str)
@@ -146,15 +150,56 @@ class Ledger:
                 return
             self._file.write(line + "\n")
             self._file.flush()
+            key = (record.get("group"), record.get("seq"))
+            if record.get("ev") == "start":
+                self._open[key] = record
+            elif record.get("ev") == "end":
+                self._open.pop(key, None)
+                if self._closing and not self._open:  # the last call still running at close() has ended
+                    self._file.close()
+                    _CLOSING.discard(self)
+
+    def open_calls(self) -> list[dict[str, Any]]:
+        """The calls started and not (yet) ended, oldest first."""
+        with self._lock:
+            return list(self._open.values())
 
     def next_seq(self, group: str) -> int:
         with self._lock:
             self._seq[group] = self._seq.get(group, 0) + 1
             return self._seq[group]
 
-    def close(self) -> None:
+    def close(self, settle_later: bool = False) -> None:
+        """Stop the ledger. ``settle_later`` (a job's capture): a call still running (an asynchronous one the job
+        waits on after ``close()``, an NCCL kernel still on the device) keeps the file open until its end is
+        written: at its work's completion, at ``destroy_process_group``, at the latest at interpreter exit
+        (``_at_exit``), so no call of a job that went on reads as running."""
+        if settle_later:
+            settle()
         with self._lock:
+            if self._file.closed:
+                return
+            if settle_later and self._open:
+                self._closing = True
+                _CLOSING.add(self)
+                _watch_destroy()
+                return
             self._file.close()
+
+    def abandon(self, note: str) -> int:
+        """End every call still open as issued (its end unseen), with ``note``; close the file."""
+        with self._lock:
+            left = list(self._open.values())
+        for rec in left:
+            self.write({"ev": "end", "rank": rec.get("rank"), "session": rec.get("session"),
+                        "attempt": rec.get("attempt"), "group": rec.get("group"), "seq": rec.get("seq"),
+                        "state": "issued", "error": None, "t": time.time(), "note": note})
+        with self._lock:
+            self._open.clear()
+            if not self._file.closed:
+                self._file.close()
+        _CLOSING.discard(self)
+        return len(left)
 
 
 class _Recorder(TorchDispatchMode):
@@ -199,7 +244,8 @@ class _Recorder(TorchDispatchMode):
             # An NCCL work's future completes when the kernel is queued, not when it ends (a
             # mispaired broadcast then looks done while its kernel waits forever): poll the
             # work's own CUDA events instead.
-            _watch(_WorkQuery(unboxed), lambda rec=rec: self._end(rec, None))
+            _watch(_WorkQuery(unboxed), lambda note=None, rec=rec: self._end(
+                rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
         elif unboxed is not None:
             try:
                 fut = unboxed.get_future()
@@ -213,7 +259,8 @@ class _Recorder(TorchDispatchMode):
             # NCCL runs a synchronous op on the current stream and returns no Work: an event after it marks the end.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-            _watch(event, lambda rec=rec: self._end(rec, None))
+            _watch(event, lambda note=None, rec=rec: self._end(
+                rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
         else:
             self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
@@ -317,12 +364,14 @@ class _Recorder(TorchDispatchMode):
         return rec
 
     def _end(self, rec: dict[str, Any], error: BaseException | None, state: str | None = None,
-             note: str | None = None) -> None:
+             note: str | None = None, device: bool = False) -> None:
         if state is None:
             state = "completed" if error is None else ("timed out" if _is_timeout(error) else "failed")
         text = None if error is None else f"{type(error).__name__}: {str(error)[:500]}"
         if text is not None and control.aborted():  # released by recovery, not failed or timed out on its own
             state, text = "failed", f"aborted by the workbench's recovery ({text})"
+        elif device and state == "completed" and control.aborted():  # an NCCL kernel that ended only at the abort
+            state, text = "failed", "aborted by the workbench's recovery (its work ended at the abort, not done)"
         self.ledger.write({
             "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
             "group": rec["group"], "seq": rec["seq"], "state": state,
@@ -334,6 +383,9 @@ class _Recorder(TorchDispatchMode):
 _PENDING: list[tuple[Any, Any]] = []  # (cuda event, callback) polled by one watcher thread
 _PENDING_LOCK = threading.Lock()
 _WATCHER: list[threading.Thread] = []
+
+
+_CLOSING: set[Ledger] = set()  # ledgers closed with calls still running: their ends come later
 
 
 class _WorkQuery:
@@ -357,17 +409,90 @@ def _watch(event: Any, done: Any) -> None:
             _WATCHER[0].start()
 
 
-def _poll_events() -> None:
-    while True:
-        keep: list[tuple[Any, Any]] = []
-        ready: list[tuple[Any, Any]] = []
-        with _PENDING_LOCK:
-            for item in _PENDING:
-                (ready if item[0].query() else keep).append(item)
-            _PENDING[:] = keep
+def _poll_once() -> int:
+    """End every watched call whose device work has finished; how many are still running. The works are asked
+    outside the lock: a query that blocks (a driver call behind a stuck stream) never holds up a thread that
+    issues a call (``_watch``) or settles."""
+    with _PENDING_LOCK:
+        items = list(_PENDING)
+    ready = [item for item in items if item[0].query()]
+    if ready:
+        with _PENDING_LOCK:  # only what is still pending: another poller may have ended some of them meanwhile
+            still = {id(item) for item in _PENDING}
+            ready = [item for item in ready if id(item) in still]
+            taken = {id(item) for item in ready}
+            _PENDING[:] = [item for item in _PENDING if id(item) not in taken]
         for _, done in ready:
             done()
+    return len(items) - len(ready)
+
+
+def _poll_events() -> None:
+    while True:
+        _poll_once()
         time.sleep(0.02)
+
+
+def settle(wait: float = 0.0) -> int:
+    """Read the end of every watched (device) call now, rather than at the watcher's next poll; with ``wait``,
+    keep reading up to ``wait`` seconds while ledgers closed by their job still have calls running (an
+    asynchronous gloo call ends through its work's future, on the backend's thread). Returns how many calls
+    are still open then."""
+    end = time.monotonic() + wait
+    while True:
+        left = _poll_once() + sum(len(led.open_calls()) for led in list(_CLOSING))
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.01)
+
+
+def _drop_device_calls(note: str) -> None:
+    """Stop watching the device calls still pending (a work is not asked again once its communicator is gone);
+    they are written issued, with ``note``."""
+    with _PENDING_LOCK:
+        left = list(_PENDING)
+        _PENDING.clear()
+    for _, done in left:
+        with contextlib.suppress(Exception):
+            done(note)
+
+
+DESTROY_WAIT_S = 5.0
+EXIT_WAIT_S = 2.0
+EXIT_NOTE = "still running when the process exited: its end was never seen"
+
+
+def _at_exit() -> None:
+    """At interpreter exit (after the capture's own close, registered later): the last ends, then every call
+    still open is written issued, so a job that exited never leaves a call that reads as running."""
+    if not _CLOSING:
+        return
+    settle(EXIT_WAIT_S)
+    for led in list(_CLOSING):
+        led.abandon(EXIT_NOTE)
+
+
+atexit.register(_at_exit)
+_DESTROY: list[Any] = []
+
+
+def _watch_destroy() -> None:
+    """``destroy_process_group`` settles the calls it waited for (once per process; the wrapper only passes
+    through when no ledger waits for an end)."""
+    if _DESTROY:
+        return
+    original = dist.destroy_process_group
+    _DESTROY.append(original)
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        if _CLOSING or _PENDING:
+            with contextlib.suppress(Exception):
+                settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
+            _drop_device_calls("still running when its process group was destroyed: its end was never seen")
+        return original(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
 
 
 P2P = ("send", "recv_", "isend", "irecv")

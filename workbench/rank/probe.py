@@ -240,10 +240,13 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     plain: list[tuple[dict[str, Any], torch.Tensor]] = []
     fused: dict[torch.device, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     use_fused = None
+    layouts: list[tuple[int, dict[str, str]]] = []
     dev_names = _DEVICE_NAMES
     for name, kind, t in items:
         if held is not None:
             held.append((name, t))
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "placements"):
+            layouts.append((len(rows), _layout(t)))  # the index its row is about to take
         t = _local(t)
         meta = t.is_meta
         dev = t.device
@@ -257,7 +260,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
         }
         rows.append(row)
         if meta or row["numel"] == 0 or t.is_complex():
-            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="")
+            row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="", sumsq=None)
             continue
         if (memo is not None or same is not None) and t.data_ptr():
             key = (t.data_ptr(), t.dtype, t.shape, t.stride(), dev)
@@ -293,7 +296,22 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
                 row[key] = cols[key][i]
     for row, src in copies:
         row.update({key: src[key] for key in _STAT_COLUMNS}, head=list(src["head"]))
+    for i, layout in layouts:  # after the statistics: a DTensor's row ends with its layout
+        rows[i].update(layout)
     return rows
+
+
+def _layout(t: Any) -> dict[str, str]:
+    """A DTensor's whole shape and placements (``Shard(dim=0)``, ``Replicate()``, one per mesh dimension, with
+    the mesh's shape): what its rows' local ``shape`` is a piece of."""
+    try:
+        mesh = t.device_mesh
+        dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return {"global_shape": "x".join(map(str, t.shape)) or "()",
+                "placement": ", ".join(f"{d}={p}" for d, p in zip(dims, t.placements))
+                             + f" on mesh {'x'.join(map(str, mesh.shape))}"}
+    except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
+        return {}
 
 
 _STAT_COLUMNS = COLUMNS[COLUMNS.index("nan"):]
@@ -325,7 +343,19 @@ def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         for row, flat in members:
             n_win = _n_windows(row["numel"] * flat.element_size()) * WINDOW
             row["windows"] = host[pos: pos + n_win].astype("uint8").tobytes().hex()
+            row["sumsq"] = _sumsq(flat)
             pos += n_win
+
+
+def _sumsq(flat: torch.Tensor) -> float:
+    """The sum of squares of the finite values, float64: on CPU as the batched pass sums it (``probe_cpu.sumsq``);
+    elsewhere (a GPU tensor the fused pass does not take: float64, integers, odd sizes) one reduction there."""
+    x = flat if flat.dtype == torch.float64 else flat.float()
+    if x.device.type == "cpu":
+        return _pc.sumsq(x)
+    with torch.no_grad():
+        x = x.double()
+        return float(torch.where(torch.isfinite(x), x, 0.0).square().sum())
 
 
 def _fill(row: dict[str, Any], s: list[float], head: list[float], raw: bytes) -> None:

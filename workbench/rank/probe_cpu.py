@@ -87,6 +87,8 @@ def _fill_batch(batch: list[Member]) -> list[Member]:
         lo = np.minimum.reduceat(xn, starts).astype(np.float64).tolist()
         hi = np.maximum.reduceat(xn, starts).astype(np.float64).tolist()
         heads = xn[np.minimum(starts[:, None] + np.arange(HEAD), n - 1)].astype(np.float64).tolist()
+    with np.errstate(invalid="ignore", over="ignore"):  # a batch with a NaN goes to the plain path anyway
+        sq = np.square(xn, dtype=np.float64)  # exact (a float32 squared fits a float64); summed per tensor below
     fps = _fingerprints(whole, numels)
     raw = whole.view(torch.uint8).numpy()
     left: list[Member] = []
@@ -99,9 +101,20 @@ def _fill_batch(batch: list[Member]) -> list[Member]:
             row.update(nan=0, inf=0, poisoned=0, min=lo[i], max=hi[i], mean=means[i], head=heads[i][:numels[i]],
                        fingerprint=fps[i], raw=raw[base: base + raw_len(nbytes)].tobytes().hex(),
                        windows=b"".join(raw[base + off: base + off + WINDOW].tobytes()
-                                        for off in WINDOW_OFFSETS[: n_windows(nbytes)]).hex())
+                                        for off in WINDOW_OFFSETS[: n_windows(nbytes)]).hex(),
+                       sumsq=float(np.add.reduce(sq[starts[i]: starts[i] + numels[i]])))
         base += nbytes
     return left
+
+
+def sumsq(x: torch.Tensor) -> float:
+    """The sum of squares of ``x``'s finite values, summed as the batched pass sums them (bit for bit: numpy's
+    pairwise sum over one tensor's float64 squares), for the plain path's CPU tensors."""
+    with np.errstate(invalid="ignore", over="ignore"):  # a signalling NaN (poison) widened is no error here
+        v = np.square(x.numpy(), dtype=np.float64)
+    if not np.isfinite(v).all():
+        v[~np.isfinite(v)] = 0.0
+    return float(np.add.reduce(v))
 
 
 def _fingerprints(whole: torch.Tensor, numels: list[int]) -> list[str]:

@@ -35,7 +35,7 @@ NUM_WARPS = 8
 MAXNREG: int | None = None  # a cap on registers per thread (Triton's maxnreg); None: the compiler's choice
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 FUSED_DEVICES = ("cuda",)  # the tests add "cpu" and run the kernel through Triton's interpreter
-_ACC = 8  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
+_ACC = 9  # accumulator columns per tensor (see _probe_triton.probe_all_kernel)
 _WORDS = 96  # words kept per tensor: 64 raw, 8 at each of the 4 window offsets
 _M32 = 0xFFFFFFFF
 _FLIP = np.array([_M32, 0], dtype=np.int64)
@@ -161,6 +161,7 @@ class Plan:
         bits = np.where(k & 0x80000000, k & 0x7FFFFFFF, k ^ _M32).astype(np.uint32).view(np.float32).astype(np.float64)
         lohi = np.where(some[:, None], bits, np.nan)
         mean = np.where(some, a[:, 7].view(np.float64) / np.maximum(nfin, 1.0), np.nan)
+        sumsq = a[:, 8].view(np.float64)  # lanes summed in fp32 within a block, blocks in fp64
         fph = (a[:, 3:5] & _M32).astype(">u4").tobytes().hex()
         w = h[T * _ACC: T * (_ACC + _WORDS // 2)].view(np.uint32).reshape(T, _WORDS)
         hexs = h[T * (_ACC + _WORDS // 2):].tobytes().decode("ascii")
@@ -169,6 +170,7 @@ class Plan:
             "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
             "fingerprint": list(map(fph.__getitem__, self.fp_sl)),
             "raw": list(map(hexs.__getitem__, self.raw_sl)), "windows": list(map(hexs.__getitem__, self.win_sl)),
+            "sumsq": sumsq.tolist(),
         }
 
     def _heads(self, w: np.ndarray) -> list[list[float]]:

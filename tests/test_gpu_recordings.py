@@ -1,4 +1,8 @@
-"""What the 4 x H200 real-size round recorded (fixtures/gpu/, scripts/gpu_real_size.sh).
+"""The committed GPU recordings are consistent with what they claim to be (fixtures/gpu/, scripts/gpu_real_size.sh).
+
+These import no workbench code and run nothing: they check a recording's consistency (the rows, the diagnosis,
+the flags saying which run it was), so that a later reading of it cannot be a different run's. Whether a recorded
+figure meets its speed goal is a benchmark's to print (`benchmarks/gpu_recorded.py`), never a test's.
 
 - weight-sync-order-desync's bug path at 4 NCCL ranks: with the release aborting each group's backend and leaving
   torch's registry alone (rank/control.py), no workbench artefact ('Group ... is not registered') among the rank
@@ -31,7 +35,7 @@ def test_recovery_at_4_ranks_still_right_with_the_registry_kept():
     assert "frame state: 4/4 cycles right" in (GPU / "frame_state_nccl_4gpu.txt").read_text()
 
 
-def test_real_size_rows_diagnosis_and_first_probe():
+def test_real_size_rows_and_diagnosis():
     runs = {r["ranks"]: r for r in json.loads((GPU / "real_size_round1.json").read_text())["runs"]}
     base = json.loads((GPU / "real_size_nowarm.json").read_text())["runs"][0]
     assert sorted(runs) == [2, 4]
@@ -40,9 +44,7 @@ def test_real_size_rows_diagnosis_and_first_probe():
         assert all(s["ok"] for s in r["cold"] + r["warm"])
         assert {s["rows"] for s in r["cold"]} == {312 * n}  # 1248 rows a step at 4 ranks
         assert "`inv_freq`, `original_inv_freq`" in r["diagnosis"] and "never written" in r["diagnosis"]
-    for r in runs.values():  # warmed when the ranks joined their group: the goal holds on a cold Triton cache
-        assert r["probe_warm"] and r["goals"]["first_probe"]["met"], r["goals"]
-    assert not base["probe_warm"] and base["goals"]["first_probe"]["slowest_probe_s"] > 1.0  # Triton's compile
+    assert all(r["probe_warm"] for r in runs.values()) and not base["probe_warm"]  # the baseline is unwarmed
 
 
 def _run(name: str) -> dict:
@@ -52,30 +54,27 @@ def _run(name: str) -> dict:
 def test_first_probe_on_one_machine_three_times():
     runs = [_run(f"real_size_4gpu_run{i}.json") for i in (1, 2, 3)]
     assert [r["triton_cache_cold"] for r in runs] == [True, False, True]
-    assert all(r["goals"]["first_probe"]["met"] for r in runs)
-    builds = [max(w["build_s"] for w in r["warm_after_run"].values()) for r in runs]
-    assert builds[1] < 1.0 < builds[0] and builds[2] > 1.0  # Triton's cache: built once per machine
+    assert all(len(r["warm_after_run"]) == r["ranks"] for r in runs)  # every rank says how it warmed
 
 
 def test_a_probe_pause_is_a_full_collection():
+    """The reading behind the GC pause: the step's spike is the probe's collection (the rest of the step is
+    the same as its neighbours'), and the prototype run is the one that says it froze the collector."""
     plain, frozen = _run("real_size_gc.json"), _run("real_size_gc_freeze.json")
     steps = plain["cold"][3:] + plain["warm"]
     spike = max(steps, key=lambda s: s["overhead_s"])
-    assert spike["overhead_s"] > 0.2 and spike["slowest_gc_probe_s"] > 0.2
     assert spike["overhead_s"] - spike["slowest_gc_probe_s"] < 0.05
-    assert frozen["gc_freeze_prototype"] and frozen["goals"]["overhead"]["met"]
-    assert max(s["slowest_gc_probe_s"] for s in frozen["cold"] + frozen["warm"]) < 0.01
+    assert frozen["gc_freeze_prototype"] and not plain["gc_freeze_prototype"]
 
 
-def test_real_size_with_the_gc_pause_meets_the_step_goals_at_2_and_4_gpus():
+def test_real_size_with_the_gc_pause_at_2_and_4_gpus():
     """The product's path (no prototype): the warm-up and the rank's GC pause; four warm passes."""
     runs = {r["ranks"]: r for r in json.loads((GPU / "real_size.json").read_text())["runs"]}
     assert sorted(runs) == [2, 4]
     for r in runs.values():
         assert not r["gc_freeze_prototype"] and r["probe_warm"] and r["triton_cache_cold"] and r["passes"] == 4
         assert all(s["ok"] for s in r["cold"] + r["warm"]) and len(r["warm"]) == 16
-        assert r["goals"]["overhead"]["met"] and r["goals"]["first_probe"]["met"], r["goals"]
-        assert max(s["slowest_gc_probe_s"] for s in r["cold"] + r["warm"]) < 0.01
+        assert {"overhead", "first_probe"} <= set(r["goals"])  # the benchmark's figures are in the recording
     s4 = runs[4]  # start at 4 GPUs: its parts are recorded (the goal is not met, see docs/performance.md)
     assert s4["start_s"] > 0 and {"client_init_s", "engines_s", "imports_s", "group_s"} <= set(s4)
     gc_pause = json.loads((GPU / "hang_cycles_nccl_4gpu_gc_pause.json").read_text())["rows"]

@@ -1,0 +1,86 @@
+"""What a job's capture tells after the job: never a false story, every rank readable post mortem.
+
+A call is open in a shard only while it really runs: a collective issued after the last point (an
+asynchronous one the job waits on after ``cap.close()``, or one it never waits on) is settled at
+``close()``, at ``destroy_process_group`` and at exit, so a job that ended with rc 0 never reads as a
+hang. Real torchrun (2 ranks, gloo, CPU) runs each job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import workbench as wb
+from workbench.postmortem import shards
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_LEDGER")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _job(tmp: Path, body: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    script = tmp / "job.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run([*TORCHRUN, str(script), str(tmp / "run"), *args], capture_output=True, text=True,
+                          timeout=240, env={**_env(), **(env or {})}, cwd=tmp)
+
+
+ASYNC_LAST = """
+    import sys, time, datetime
+    import torch, torch.distributed as dist
+    import workbench.job as wj
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    cap = wj.capture(sys.argv[1])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    cap.point("built", model=model)
+    loss = model(torch.ones(2, 4)).sum().detach()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's call is surely still running when it closes its capture
+    work = dist.all_reduce(loss, async_op=True)  # the last collective: after the last point, not waited on yet
+    if sys.argv[2] == "close-then-wait":
+        cap.close()
+        work.wait()
+    dist.destroy_process_group() if sys.argv[2] == "close-then-wait" else work.wait()
+    print(f"rank {rank} loss {loss.item():.3f}", flush=True)
+"""
+
+
+def test_an_async_collective_after_the_last_point_reads_clean(tmp_path):
+    """The job's last collective is asynchronous and issued after its last point; the capture closes before
+    the job waits on it (or at exit, never closed by the job): rc 0, every call completed, no hang."""
+    for how in ("close-then-wait", "exit"):
+        d = tmp_path / how
+        d.mkdir()
+        run = _job(d, ASYNC_LAST, how)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        rec = wb.load(d / "run").bug
+        led = rec.ledger
+        assert rec.manifest["hangs"] == [], (how, rec.manifest["hangs"][0]["message"])
+        assert list(led["state"]) == ["completed", "completed"], (how, led[["rank", "op", "state"]])
+        assert rec.manifest["job"]["status"] == {"0": "finished", "1": "finished"}
+        assert rec.diagnose().clean, (how, rec.diagnose().sentence)
+        assert shards.STILL_INSIDE not in rec.diagnose().sentence
+    # a shard whose ledger lost those ends (an older writer, a call still queued on the device at exit): a rank
+    # that closed its capture went past its calls, so they are no hang either
+    old = tmp_path / "older"
+    shutil.copytree(tmp_path / "close-then-wait" / "run", old)
+    for r in (0, 1):
+        f = shards.ledger_file(old, r)
+        f.write_text("".join(line for line in f.read_text().splitlines(True) if '"ev": "end"' not in line))
+    b = wb.load(old)
+    assert b.bug.manifest["hangs"] == [] and b.bug.diagnose().clean
+    assert "rank 0's all_reduce #1 on group 0 has no end in its ledger, but the rank closed its capture" in \
+        " ".join(b.problems)
