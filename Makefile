@@ -34,8 +34,15 @@ demo: $(STAMP)
 	  echo "      the fixes: $(BIN)/workbench run fsdp1-rotary-meta-init --compare"; \
 	elif [ $$rc -ne 0 ]; then exit $$rc; fi
 
+# The suite mostly waits (engines starting, deadlines, hang windows: about half of two cores idle in one
+# process), so it runs in LANES processes side by side (pytest-xdist). A lane takes a whole test file at a
+# time, so a file's own cluster starts once, the costliest files first (tests/conftest.py orders them; the
+# reorder by test count is off); each lane has its own TMPDIR, IPYTHONDIR and session cluster, and a test
+# marked `alone` runs while the other lanes wait. LANES=0 runs the suite in this one process.
+LANES ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(LANES) --dist loadfile --no-loadscope-reorder
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/

@@ -8,11 +8,108 @@ their own.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+
+LANE = os.environ.get("PYTEST_XDIST_WORKER")  # this lane's name under pytest-xdist (``make test``), else None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, this lane's own ``TMPDIR`` and ``IPYTHONDIR``, set before any test runs.
+
+    The lanes run side by side on one machine, so what a test reads back from the temp dir (what a run
+    left there) or from the profile directory (``workbench status``, ``down`` without an id, which
+    stops the profile's one orphaned cluster) must be its own lane's, never another lane's live
+    engines. The engines, torchrun jobs and CLI runs a test starts inherit both. They live in the run's
+    basetemp, beside the lanes' ``tmp_path`` folders, and pytest prunes them with those."""
+    if LANE is None:
+        return
+    run = os.path.dirname(str(config.option.basetemp))  # the lane's own basetemp is emptied when first used
+    for var, sub in (("TMPDIR", "tmp"), ("IPYTHONDIR", "ipython")):
+        os.environ[var] = os.path.join(run, f"{LANE}-{sub}")
+        os.makedirs(os.environ[var], exist_ok=True)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def _costly_first(items) -> None:
+    """Under pytest-xdist: the test files reordered, the costliest first (``COST_S``), each file's tests kept
+    together and in their order. ``make test`` hands a lane one file at a time in this order
+    (``--dist loadfile --no-loadscope-reorder``), so no long file starts last and runs alone at the end."""
+    def cost(item) -> float:
+        return COST_S.get(item.nodeid.split("::", 1)[0], 0.0)
+
+    items.sort(key=lambda item: -cost(item))  # stable: a file's tests stay in order, light files as collected
+
+
+def pytest_collection_modifyitems(config, items):
+    if LANE is not None:
+        _costly_first(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked ``alone`` runs while no other lane runs a test: one whose waits or bounds must not share
+    the machine's two cores (its fixtures' set-up and tear-down included, as for every test)."""
+    if LANE is None:
+        yield
+        return
+    with _lanes_lock(item.config, exclusive=item.get_closest_marker("alone") is not None):
+        yield
+
+
+@contextlib.contextmanager
+def _lanes_lock(config, exclusive: bool):
+    """Every lane's test holds the room shared, an ``alone`` test holds it exclusive. The gate in front of it
+    makes a waiting ``alone`` test go next (shared holders alone would keep the room for ever)."""
+    base = os.path.dirname(str(config.option.basetemp))  # the run's basetemp: one per run, every lane's parent
+    with open(os.path.join(base, "lanes.gate"), "a") as gate, open(os.path.join(base, "lanes.room"), "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(room, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+# What each test file cost in one lane, in seconds (the suite in 3 lanes on a 2-core box shared with other
+# work, 2026-11-27: slow, but in proportion): ``make test``'s lanes start the costliest first. A file missing
+# here (under 100 s there) counts as light and runs after these.
+COST_S: dict[str, float] = {
+    "tests/test_fixtures.py": 1375,
+    "tests/test_browser.py": 1092,
+    "tests/test_job.py": 1085,
+    "tests/test_bundle.py": 1060,
+    "tests/test_notebooks.py": 789,
+    "tests/test_meshes.py": 743,
+    "tests/test_multihost.py": 705,
+    "tests/test_job_attach.py": 578,
+    "tests/test_cli.py": 550,
+    "tests/test_attach.py": 499,
+    "tests/test_docs.py": 496,
+    "tests/test_vllm_weightsync.py": 463,
+    "tests/test_rerun.py": 455,
+    "tests/test_registry_faults.py": 449,
+    "tests/test_faults.py": 422,
+    "tests/test_diagnosis.py": 347,
+    "tests/test_user_scenarios.py": 272,
+    "tests/test_teach.py": 261,
+    "tests/test_lifetime.py": 155,
+    "tests/test_tempfiles.py": 128,
+    "tests/test_flightrecorder.py": 113,
+    "tests/test_viz_scale.py": 103,
+}
 
 TEST_TIMEOUT_S = 8.0  # collective timeout: short, so the headline's gloo send times out quickly
 

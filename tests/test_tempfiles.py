@@ -9,11 +9,14 @@ client in a subprocess with a temp dir of its own, so the test sees exactly what
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,9 +74,16 @@ def _segments(pids) -> list[str]:
     return sorted(n for n in os.listdir(SHM) for p in pids if n.startswith(f"torch_{p}_"))
 
 
-def _start(tmp_path, how: str) -> tuple[subprocess.Popen, str, list[int], str]:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+@pytest.fixture()
+def short_tmp():
+    """The client's temp dir, on a short path: torch_shm_manager binds ``$TMPDIR/torch-shm-dir-*/manager.sock``
+    and a Unix socket's path holds 107 bytes at most (a lane's ``tmp_path`` under pytest-xdist passed that)."""
+    d = tempfile.mkdtemp(prefix="wbt-")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _start(tmp_path, how: str, tmp: Path) -> tuple[subprocess.Popen, str, list[int], str]:
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -94,8 +104,8 @@ def _during(tmp: str, pids: list[int]) -> None:
     assert _segments(pids), os.listdir(SHM)
 
 
-def test_a_stopped_cluster_leaves_nothing_in_the_temp_dir_or_dev_shm(tmp_path):
-    proc, token, pids, tmp = _start(tmp_path, "stop")
+def test_a_stopped_cluster_leaves_nothing_in_the_temp_dir_or_dev_shm(tmp_path, short_tmp):
+    proc, token, pids, tmp = _start(tmp_path, "stop", short_tmp)
     try:
         assert proc.wait(120) == 0, proc.stderr.read()[-3000:]
         assert sorted(os.listdir(tmp)) == [] and _segments(pids) == []
@@ -105,8 +115,8 @@ def test_a_stopped_cluster_leaves_nothing_in_the_temp_dir_or_dev_shm(tmp_path):
         lease.end_tree(token, within=0)
 
 
-def test_a_killed_clients_leftovers_go_with_its_ranks(tmp_path):
-    proc, token, pids, tmp = _start(tmp_path, "sleep")
+def test_a_killed_clients_leftovers_go_with_its_ranks(tmp_path, short_tmp):
+    proc, token, pids, tmp = _start(tmp_path, "sleep", short_tmp)
     try:
         _during(tmp, pids)
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup of the client runs: its reaper ends the tree
