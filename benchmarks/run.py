@@ -89,7 +89,7 @@ def attached(repeats: int = 5) -> dict[str, float]:
     that import pulled in torch."""
     import tempfile
 
-    floor_code = ("import sys, workbench.cli, workbench.live.attach, workbench.postmortem.bundle; "
+    floor_code = ("import sys, workbench.cli, workbench.live.connect, workbench.postmortem.bundle; "
                   f"from workbench import scenarios; scenarios.resolve({SCENARIO!r}); print('torch' in sys.modules)")
     with tempfile.TemporaryDirectory() as d:
         pdir = str(Path(d) / "profile_bench")

@@ -147,7 +147,7 @@ def _notebook_change(lr: float) -> list:
     in place (its shard) and the optimizer's lr set."""
     import torch
 
-    from workbench.job.attach import here
+    from workbench.job.engine import here
 
     ns = here()
     model, opt = ns["model"], ns["opt"]
@@ -341,7 +341,7 @@ def _pm_view() -> dict:
 
     import torch
 
-    from workbench.job.attach import here
+    from workbench.job.engine import here
 
     ns = here()
     frame, exc = ns.get("frame"), ns.get("exc")
@@ -362,7 +362,7 @@ def _probe_side_stream() -> dict:
 
     import torch
 
-    from workbench.job.attach import here
+    from workbench.job.engine import here
     from workbench.rank import phases
 
     model = here()["model"]
@@ -380,7 +380,7 @@ def _probe_side_stream() -> dict:
 
 def _probe_here() -> int:
     """``cluster.probe``'s rows on this rank alone (its own stream): sent to the raising rank by ``cluster.run``."""
-    from workbench.job.attach import here
+    from workbench.job.engine import here
     from workbench.rank import phases
 
     return len(phases.probe_rows({"model": here()["model"]}))
@@ -423,9 +423,9 @@ def _top_frames(dump: str, n: int = 4) -> list[str]:
         if len(rows) < 2:
             continue
         frames = [f.replace('File "', "").replace('", line ', ":") for f in rows[1:]]
-        if any(f.endswith(" in _watch") and "postmortem.py" in f for f in frames):
+        if any(f.endswith(" in _watch") and "triggers.py" in f for f in frames):
             who = "watcher thread"
-        elif any("job_attach_gpu.py" in f or "workbench/job/postmortem.py" in f for f in frames):
+        elif any("job_attach_gpu.py" in f or "workbench/job/triggers.py" in f for f in frames):
             who = "main thread"
         else:
             continue

@@ -201,7 +201,7 @@ def test_every_workbench_name_in_a_pages_prose_exists(page):
 
 
 # -- the objects the pages talk about: cluster, s (a session), frame --------------------------------------
-OBJECTS = {"cluster": ("workbench.live.attach", "JobCluster"), "s": ("workbench.live.session", "Session"),
+OBJECTS = {"cluster": ("workbench.live.connect", "JobCluster"), "s": ("workbench.live.session", "Session"),
            "frame": ("workbench.analysis.frames", "Frame")}
 
 

@@ -363,7 +363,7 @@ def test_importing_the_job_side_pulls_no_client():
 
 
 def test_srun_sets_rank_world_and_job(monkeypatch):
-    from workbench.job import attach
+    from workbench.job import engine
     from workbench.job import shard as c
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "WORKBENCH_JOB_ID",
@@ -380,9 +380,9 @@ def test_srun_sets_rank_world_and_job(monkeypatch):
                                 "local_world_size": 4, "master_addr": "10.11.12.13", "master_port": 0}
     assert c._launcher_job() == "slurm-4242.0"
     # the breakpoint's controller reads the same launcher: a job on two nodes is not served on loopback
-    assert attach._controller_ip() == "10.11.12.13"
+    assert engine._controller_ip() == "10.11.12.13"
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8")
-    assert attach._controller_ip() == "127.0.0.1"
+    assert engine._controller_ip() == "127.0.0.1"
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("RANK", "2")  # torchrun inside an allocation: its own ranks win
     monkeypatch.setenv("WORLD_SIZE", "4")

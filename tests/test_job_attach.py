@@ -108,7 +108,7 @@ def job_factory(tmp_path):
 
 
 def _double_scale() -> float:
-    from workbench.job.attach import here
+    from workbench.job.engine import here
 
     model = here()["model"]
     model.scale.mul_(2.0)
@@ -176,7 +176,7 @@ def test_attach_probe_change_a_buffer_resume(job_factory):
 
 
 def _scale_and_first() -> list:
-    from workbench.job.attach import here
+    from workbench.job.engine import here
 
     return [float(here()["model"].scale), here()["first"]]
 
@@ -306,7 +306,7 @@ def test_a_hung_cell_does_not_hold_the_breakpoint_past_its_deadline(job_factory)
 def _postmortem_view() -> list:
     import threading
 
-    from workbench.job.attach import here
+    from workbench.job.engine import here
 
     ns = here()
     exc = ns.get("exc")
@@ -499,7 +499,7 @@ def test_post_mortem_when_every_rank_raises(job_factory):
 
 
 def test_the_account_leads_with_the_raise_and_keeps_its_message_whole():
-    from workbench.job import postmortem
+    from workbench.job import triggers
 
     msg = ("Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got "
            "torch.cuda.FloatTensor instead (while checking arguments for embedding)")
@@ -507,6 +507,6 @@ def test_the_account_leads_with_the_raise_and_keeps_its_message_whole():
                       "open_calls": [{"op": "all_gather_into_tensor", "seq": 102, "group": "0"}]} for r in (0, 1, 3)}
     ranks["2"] = {"rank": 2, "role": "raised", "where": "train.py:56 in step",
                   "error": {"type": "RuntimeError", "message": msg}}
-    line = postmortem._line({"reason": "error", "rank": 2}, ranks)
+    line = triggers._line({"reason": "error", "rank": 2}, ranks)
     assert line.startswith(f"rank 2 raised RuntimeError: {msg} at train.py:56 in step; rank 0 waits in "
                            "all_gather_into_tensor #102 on group 0 at train.py:60 in step; rank 1 waits"), line

@@ -254,7 +254,7 @@ def test_a_full_disk_when_the_job_raises_is_one_line_before_the_jobs_own_traceba
 
 def _published(row: dict) -> str:
     """A ledger row as a rank's watcher publishes its open call in the job's store."""
-    from workbench.job.postmortem import KEEP
+    from workbench.job.triggers import KEEP
 
     return json.dumps([{k: row.get(k) for k in KEEP}], default=str)
 
@@ -267,7 +267,7 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
     import torch.distributed as dist
     from test_ledger_ops import OPS, _scenario
 
-    from workbench.job import postmortem
+    from workbench.job import triggers
 
     def pairs(names: list[str], plant: str = "") -> dict:
         """Each call both ranks made, as their ledger files hold it (read as the job's watcher reads them)."""
@@ -284,15 +284,15 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
 
     right = pairs(OPS)
     assert {k[0] for k in right} == set(OPS)
-    assert [k for k, v in right.items() if not postmortem._same(v[0], v[1])] == []
+    assert [k for k, v in right.items() if not triggers._same(v[0], v[1])] == []
     store = dist.HashStore()
     scatter = next(v for k, v in right.items() if k[0] == "scatter")
     for r in (0, 1):
         store.set(f"pm/open/{r}", _published(scatter[r]))
-    assert postmortem._prove(store, "pm", 2) is None  # both wait in the same scatter: slow, not deadlocked
+    assert triggers._prove(store, "pm", 2) is None  # both wait in the same scatter: slow, not deadlocked
     planted = next(v for k, v in pairs(["scatter"], plant="scatter").items() if k[0] == "scatter")
-    assert not postmortem._same(planted[0], planted[1])
+    assert not triggers._same(planted[0], planted[1])
     for r in (0, 1):
         store.set(f"pm/open/{r}", _published(planted[r]))
-    proof = postmortem._prove(store, "pm", 2)
+    proof = triggers._prove(store, "pm", 2)
     assert proof is not None and proof["ranks"] == [0, 1]

@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Cluster": ("workbench.live.cluster", "Cluster"),
     "start": ("workbench.live.cluster", "start"),
-    "connect": ("workbench.live.attach", "connect"),
+    "connect": ("workbench.live.connect", "connect"),
     "Session": ("workbench.live.session", "Session"),
     "sweep": ("workbench.live.sweep", "sweep"),
     "Comparison": ("workbench.live.session", "Comparison"),

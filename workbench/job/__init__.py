@@ -21,10 +21,10 @@ through it. ``load(dir)`` is ``wb.load``; ``merge(dir, out)`` writes one ``.wbun
 
 ``cap.breakpoint(deadline=...)`` (every rank) serves the ranks as ipyparallel engines for a notebook
 (``wb.connect(job=dir)``) until its ``cluster.resume()`` or the deadline, then returns to the script
-(``attach.py``); ``here()`` is the namespace the engines see, for functions ``cluster.run`` sends.
+(``engine.py``); ``here()`` is the namespace the engines see, for functions ``cluster.run`` sends.
 ``capture(dir, attach="on-error" | "on-deadlock" | "post-mortem")``: the same, post mortem, once a rank
 raises or the ledgers prove a deadlock; the ranks stuck in a collective serve from a thread of their own
-(``postmortem.py``), and after ``cluster.resume()`` the job fails as it would have.
+(``triggers.py``), and after ``cluster.resume()`` the job fails as it would have.
 
 Layer: above ``postmortem`` (whose shard format it writes) and below ``live``, which it never
 imports; what runs in the job is rank-side code (``rank/``), and importing this package pulls
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.job.attach import here
+from workbench.job.engine import here
 from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture, fetch
 
 __all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "here", "load", "merge"]

@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench.job import guest, postmortem
+from workbench.job import guest, triggers
 from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
@@ -87,12 +87,12 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     ``attach``: post mortem, every rank attachable from a notebook (``wb.connect(job=path)``) for
     ``attach_deadline`` seconds: ``"on-error"`` once a rank raises, ``"on-deadlock"`` once the ledgers prove a
     deadlock (every rank in a call open past ``hang_after`` seconds, not one collective), ``"post-mortem"``
-    both (``postmortem.py`` says how; the raising rank then fails as it would have).
+    both (``triggers.py`` says how; the raising rank then fails as it would have).
     ``strict``: the capture's own failures (a full disk, a path it cannot make, a bug of the workbench's) raise
     into the job; by default each is one line on stderr and the capture turns itself off on that rank, the job
     going on as it would have without it (``guest.py``).
     """
-    triggers = postmortem.modes(attach)
+    on = triggers.modes(attach)
     where = os.environ.get(ENV_OFF, "1").strip()
     if enabled is None:
         enabled = where.lower() not in ("0", "off", "false", "no")
@@ -105,7 +105,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
         raise ValueError(f"poison must be True, False or 'to_empty'; got {poison!r}")
     if ledger not in (True, False, "calls"):
         raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
-    if "deadlock" in triggers and not ledger:
+    if "deadlock" in on and not ledger:
         raise ValueError("attach='on-deadlock' reads the ledger: it needs ledger=True or 'calls'")
     if not (isinstance(attach_deadline, (int, float)) and attach_deadline > 0 and hang_after > 0):
         raise ValueError(f"attach_deadline and hang_after must be positive seconds; got {attach_deadline!r}, "
@@ -115,7 +115,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     cap = None
     try:
         cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points, strict=strict)
-        postmortem.install(cap, triggers, attach_deadline, hang_after)
+        triggers.install(cap, on, attach_deadline, hang_after)
         return cap
     except Exception as exc:
         if strict:
@@ -422,7 +422,7 @@ class Capture:
             return
         self._unwound = self._closed = True
         with contextlib.suppress(Exception):
-            postmortem.uninstall(self)
+            triggers.uninstall(self)
         with contextlib.suppress(Exception):
             self._unwind()
         self.doc.update(status="stopped", stopped=self.stopped)
@@ -533,12 +533,12 @@ class Capture:
         """Every rank (at the same point) serves as an ipyparallel engine until ``cluster.resume()`` from a
         client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
         whatever the notebook changed. The engines see ``objects``, the last point's objects and ``cap``
-        (``workbench/job/attach.py`` says how it returns)."""
-        from workbench.job import attach
+        (``workbench/job/engine.py`` says how it returns)."""
+        from workbench.job import engine
 
         if not self._usable():
             return {"by": "off", "seconds": 0.0}
-        return attach.breakpoint(self, deadline=deadline, controller=controller, **objects)
+        return engine.serve(self, deadline=deadline, controller=controller, **objects)
 
     def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
@@ -552,7 +552,7 @@ class Capture:
         if "error" not in (getattr(self, "_pm", None) or {}).get("triggers", ()):
             raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
                              "every rank: their threads serve the ranks that did not raise")
-        return postmortem.on_exception(self, exc, exc.__traceback__)
+        return triggers.on_exception(self, exc, exc.__traceback__)
 
     # -- the shard's own state --------------------------------------------------------------
     def _where(self) -> None:
@@ -576,7 +576,7 @@ class Capture:
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
-        released = isinstance(exc, postmortem.Released) or postmortem.was_released()
+        released = isinstance(exc, triggers.Released) or triggers.was_released()
         if self.stopped is None and not self._closed:
             try:
                 from workbench.rank.ledger import traceback_text
@@ -593,12 +593,12 @@ class Capture:
                 self._fault("recording the job's exception", hook_exc)
         if getattr(self, "_pm", None) and not self._closed:
             try:
-                postmortem.on_exception(self, exc, tb)
+                triggers.on_exception(self, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
             with contextlib.suppress(Exception):
-                sys.__stderr__.write(postmortem.released_line(self, exc))
+                sys.__stderr__.write(triggers.released_line(self, exc))
                 sys.__stderr__.flush()
             return
         self._hook(kind, exc, tb)
@@ -628,7 +628,7 @@ class Capture:
 
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
-        return postmortem.open_calls(postmortem.ledger_reader(self._ledger.path)) if self._ledger is not None else []
+        return triggers.open_calls(triggers.ledger_reader(self._ledger.path)) if self._ledger is not None else []
 
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised). A fault here is one
@@ -638,7 +638,7 @@ class Capture:
         self._closed = self._unwound = True
         try:
             with contextlib.suppress(Exception):
-                postmortem.uninstall(self)
+                triggers.uninstall(self)
             self._unwind()
             if self.doc["status"] == "running":
                 self.doc["status"] = "finished"

@@ -287,12 +287,12 @@ JOB_WAIT_S = 30.0
 
 
 class JobCluster(AttachedCluster):
-    """The ranks of the user's own job at ``cap.breakpoint()`` (``workbench/job/attach.py``): the engines run
+    """The ranks of the user's own job at ``cap.breakpoint()`` (``workbench/job/engine.py``): the engines run
     inside the job's processes, so the job's own process group and rank order are used as they are (no group
     is formed or re-formed here); ``resume()`` hands the ranks back to the script."""
 
     def __init__(self, job: str | os.PathLike, *, timeout: float = 60.0, wait: float = JOB_WAIT_S):
-        from workbench.job.attach import ATTACH
+        from workbench.job.engine import ATTACH
 
         self.job_dir = os.fspath(job)
         path = os.path.join(self.job_dir, ATTACH)
@@ -324,7 +324,7 @@ class JobCluster(AttachedCluster):
         return f"the job at {self.job_dir}"
 
     def _take_ranks(self) -> None:
-        from workbench.job.attach import whoami
+        from workbench.job.engine import whoami
 
         ids = sorted(self._client.ids)
         self._client[ids].use_cloudpickle()
@@ -382,8 +382,8 @@ class JobCluster(AttachedCluster):
         job's ``attach.json`` says resumed. Returns it, with ``resume_s`` (from the call to that). Post mortem:
         the rank that raised then fails with its exception (the launcher ends the others); after a deadlock
         every rank ends at once (exit status 1, one line each) rather than at its group's timeout."""
-        from workbench.job.attach import ATTACH
-        from workbench.job.attach import resume as resume_rank
+        from workbench.job.engine import ATTACH
+        from workbench.job.engine import resume as resume_rank
 
         if self._client is None:
             raise ClusterError(f"not attached to {self.where}")
@@ -418,7 +418,7 @@ class JobCluster(AttachedCluster):
         import logging
 
         from workbench.analysis.frames import COLUMNS, table
-        from workbench.job.attach import probe_here
+        from workbench.job.engine import probe_here
 
         self._check_usable()
         asked = {r: self._client[self._ids[r]].apply_async(probe_here, list(names)) for r in range(self.world_size)}

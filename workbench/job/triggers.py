@@ -8,7 +8,7 @@ first serves that rank as an ipyparallel engine on its main thread (its namespac
 store. Every rank runs one daemon thread (``workbench-postmortem``) that polls that store; the ranks
 that did not raise are stuck in a collective on their main thread (gloo and NCCL wait with the GIL
 released), so their thread serves them instead, with the locals of the main thread's innermost frame
-of the job's own code. ``wb.connect(job=dir)`` attaches as at a breakpoint; ``attach.json`` says
+of the job's own code. ``wb.connect(job=dir)`` attaches as at a breakpoint; ``engine.json`` says
 which rank raised, where (file, line, function) and where each other rank waits (its open calls from
 its own ledger, its main thread's line). Nothing here issues a collective: the trigger, the engine
 file and the "all done" marks go through the store. ``cluster.resume()`` (or the deadline) ends the
@@ -20,7 +20,7 @@ ranks never join) does not keep it: the rank prints its traceback and exits 1 th
 ``on-deadlock``: each rank's thread follows its own ledger file (the lines since its last read); a
 call open past ``hang_after`` seconds is published in the store; rank 0's thread reads them, and once
 every rank waits in a call that is not the same collective (another group, another op, another
-sequence number or shape) the deadlock is proven: the calls go to ``attach.json`` as the proof and
+sequence number or shape) the deadlock is proven: the calls go to ``engine.json`` as the proof and
 every rank serves from its thread. Once the attach is over (resumed, or the deadline) the job ends at
 once, each rank in one line and exit status 1, rather than at its group's timeout. A rank that waits
 while another issues no call at all is not a proof (that one may be computing) and attaches nothing.
@@ -46,7 +46,7 @@ import time
 import traceback
 from typing import Any
 
-from workbench.job import attach
+from workbench.job import engine
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
@@ -103,7 +103,7 @@ def uninstall(cap: Any) -> None:
 
 
 def _key(cap: Any) -> str:
-    return f"{attach.store_prefix(cap)}/post-mortem"
+    return f"{engine.store_prefix(cap)}/post-mortem"
 
 
 def _has(store: Any, key: str) -> bool:
@@ -138,7 +138,7 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
             while _STATE.get("role") != "served":
                 time.sleep(0.1)
         return None
-    store = attach.job_store()  # where another rank raised first, this one serves too, as a rank that raised
+    store = engine.job_store()  # where another rank raised first, this one serves too, as a rank that raised
     if store is None and cap.world_size > 1:  # no process group (not yet, or destroyed): no way to the others
         sys.__stderr__.write("workbench: no post-mortem attach: the job's process group is not initialized, so "
                              "the other ranks cannot be told\n")
@@ -258,7 +258,7 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             return
         if store is None:
             with contextlib.suppress(Exception):
-                store = attach.job_store()
+                store = engine.job_store()
             if store is None:
                 continue
         if _has(store, f"{key}/go"):
@@ -527,10 +527,10 @@ def _cycle(waits: dict[int, list[int]]) -> list[int]:
 # -- serving -----------------------------------------------------------------------------------------
 def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
            trigger: dict[str, Any] | None = None, on_stuck: Any = None) -> dict[str, Any]:
-    """Every rank's part: the attach of the whole job (``attach.attach``), rank 0 writing the post-mortem's
-    account into ``attach.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
+    """Every rank's part: the attach of the whole job (``engine.attach``), rank 0 writing the post-mortem's
+    account into ``engine.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
     pm = cap._pm
-    store = attach.job_store()
+    store = engine.job_store()
     key = _key(cap)
 
     def account() -> dict[str, Any]:
@@ -552,7 +552,7 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
                                 "line": _line(go, ranks)}}
 
     try:
-        result = attach.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
+        result = engine.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
                                doc=account, on_stuck=on_stuck)
         # no rank goes on (fails, is released, ends) before rank 0 closed the attach: the launcher would end the rest
         if store is not None and cap.rank != 0:

@@ -19,7 +19,7 @@ every rank's engine has stopped, stops the controller and marks ``attach.json`` 
 The deadline wins over a cell that never returns (``_Watchdog``): the cell is interrupted with
 ``KeyboardInterrupt`` and the rank goes on; only a cell stuck inside a C call that never comes back to
 Python (a collective nobody joins) outlasts it, said on stderr and in ``attach.json``. ``attach()`` is
-the part a breakpoint shares with the post mortem (``postmortem.py``: the same engines, served after
+the part a breakpoint shares with the post mortem (``triggers.py``: the same engines, served after
 an exception or a proven deadlock, from a watcher thread on the ranks stuck in a collective).
 """
 
@@ -227,13 +227,13 @@ def _gone(shards: Any, root: Any, rank: int) -> bool:
         return False
 
 
-def breakpoint(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+def serve(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
                **objects: Any) -> dict[str, Any]:
     """Serve this rank as an ipyparallel engine until a client resumes it or ``deadline`` seconds pass.
 
     Call it on every rank at the same point. ``objects`` (and the capture's last point's objects, the
     capture as ``cap``) are the engine's namespace: ``cluster.probe("model")``, ``%%px`` cells, and
-    ``workbench.job.attach.here()`` inside ``cluster.run`` functions. Returns how it ended:
+    ``workbench.job.engine.here()`` inside ``cluster.run`` functions. Returns how it ended:
     ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
     """
     n = _STATE.get("count", 0)
