@@ -131,10 +131,14 @@ def _start_controller(folder: Path, cluster_id: str, timeout: float = 120.0) -> 
 
 
 # The controller's own first lines: SIGTERM when rank 0 dies (PR_SET_PDEATHSIG: a killed job leaves no
-# controller), set in the child itself rather than through preexec_fn (not safe in a job with threads).
+# controller), set in the child itself rather than through preexec_fn (not safe in a job with threads). A fork
+# does not inherit that setting, so the schedulers ipcontroller forks get their own (SIGKILL when the controller
+# goes): seen on a loaded box, a controller ended by its parent's death left its schedulers running for good.
 _CONTROLLER = """import ctypes, os, runpy, signal, sys
 try:
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+    _libc = ctypes.CDLL(None)
+    _libc.prctl(1, int(signal.SIGTERM))
+    os.register_at_fork(after_in_child=lambda: _libc.prctl(1, int(signal.SIGKILL)))
 except Exception:
     pass
 if os.getppid() != int(sys.argv[1]):
