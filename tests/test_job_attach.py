@@ -238,7 +238,7 @@ def test_a_killed_job_leaves_no_controller(job_factory):
     assert schedulers
     os.kill(doc["pid"], signal.SIGKILL)  # rank 0, the controller's parent, dies at the breakpoint
     controller.wait(timeout=30)  # it goes with its parent (PR_SET_PDEATHSIG), not with the test's cleanup
-    gone, left = psutil.wait_procs(schedulers, timeout=30)
+    _, left = psutil.wait_procs(schedulers, timeout=30)
     for p in left:  # a failing run must not leak what it tests for
         p.kill()
     assert left == [], [p.pid for p in left]
