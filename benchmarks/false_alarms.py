@@ -147,10 +147,11 @@ def verdict(path: Path) -> tuple[str, str]:
     import workbench as wb
 
     b = wb.load(path)
-    if b.bug.tensors.empty:
+    rec = b.bug if b.bug is not None else b.records[0]  # a bundle of `workbench run --fix`: the fix's run
+    if rec.tensors.empty and rec.outputs.empty:
         return "NOTHING CAPTURED", ""
-    d = b.bug.diagnose()
-    found = b.bug.findings()
+    d = rec.diagnose()
+    found = rec.findings()
     loud = found[found["detector"].isin(CROSS_RANK)] if len(found) else found
     if d.clean and not b.problems and loud.empty:
         if found.empty:
@@ -236,7 +237,10 @@ def main() -> int:
                 if not b.exists():
                     rows.append((sc, f"--fix {fx}", "RUN FAILED", (r.stdout + r.stderr).strip()[-200:]))
                     continue
-                rows.append((sc, f"--fix {fx}", *verdict(b)))
+                try:
+                    rows.append((sc, f"--fix {fx}", *verdict(b)))
+                except Exception as e:  # the table still prints; the case counts against us
+                    rows.append((sc, f"--fix {fx}", "UNREADABLE", f"{type(e).__name__}: {e}"[:200]))
     wide = max(len(r[0]) for r in rows)
     wwide = max(len(r[1]) for r in rows)
     print(f"{'case':<{wide}}  {'wrapper':<{wwide}}  verdict")
