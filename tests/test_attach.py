@@ -279,9 +279,10 @@ def test_the_slurm_recipe_with_a_one_host_stand_in_for_srun(tmp_path):
         finally:
             c.shutdown()
         assert not c.alive
-        # the engines were ended by the shutdown (all on this host: killed, they hold nothing worth a graceful
-        # exit), srun returned their status and the batch script ended with it
-        assert job.wait(timeout=30) == 128 + signal.SIGKILL
+        # the engines were ended by the shutdown (all on this host: killed, 137, as they hold nothing worth a
+        # graceful exit; or 1 where one saw its controller go first), srun returned their worst status and the
+        # batch script ended with it (not 2: the recipe's own refusal)
+        assert job.wait(timeout=30) in (1, 128 + signal.SIGKILL)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, 9)
