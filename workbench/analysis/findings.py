@@ -7,6 +7,7 @@ answers. Each detector returns rows ``(step, severity, rank, name, finding)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pandas as pd
 
@@ -39,18 +40,9 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
     for row in tensors.itertuples(index=False):
         st, detail = "ok", ""
         r0 = ref_rows.get(row.name)
-        if row.is_meta:
-            st, detail = "meta", "on the meta device: no data"
-        elif _count(row.poisoned) > 0:
-            st, detail = "poison", f"{row.poisoned} of {row.numel} elements never written since to_empty"
-        elif getattr(row, "written", None) == "never written":
-            st, detail = "poison", "bytes unchanged since to_empty handed them out"
-        elif _count(row.nan) > 0:
-            st, detail = "nan", f"{row.nan} NaN of {row.numel}"
-        elif _count(row.inf) > 0:
-            st, detail = "inf", f"{row.inf} Inf of {row.numel}"
-        elif _bad_ref(getattr(row, "ref_diff", None)):
-            st, detail = "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
+        own = _own_health(row)
+        if own:
+            st, detail = own
         elif _flag(getattr(row, "sharded", None)):
             st, detail = "sharded", "this rank's own (a shard or a role's copy): checked on its own, not against rank 0"
         elif r0 is None:
@@ -63,6 +55,24 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
             st, detail = "differs", f"content differs from rank {reference_rank}"
         out.append({"rank": row.rank, "name": row.name, "status": st, "detail": detail})
     return pd.DataFrame(out)
+
+
+def _own_health(row: Any) -> tuple[str, str] | None:
+    """What a rank's copy shows on its own, before any comparison with another rank (the same order for both
+    statuses): meta, never written, NaN, Inf, off its first-principles reference; None when nothing."""
+    if row.is_meta:
+        return "meta", "on the meta device: no data"
+    if _count(row.poisoned) > 0:
+        return "poison", f"{row.poisoned} of {row.numel} elements never written since to_empty"
+    if getattr(row, "written", None) == "never written":
+        return "poison", "bytes unchanged since to_empty handed them out"
+    if _count(row.nan) > 0:
+        return "nan", f"{row.nan} NaN of {row.numel}"
+    if _count(row.inf) > 0:
+        return "inf", f"{row.inf} Inf of {row.numel}"
+    if _bad_ref(getattr(row, "ref_diff", None)):
+        return "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
+    return None
 
 
 def agree_ranks(v: object) -> list[int]:
@@ -92,18 +102,9 @@ def _status_learned(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFr
         group = agree_ranks(getattr(row, "agree", None))
         by = getattr(row, "agree_by", None)
         rank = int(row.rank)
-        if row.is_meta:
-            st, detail = "meta", "on the meta device: no data"
-        elif _count(row.poisoned) > 0:
-            st, detail = "poison", f"{row.poisoned} of {row.numel} elements never written since to_empty"
-        elif getattr(row, "written", None) == "never written":
-            st, detail = "poison", "bytes unchanged since to_empty handed them out"
-        elif _count(row.nan) > 0:
-            st, detail = "nan", f"{row.nan} NaN of {row.numel}"
-        elif _count(row.inf) > 0:
-            st, detail = "inf", f"{row.inf} Inf of {row.numel}"
-        elif _bad_ref(getattr(row, "ref_diff", None)):
-            st, detail = "reference", f"departs from the value computed from first principles by {row.ref_diff:.3g}"
+        own = _own_health(row)
+        if own:
+            st, detail = own
         elif group:
             ref_rank = next((r for r in sorted(group) if (r, row.name) in held), rank)
             ref = held.get((ref_rank, row.name))
