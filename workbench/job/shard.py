@@ -21,14 +21,16 @@ worker server per rank), a handler of the capture's own (``workbench_capture``) 
 ``<worker>/handler/workbench_capture`` with this rank's latest point and its open calls, while the
 job runs or hangs (``ask``); the shard records the worker's address.
 
-What it costs the job (CPU, measured here): a point is the probe's own time (27 tensors: 1-6 ms; 67 MB:
-0.6-1 s, the same as a bare probe) and 10-45 KB of JSON; between points every aten op passes the
-ledger's ``TorchDispatchMode`` and poison's ``TorchFunctionMode`` (a tiny Qwen3 forward 1.3 -> 4 ms,
-mostly the ledger), poison fills every Python-level ``torch.empty`` the job makes (FSDP2's all-gather
-buffers included), and while the ledger's dispatch mode is on ``torch.compile`` runs the model eagerly
-(measured: the first call 0.02 s instead of a 60 s compile). ``ledger="calls"`` records the same rows
-with neither cost (the forward 2.0 ms, compiled), ``poison="to_empty"`` poisons what ``to_empty`` hands out
-and nothing else (no mode at all); ``ledger=False`` / ``poison=False`` turn them off.
+What it costs the job: a point is the probe's own time (CPU: 27 tensors 1-6 ms, 67 MB 0.6-1 s, the same as a
+bare probe) and 10-45 KB of JSON. Between points the defaults keep nothing on the job's ops: the ledger wraps
+``torch.distributed``'s collective functions (``ledger="calls"``, ``rank/ledger_calls.py``) and is completed by
+PyTorch's Flight Recorder for the collectives issued from C++ (DDP's reducer; ``rank/ledger_fr.py``: read at each
+point, at close, at the job's exception, at a hang and post mortem, and only where the ledger's numbers have a gap),
+and poison fills what ``to_empty`` hands out (``poison="to_empty"``), so ``torch.compile`` compiles. The expensive
+modes stay a choice: ``ledger="full"`` (or ``True``) puts a ``TorchDispatchMode`` over every aten op (a tiny Qwen3
+forward 1.3 -> 4 ms; ``torch.compile`` then runs the model eagerly: the first call 0.02 s instead of a 60 s
+compile) and ``poison="all"`` (or ``True``) a ``TorchFunctionMode`` that fills every Python-level ``torch.empty``
+the job makes (FSDP2's all-gather buffers included). ``benchmarks/job_capture.py`` measures each mode.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
 returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe. A directory

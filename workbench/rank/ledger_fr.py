@@ -139,7 +139,7 @@ class Complement:
             lo = self.done.get(name, 0)
             if n <= lo:
                 continue
-            seen = self.book.seen.get(name, set())
+            seen = self._seen(name)
             missing = {s for s in range(lo + 1, n + 1) if s not in seen}
             if missing:
                 out[name] = (pg, missing, n)
@@ -147,11 +147,17 @@ class Complement:
                 self._account(name, n)
         return out
 
+    def _seen(self, name: str) -> set[int]:
+        """The numbers the ledger wrote rows of on ``name`` (a copy: the job's thread adds to it meanwhile)."""
+        with self.book._lock:
+            return set(self.book.seen.get(name, ()))
+
     def _account(self, name: str, n: int) -> None:
         self.done[name] = n
-        seen = self.book.seen.get(name)
-        if seen:
-            seen.difference_update([s for s in seen if s <= n])
+        with self.book._lock:
+            seen = self.book.seen.get(name)
+            if seen:
+                seen.difference_update([s for s in seen if s <= n])
 
     def fill(self, when: str, hang: bool = False) -> int:
         """Write the rows the ledger lacks; returns how many. ``when``: what read them ("before point `step3`", "at
@@ -177,7 +183,7 @@ class Complement:
                 ranks = dist.get_process_group_ranks(pg)
             except Exception:
                 ranks = None
-            newest = max(self.book.seen.get(name, set()) | {0})
+            newest = max(self._seen(name) | {0})
             for e in entries:
                 seq = int(e["collective_seq_id"])
                 still = hang and seq == entries[-1]["collective_seq_id"] and seq > newest and \
