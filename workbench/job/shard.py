@@ -62,7 +62,7 @@ from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
 ENV_JOB = "WORKBENCH_JOB_ID"
-ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls": the ledger around collective calls only; "0": none
+ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
