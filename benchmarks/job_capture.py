@@ -131,38 +131,53 @@ def job(args) -> None:
     for name in args.modes.split(","):
         eager[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, None)
         dist.barrier()
+    errors: dict[str, str] = {}
+    if rank == 0 and args.out:  # the eager figures stay written should the compiled part fail or run out of time
+        write(args, eager, {}, errors, gpu, device, backend, world)
     if args.compile:
         import torch._dynamo
 
         for name in COMPILED:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            compiled[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, backend)
-            compiled[name]["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            try:  # a compiler's failure is the same on every rank: each records it and goes on to the barrier
+                compiled[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, backend)
+                compiled[name]["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            except Exception as exc:
+                errors[f"compiled {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             dist.barrier()
     if rank == 0:
-        doc = {
-            "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
-            "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-            "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": "median of steps 2-5",
-            "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
-            "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
-                                                                    "TORCH_NCCL_TRACE_BUFFER_SIZE")},
-            "step_ms": {k: round(v["step_ms"], 2) for k, v in eager.items()},
-            "compiled_step_ms": {k: round(v["step_ms"], 2) for k, v in compiled.items()},
-            "point_ms": {k: _r(v["point_ms"]) for k, v in eager.items()},
-            "point_ms_first": {k: _r(v["point_ms_first"]) for k, v in eager.items()},
-            "point_bytes": {k: v["point_bytes"] for k, v in eager.items()},
-            "compiled_point_ms": {k: _r(v["point_ms"]) for k, v in compiled.items()},
-            "compiled_unique_graphs": {k: v.get("unique_graphs") for k, v in compiled.items()},
-            "flight_recorder_rows": {k: v["flight_recorder"] for k, v in eager.items() if v["flight_recorder"]},
-            "rank0": {"eager": eager, "compiled": compiled},
-        }
-        print(table(doc), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(doc, f, indent=1)
+        print(table(write(args, eager, compiled, errors, gpu, device, backend, world)), flush=True)
+        for k, v in errors.items():
+            print(f"{k}: {v}", flush=True)
     dist.destroy_process_group()
+
+
+def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, backend: str, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    doc = {
+        "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": "median of steps 2-5",
+        "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
+        "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
+                                                                "TORCH_NCCL_TRACE_BUFFER_SIZE")},
+        "step_ms": {k: round(v["step_ms"], 2) for k, v in eager.items()},
+        "compiled_step_ms": {k: round(v["step_ms"], 2) for k, v in compiled.items()},
+        "point_ms": {k: _r(v["point_ms"]) for k, v in eager.items()},
+        "point_ms_first": {k: _r(v["point_ms_first"]) for k, v in eager.items()},
+        "point_bytes": {k: v["point_bytes"] for k, v in eager.items()},
+        "compiled_point_ms": {k: _r(v["point_ms"]) for k, v in compiled.items()},
+        "compiled_unique_graphs": {k: v.get("unique_graphs") for k, v in compiled.items()},
+        "flight_recorder_rows": {k: v["flight_recorder"] for k, v in eager.items() if v["flight_recorder"]},
+        "errors": errors, "rank0": {"eager": eager, "compiled": compiled},
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
 
 
 def _r(v: float | None) -> float | None:
