@@ -143,7 +143,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._file = open(self.path, "a", buffering=1)
         self._open: dict[tuple, dict[str, Any]] = {}  # (group, seq) -> start line: calls whose end is unwritten
-        self.seen: dict[str, set[int]] = {}  # group -> the seqs of the calls written (Flight Recorder's complement)
+        # group -> the numbers of the calls written, kept only where Flight Recorder's complement reads them
+        # (``ledger_fr.Complement``: it prunes them as it accounts for them)
+        self.seen: dict[str, set[int]] = {}
+        self.track_seen = False
         self._closing = False
         # A guest in someone's job (``workbench.job``): ``guest(exc)`` hears of the recorder's own failures (a full
         # disk, a bug) instead of the job, and the ledger goes ``off`` (its modes pass every call through).
@@ -164,7 +167,7 @@ class Ledger:
                 key = (record.get("group"), record.get("seq"))
                 if record.get("ev") == "start":
                     self._open[key] = record
-                    if isinstance(record.get("seq"), int):
+                    if self.track_seen and isinstance(record.get("seq"), int):
                         self.seen.setdefault(str(record.get("group")), set()).add(record["seq"])
                 elif record.get("ev") == "end":
                     self._open.pop(key, None)

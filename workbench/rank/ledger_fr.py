@@ -125,6 +125,7 @@ class Complement:
 
     def __init__(self, book: _ledger.Ledger):
         self.book = book
+        book.track_seen = True
         # group -> the backend's count accounted for: at install everything before is not this capture's
         self.done: dict[str, int] = {name: _ledger.backend_seq(pg) for pg, name in groups()}
         self.left_open: dict[str, dict[str, Any]] = {}  # group -> the row written open by a hang's read
