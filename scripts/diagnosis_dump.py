@@ -2,6 +2,7 @@
 itself byte-identical by dumping before and after and comparing the two files.
 
     python scripts/diagnosis_dump.py OUT.jsonl [bundles] [synthetic] [tests]   (all three by default)
+    python scripts/diagnosis_dump.py --compare BEFORE.jsonl AFTER.jsonl        (exit 1 when a diagnosis moved)
 
 One JSON line per diagnosis, in a fixed order:
 - each recorded bundle under fixtures/ (``*.wbundle``, ``*.bundle``): every run's own diagnosis, then for each
@@ -19,6 +20,7 @@ job captures the tests build need torchrun, so they are not here.)
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -113,7 +115,8 @@ def from_tests() -> list[str]:
             r = make(*a, **kw)
             state["built"] += 1
             try:
-                said = line(str(state["node"]), f"built #{state['built']}", originals["diagnose"](r))
+                # a copy: the test's own record stays unread, as the test left it (a test may count the reads)
+                said = line(str(state["node"]), f"built #{state['built']}", originals["diagnose"](copy.copy(r)))
             except Exception as exc:  # a record the test builds to see it refused
                 said = json.dumps({"source": str(state["node"]), "what": f"built #{state['built']}",
                                    "raised": f"{type(exc).__name__}: {exc}"})
@@ -149,7 +152,28 @@ def from_tests() -> list[str]:
     return lines
 
 
+def compare(before: Path, after: Path) -> int:
+    """Each diagnosis in both dumps must be byte-identical; one only in ``after`` is a new test's (listed)."""
+    def read(p: Path) -> dict[tuple[str, str], str]:
+        return {(d["source"], d["what"]): ln for ln in p.read_text().splitlines() for d in [json.loads(ln)]}
+
+    a, b = read(before), read(after)
+    moved = [k for k in a if k in b and a[k] != b[k]]
+    gone = [k for k in a if k not in b]
+    for k in moved + gone:
+        print(("moved" if k in b else "gone"), *k)
+    for k in b:
+        if k not in a:
+            print("new", *k)
+    same = len(a) - len(moved) - len(gone)
+    print(f"{same} of {len(a)} diagnoses byte-identical, {len(moved)} moved, {len(gone)} gone, "
+          f"{sum(k not in a for k in b)} new")
+    return 1 if moved or gone else 0
+
+
 def main() -> None:
+    if sys.argv[1] == "--compare":
+        sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))
     out, parts = Path(sys.argv[1]), sys.argv[2:] or ["bundles", "synthetic", "tests"]
     lines = [x for part, make in (("bundles", bundles), ("synthetic", synthetic), ("tests", from_tests))
              if part in parts for x in make()]

@@ -29,7 +29,8 @@ import pandas as pd
 
 from workbench.analysis.diagnosis_rules import exception, parting, rule, story, tensor
 from workbench.analysis.diagnosis_rules.rule import Rule
-from workbench.analysis.diagnosis_run import Diagnosis, Run
+from workbench.analysis.diagnosis_run import Run
+from workbench.analysis.diagnosis_words import Diagnosis
 
 STAGES = {"story": story, "parting": parting, "tensor": tensor, "exception": exception}
 
