@@ -3,7 +3,7 @@
 Alone, when the state reads clean; independently, raised on ranks outside a group whose
 collectives part in the same step; as the cause of that parting, raised on its ranks; before the
 state went wrong, or in that step with no collective to blame; else the story stands. Then each
-exception the sentence has not named yet.
+exception the story's clauses have not named yet.
 """
 
 from __future__ import annotations

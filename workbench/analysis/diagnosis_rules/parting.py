@@ -260,7 +260,7 @@ def says_independent_groups(f: PartFacts, d: Diagnosis) -> Diagnosis:
     return d
 
 
-# -- the order: tried top to bottom ------------------------------------------------------------------
+# -- the order: tried top to bottom (a teller's name is the mechanism it says: exception.PARTED reads them) -------
 RULES: tuple[Rule, ...] = (
     Rule("parting", "rank-dead", when_rank_dead, says_rank_dead),
     Rule("parting", "rank-missing", when_rank_missing, says_rank_missing),
