@@ -127,8 +127,9 @@ _RUNS: dict[int, tuple[weakref.ref, tuple, Run]] = {}  # id(record) -> (the reco
 
 def _key(rec: Any) -> tuple:
     """What a record held when it was read: its tables (the objects), a copy of its manifest, its notes."""
+    notes = getattr(rec, "notes", None)
     return (*(getattr(rec, n, None) for n in TABLES), dict(getattr(rec, "manifest", {}) or {}),
-            list(getattr(rec, "notes", None) or []))
+            list(notes) if isinstance(notes, list) else None)
 
 
 def _same(a: tuple, b: tuple) -> bool:
