@@ -380,11 +380,11 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
     _STATE.update(ns=ns, cap=cap, by="deadline", names=shown_names(ns))
     from workbench.rank import context
 
-    fill_rank = not context._RANK  # what %%px cells' ``wbr.here()`` reads, where no live group set it
+    fill_rank = not context.rank_is_set()  # what %%px cells' ``wbr.here()`` reads, where no live group set it
     if fill_rank:
-        context._RANK.update(rank=getattr(cap, "rank", 0), world_size=getattr(cap, "world_size", 1),
-                             backend=ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
-                             device=getattr(getattr(cap, "ctx", None), "device", "cpu"), timeout_s=deadline)
+        context.set_rank(getattr(cap, "rank", 0), getattr(cap, "world_size", 1),
+                         ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
+                         getattr(getattr(cap, "ctx", None), "device", "cpu"), deadline)
     import threading
 
     t0 = time.perf_counter()
@@ -440,7 +440,7 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
                 asyncio.set_event_loop(None)
         _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
-            context._RANK.clear()
+            context.clear_rank()
         for k in ("ns", "cap", "loop", "event", "by", "names", "busy"):
             _STATE.pop(k, None)
         shutil.rmtree(tmp, ignore_errors=True)
