@@ -55,7 +55,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench.job import debug_server, guest, triggers
+from workbench.job import debug_server, engine, guest, triggers
 from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
@@ -119,7 +119,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     cap = None
     try:
         cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points, strict=strict)
-        triggers.install(cap, on, attach_deadline, hang_after)
+        cap.watch = triggers.install(cap, on, attach_deadline, hang_after)
         return cap
     except Exception as exc:
         if strict:
@@ -263,6 +263,8 @@ class Capture:
         self._latest: dict[str, Any] | None = None
         self._objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
         self._objects_weak = True
+        self.serving: engine.Serving | None = None  # the attach in progress, while this rank serves
+        self.watch: triggers.Watch | None = None  # the post-mortem watch (``capture(attach=...)``)
         where = launcher_env()
         self.rank, self.world_size = where["rank"], where["world_size"]
         self.root = Path(path)
@@ -374,6 +376,42 @@ class Capture:
     def enabled(self) -> bool:
         return self.stopped is None and not self._closed
 
+    # -- what an attach reads (``engine.Host``) ------------------------------------------------
+    @property
+    def attempt(self) -> int:
+        """The launcher's restart count (torchelastic's), as the shard records it."""
+        return int(self.doc.get("attempt", 0))
+
+    @property
+    def device(self) -> Any:
+        """This rank's device, as its last point saw it (cpu until one saw CUDA)."""
+        return self.ctx.device
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The last point's record (its rows), or None before the first."""
+        return self._latest
+
+    @property
+    def device_held(self) -> str | None:
+        """Why the post mortem could not free this rank's device (its communicators' abort failed), else None."""
+        return self.watch.device_held if self.watch is not None else None
+
+    # -- what the post-mortem watch reads (``triggers.Watched``) -------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def ledger_path(self) -> str | None:
+        """This rank's ledger file, None without a ledger."""
+        return self._ledger.path if self._ledger is not None else None
+
+    @property
+    def job_excepthook(self) -> Any:
+        """The excepthook the capture took over: what runs the job's own failure as it would have been."""
+        return self._hook
+
     @property
     def objects(self) -> dict[str, Any]:
         """The last point's objects (not its tensors), the namespace a breakpoint's engines see. Held weakly where the
@@ -389,7 +427,7 @@ class Capture:
         return out
 
     def _remember(self, objects: dict[str, Any]) -> None:
-        self._objects_weak = not getattr(self, "_pm", None)
+        self._objects_weak = self.watch is None
         if not self._objects_weak:
             self._objects = dict(objects)
             return
@@ -437,8 +475,8 @@ class Capture:
         if self._unwound:
             return
         self._unwound = self._closed = True
-        with contextlib.suppress(Exception):
-            triggers.uninstall(self)
+        if self.watch is not None:
+            self.watch.end()
         with contextlib.suppress(Exception):
             self._unwind()
         self.doc.update(status="stopped", stopped=self.stopped)
@@ -551,8 +589,6 @@ class Capture:
         client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
         whatever the notebook changed. The engines see ``objects``, the last point's objects and ``cap``
         (``workbench/job/engine.py`` says how it returns)."""
-        from workbench.job import engine
-
         if not self._usable():
             return {"by": "off", "seconds": 0.0}
         return engine.serve(self, deadline=deadline, controller=controller, **objects)
@@ -566,10 +602,10 @@ class Capture:
         exc = exc if exc is not None else sys.exc_info()[1]
         if exc is None:
             raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
-        if "error" not in (getattr(self, "_pm", None) or {}).get("triggers", ()):
+        if self.watch is None or "error" not in self.watch.triggers:
             raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
                              "every rank: their threads serve the ranks that did not raise")
-        return triggers.on_exception(self, exc, exc.__traceback__)
+        return triggers.on_exception(self, self.watch, exc, exc.__traceback__)
 
     # -- the shard's own state --------------------------------------------------------------
     def _where(self) -> None:
@@ -593,7 +629,7 @@ class Capture:
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
-        released = isinstance(exc, triggers.Released) or triggers.was_released()
+        released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
         if self.stopped is None and not self._closed:
             with contextlib.suppress(Exception):
                 self.fill_from_flight_recorder("at the job's exception")
@@ -610,14 +646,14 @@ class Capture:
                 self._write_manifest()
             except Exception as hook_exc:  # one line, then the job's own exception as it would have been
                 self._fault("recording the job's exception", hook_exc)
-        if getattr(self, "_pm", None) and not self._closed:
+        if self.watch is not None and not self._closed:
             try:
-                triggers.on_exception(self, exc, tb)
+                triggers.on_exception(self, self.watch, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
             with contextlib.suppress(Exception):
-                sys.__stderr__.write(triggers.released_line(self, exc))
+                sys.__stderr__.write(triggers.released_line(self.rank, self.watch, exc))
                 sys.__stderr__.flush()
             return
         self._hook(kind, exc, tb)
@@ -697,8 +733,8 @@ class Capture:
             self.fill_from_flight_recorder("at close")
         self._closed = self._unwound = True
         try:
-            with contextlib.suppress(Exception):
-                triggers.uninstall(self)
+            if self.watch is not None:
+                self.watch.end()
             self._unwind()
             if self.doc["status"] == "running":
                 self.doc["status"] = "finished"
