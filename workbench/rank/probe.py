@@ -303,13 +303,16 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
 
 def _layout(t: Any) -> dict[str, str]:
     """A DTensor's whole shape and placements (``Shard(dim=0)``, ``Replicate()``, one per mesh dimension, with
-    the mesh's shape): what its rows' local ``shape`` is a piece of."""
+    the mesh's shape): what its rows' local ``shape`` is a piece of; and this rank's coordinate on that mesh."""
     try:
         mesh = t.device_mesh
         dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        coord = mesh.get_coordinate()
         return {"global_shape": "x".join(map(str, t.shape)) or "()",
                 "placement": ", ".join(f"{d}={p}" for d, p in zip(dims, t.placements))
-                             + f" on mesh {'x'.join(map(str, mesh.shape))}"}
+                             + f" on mesh {'x'.join(map(str, mesh.shape))}",
+                # where this rank sits on that mesh (``replicate=1, shard=0``): what the views order ranks by
+                "mesh_coord": ", ".join(f"{d}={c}" for d, c in zip(dims, coord)) if coord is not None else ""}
     except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
         return {}
 
