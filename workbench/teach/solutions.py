@@ -246,6 +246,7 @@ def ref_11(ctx) -> None:
 
 def nonfix_11(ctx) -> None:
     """The variant's fill, then the replicas averaged along `replicate`: they agree, on weights nobody meant."""
+    import torch
     import torch.distributed as dist
 
     from workbench.scenarios.hsdp_replicas_diverge_at_init import local_shards
@@ -253,6 +254,7 @@ def nonfix_11(ctx) -> None:
 
     materialize_global_rng(ctx)
     group = ctx.mesh.get_group("replicate")
-    for t in local_shards(ctx.model):
-        dist.all_reduce(t, group=group)
-        t.div_(dist.get_world_size(group))
+    with torch.no_grad():
+        for t in local_shards(ctx.model):
+            dist.all_reduce(t, group=group)
+            t.div_(dist.get_world_size(group))
