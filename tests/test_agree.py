@@ -118,6 +118,12 @@ def test_hsdp_replicas_diverging_at_init_read_as_replicas_parting(four):
     t = four["hsdp"].bug.tensors
     row = t[(t["rank"] == 3) & (t["name"] == "model.0.weight")].iloc[0]
     assert (row["agree"], row["replica"]) == ("1,3", "1")
+    from workbench import viz  # the job's capture draws the mesh too: ranks by coordinate, the replica that parted
+
+    fig = viz.status_matrix(t[t["step"] == "materialize"].drop(columns=["step", "step_index"]))
+    assert list(fig.data[0].y) == [f"replicate {r // 2} · shard {r % 2} (rank {r})" for r in range(4)]
+    assert "replica group parted: `replicate` 1 (ranks 2,3) differs from `replicate` 0 (ranks 0,1)" in \
+        fig.data[0].text[3][0]
 
 
 @pytest.mark.parametrize("fix", ["hsdp-seed-per-shard", "hsdp-broadcast"])
