@@ -307,16 +307,19 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
 
 def _layout(t: Any) -> dict[str, str]:
     """A DTensor's whole shape and placements (``Shard(dim=0)``, ``Replicate()``, one per mesh dimension, with
-    the mesh's shape): what its rows' local ``shape`` is a piece of."""
+    the mesh's shape): what its rows' local ``shape`` is a piece of; and this rank's coordinate on that mesh."""
     try:
         mesh = t.device_mesh
         key = (id(mesh), tuple(t.placements))
         hit = _PLACEMENTS.get(key)
         if hit is None or hit[0] is not mesh:
             facts = mesh_facts.of(mesh)
-            hit = _PLACEMENTS[key] = (mesh, ", ".join(f"{d}={p}" for d, p in zip(facts.names, t.placements))
-                                      + f" on mesh {'x'.join(map(str, facts.shape))}")
-        return {"global_shape": "x".join(map(str, t.shape)) or "()", "placement": hit[1]}
+            placed = (", ".join(f"{d}={p}" for d, p in zip(facts.names, t.placements))
+                      + f" on mesh {'x'.join(map(str, facts.shape))}")
+            # where this rank sits on that mesh (``replicate=1, shard=0``): what the views order ranks by
+            coord = ", ".join(f"{d}={c}" for d, c in zip(facts.names, facts.coord)) if facts.coord is not None else ""
+            hit = _PLACEMENTS[key] = (mesh, placed, coord)
+        return {"global_shape": "x".join(map(str, t.shape)) or "()", "placement": hit[1], "mesh_coord": hit[2]}
     except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
         return {}
 
