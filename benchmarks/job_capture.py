@@ -9,7 +9,7 @@ embeddings) is built on meta in bf16, ``fully_shard``-ed per layer and whole (FS
 ``to_empty`` and initialised from a seed; then ``--steps`` training steps (AdamW) of ``--batch`` x ``--seq``
 tokens a rank, with one point a step: ``cap.point(f"step{i}", model=model, logits=out.logits)``. Per mode the
 job's own step (forward, backward, optimizer, synchronised) is timed apart from the point after it; the figure is
-the median of steps 2-5 (``--steps 6``). Modes: ``off`` (capture disabled), ``defaults`` (``wj.capture(dir)``:
+the median of steps 2 to the last. Modes: ``off`` (capture disabled), ``defaults`` (``wj.capture(dir)``:
 the calls ledger completed by Flight Recorder, poison of ``to_empty`` only), ``full`` (``ledger="full"``),
 ``poison_all`` (``poison="all"``), ``full_all`` (both: the defaults before issue 46); compiled (each decoder
 layer ``.compile()``-d, torchtitan's way with FSDP2; ``--compile-backend``, default ``inductor`` on GPU,
@@ -121,7 +121,7 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
     if prof:
         _dump_profile(prof, args, name + ("-compiled" if compile_backend else ""))
     del model, opt
-    window = slice(2, 6) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
+    window = slice(2, None) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
     return {"step_ms": 1e3 * statistics.median(step_s[window]), "step_ms_first": 1e3 * step_s[0],
             "point_ms": 1e3 * statistics.median(point_s[window]) if point_b else None,
             "point_ms_first": 1e3 * point_s[0] if point_b else None,
@@ -217,7 +217,7 @@ def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, ba
     doc = {
         "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": "median of steps 2-5",
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": f"median of steps 2-{args.steps - 1}",
         "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
         "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
                                                                 "TORCH_NCCL_TRACE_BUFFER_SIZE")},

@@ -2,7 +2,7 @@
 # Issue 46's GPU proof in one device call, from the repo root of a machine with N GPUs (4 here):
 #     WB_COMMIT=$(git rev-parse --short HEAD) bash scripts/job_capture_gpu.sh
 # benchmarks/job_capture.py under torchrun (NCCL, bf16, the Llama-3.2-1B shape, FSDP2 per layer + root, 2 x 512
-# tokens a rank, a point a step, median of steps 2-5): the step with capture off, under the defaults and each mode
+# tokens a rank, a point a step, median of steps 2 to the last): the step with capture off, under the defaults and each mode
 # (ledger="full", poison="all", both), and with each decoder layer compiled (inductor) off and under the defaults.
 # Leaves in $OUT: env_capture.txt, job_capture_leave_on_<N>gpu.json (step_ms, compiled_step_ms, point_ms,
 # point_bytes, ...) and job_capture_leave_on_<N>gpu.txt (the table and torchrun's log). Flight Recorder is on for the
