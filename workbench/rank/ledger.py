@@ -715,23 +715,6 @@ def _coalesced_wrapper(original):
     return _broadcast_coalesced
 
 
-def _new_group_wrapper(original):
-    """A subgroup the user's step forms with plain ``dist.new_group`` (or a ``DeviceMesh``): its gloo pairs join
-    the sockets the control thread's abort cuts (``rank/context.new_group`` does this for the workbench's own
-    groups). Without it a proven deadlock on such a group is declared but never released: the abort cuts only
-    the world group's pairs and the waiters sit until the collective timeout."""
-    def _new_group_with_tag(*args, **kwargs):
-        before = control.socket_fds()
-        group = original(*args, **kwargs)
-        try:
-            control.remember_group_sockets(before, add=True)
-        except Exception:  # never fail the user's group for the sake of a release
-            pass
-        return group
-    _new_group_with_tag.__wrapped__ = original
-    return _new_group_with_tag
-
-
 @contextlib.contextmanager
 def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
     """Record every collective this thread issues inside the block into ``ledger`` (and make the subgroups it
@@ -751,10 +734,12 @@ def start_recording(ledger: Ledger, step: str = "") -> Any:
     recorder = _Recorder(ledger)
     c10d = dist.distributed_c10d
     original = dist._broadcast_coalesced
-    original_new = getattr(c10d, "_new_group_with_tag", None)
+    # A live engine tracks every subgroup for good (``control.track_new_groups``); elsewhere (a job's capture) the
+    # ones formed while recording are tracked, and c10d is left as it was found at the stop.
+    original_new = None if control.tracks_new_groups() else getattr(c10d, "_new_group_with_tag", None)
     dist._broadcast_coalesced = _coalesced_wrapper(original)
     if original_new is not None:
-        c10d._new_group_with_tag = _new_group_wrapper(original_new)
+        c10d._new_group_with_tag = control.group_tracker(original_new)
     _ACTIVE.append(recorder)
     recorder.__enter__()
 
