@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank import mesh_facts
+
 COLUMNS = ("agree", "agree_by", "replica")
 _CAP = 200_000  # storages remembered; the oldest go first
 _SYNCED: OrderedDict[tuple, tuple[Any, tuple[int, ...], str]] = OrderedDict()  # storage key -> (weak ref, ranks, how)
@@ -160,7 +162,7 @@ def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
             for p in mod.parameters():
                 mesh = getattr(p, "device_mesh", None)
                 if mesh is not None:
-                    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+                    ranks = mesh_facts.ranks(mesh)
                     return ranks, "FSDP2", "FSDP2 (a plain buffer: replicated)"
             return _world(), "FSDP2", "FSDP2 (a plain buffer: replicated)"
     except Exception:
@@ -204,8 +206,26 @@ def placement(t: Any) -> dict[str, str] | None:
     if mesh is None or placements is None:
         return None
     try:
-        coord = mesh.get_coordinate()
-        grid = mesh.mesh
+        key = (id(mesh), tuple(placements))
+        hit = _PLACED.get(key)
+        if hit is not None and hit[0] is mesh:
+            return None if hit[1] is None else dict(hit[1])
+        cols = _placement(mesh, placements)
+        if len(_PLACED) >= 1024:
+            _PLACED.clear()
+        _PLACED[key] = (mesh, cols)
+        return None if cols is None else dict(cols)
+    except Exception:
+        return None
+
+
+_PLACED: dict[tuple, tuple[Any, dict[str, str] | None]] = {}  # (mesh, placements) -> columns: a point asks per tensor
+
+
+def _placement(mesh: Any, placements: Any) -> dict[str, str] | None:
+    try:
+        facts = mesh_facts.of(mesh)
+        coord, grid = facts.coord, facts.grid
         if coord is None:
             return None
         names = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(grid.ndim))

@@ -54,6 +54,17 @@ def switch_on() -> bool:
     return True
 
 
+def records() -> bool:
+    """Whether the process groups made from now on keep a Flight Recorder buffer (its size set above zero)."""
+    for k in ENVS:
+        try:
+            if int(os.environ.get(k) or 0) > 0:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def dump(stacks: bool = True) -> list[dict[str, Any]]:
     """Every entry Flight Recorder holds in this process: its gloo buffer and, on versions that keep NCCL's apart
     (torch 2.11), NCCL's (the pickle dump: the json one carries no frames)."""
