@@ -31,6 +31,8 @@ import time
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=1024, tie_word_embeddings=True),
+    "tiny-16": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),  # the 1B's tree
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                          rope_theta=500000.0, max_position_embeddings=131072),

@@ -169,7 +169,13 @@ def dtensor_rows() -> None:
         assert pickle.dumps(packed) == pickle.dumps(general), (packed[0], general[0])
         assert packed[0]["placement"].endswith(" on mesh 1") and packed[0]["global_shape"] == "16x8"
         assert [n for n, _ in held] == [n for n, _, _ in probe.named_tensors(m)]
+        stamp = probe.plan_stamp({"model": m, "other": 3})
         assert pickle.dumps(probe.probe_module(m, rank=1)) == pickle.dumps(general)  # from the cached plan
+        assert probe.plan_stamp({"model": m}) == stamp  # the same plan vouches: agree's walk is reused
+        m.register_buffer("extra", torch.zeros(4))
+        probe.probe_module(m, rank=1)
+        assert probe.plan_stamp({"model": m}) not in (stamp, None)  # a new tree: a new plan, a new stamp
+        assert probe.plan_stamp({"model": m, "plain": nn.Linear(2, 2)}) is None  # a module without a plan
     finally:
         dist.destroy_process_group()
 

@@ -108,8 +108,22 @@ def op_name(profiling: str) -> str:
 def frames(entry: dict[str, Any]) -> tuple[str, str, list[str], str]:
     """(caller, user frame, short stack, library frame) from an entry's frames (innermost first), by the ledger's
     own rules (``ledger.place``)."""
+    raw = entry.get("frames") or []
+    key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in raw)
+    hit = _FRAMES.get(key)
+    if hit is None:
+        if len(_FRAMES) > 4096:
+            _FRAMES.clear()
+        hit = _FRAMES[key] = _frames(raw)
+    return hit[0], hit[1], list(hit[2]), hit[3]
+
+
+_FRAMES: dict[tuple, tuple[str, str, list[str], str]] = {}  # a training step issues its calls from a few places
+
+
+def _frames(raw: list[dict[str, Any]]) -> tuple[str, str, list[str], str]:
     walked: list[tuple[str, str, bool]] = []
-    for f in entry.get("frames") or []:
+    for f in raw:
         fn = str(f.get("filename", ""))
         if fn.startswith(_ledger._PLUMBING):
             continue

@@ -18,6 +18,7 @@ changes it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import time
@@ -514,7 +515,22 @@ def _packed(module: nn.Module, rank: int, prefix: str,
     return rows
 
 
+_SERIAL = itertools.count(1)  # plans' serial numbers (``plan_stamp``)
 _PHASES: list | None = None  # benchmarks set a list: (phase, perf_counter) stamps of the packed path
+
+
+def plan_stamp(objects: Mapping[str, Any]) -> tuple | None:
+    """A key the same only while each module among ``objects`` keeps the tree and tensors its cached plan was
+    built for (each plan has a serial number of its own); None where a module has no plan (the general path:
+    nothing vouches for it)."""
+    out = []
+    for name, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            cached = _PLANS.get(obj)
+            if cached is None or cached[1] is None:
+                return None
+            out.append((name, id(obj), cached[1][8]))
+    return tuple(out)
 
 
 def _alive(refs: list, ptrs: list[int]) -> bool:
@@ -543,7 +559,7 @@ def _build_plan(module: nn.Module, prefix: str) -> tuple | None:
     layouts = {i: _layout(t) for i, (_, _, t) in enumerate(named) if type(t) not in _PLAIN_TYPES}
     whole = [weakref.ref(t) for _, _, t in named]
     return (_pf.Plan(locs), static, refs, [t.data_ptr() for t in locs], shares, layouts, [n for n, _, _ in named],
-            whole)
+            whole, next(_SERIAL))
 
 
 def _shards(tensors: list) -> list | None:
