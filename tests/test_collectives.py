@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pandas as pd
@@ -236,13 +237,67 @@ def test_pairing_compares_what_travels_between_each_pair_not_the_arguments():
     assert first_divergence(ledger_table([a, dict(b, recv={"0": "int32:3"})])).kind == "dtype"
 
 
-def test_a_row_issued_by_a_library_names_its_line_and_the_users():
+def test_a_row_issued_by_a_library_names_the_users_line_and_the_librarys_beside_it():
     c = call(0, 1, op="broadcast", src=0, user_frame="/w/my.py:40 load",
              library_frame="/v/lib/python3.11/site-packages/accelerate/utils/fsdp_utils.py:522 load_full")
-    assert describe(c).endswith("at accelerate/utils/fsdp_utils.py:522 load_full (from w/my.py:40 load)")
+    assert describe(c).endswith("at w/my.py:40 load (in accelerate/utils/fsdp_utils.py:522 load_full)")
     scrubbed = dict(c, library_frame="<site-packages>/accelerate/utils/fsdp_utils.py:522 load_full")
-    assert "at accelerate/utils/fsdp_utils.py:522 load_full (from" in describe(scrubbed)
+    assert describe(scrubbed).endswith("at w/my.py:40 load (in accelerate/utils/fsdp_utils.py:522 load_full)")
     assert describe(dict(c, library_frame=None)).endswith("at w/my.py:40 load")
+    assert describe(dict(c, user_frame=None)).endswith("at accelerate/utils/fsdp_utils.py:522 load_full")
+
+
+FSDP2_CALL = "<site-packages>/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:89 __call__"
+
+
+def test_a_row_torch_itself_issued_names_torchs_line_beside_the_users():
+    """FSDP's all-gather, DDP's reducer and its buffer broadcast, DTensor, the state-dict loaders: torch's own
+    modules issue the call; a row recorded before the ledger named them (a recorded bundle, a Flight Recorder
+    import) still has the issuing frame as its ``caller``."""
+    user = "/w/train.py:42 step"
+    fsdp = call(0, 9, op="all_gather_into_tensor", user_frame=user, caller=FSDP2_CALL, library_frame="")
+    assert describe(fsdp).endswith(
+        "at w/train.py:42 step (in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:89 __call__)")
+    ddp = call(0, 4, user_frame=user, caller="/v/lib/python3.11/site-packages/torch/autograd/graph.py:979 "
+                                             "_engine_run_backward")
+    assert describe(ddp).endswith("at w/train.py:42 step (in torch/autograd/graph.py:979 _engine_run_backward)")
+    ddp_forward = call(0, 5, op="broadcast", src=0, user_frame=user,
+                       caller="/v/lib/python3.11/site-packages/torch/nn/parallel/distributed.py:1775 _pre_forward")
+    assert describe(ddp_forward).endswith("(in torch/nn/parallel/distributed.py:1775 _pre_forward)")
+    # the user's own call, and torch's plumbing that is no module of its own: the user's line alone
+    assert describe(call(0, 1, user_frame=user, caller=user)).endswith("at w/train.py:42 step")
+    funcol = "/v/lib/python3.11/site-packages/torch/_library/autograd.py:41 forward_no_grad"
+    assert describe(call(0, 1, user_frame=user, caller=funcol)).endswith("at w/train.py:42 step")
+
+
+def test_the_library_line_is_the_innermost_module_that_issued_the_call():
+    """The ledger's rule, on a Flight Recorder entry's frames (innermost first): a third-party library that called
+    torch.distributed itself, else torch's own distributed module, else autograd (a call C++ issued in backward);
+    never a library that only ran a module (transformers' layer with FSDP2's hooks inside)."""
+    from workbench.rank import ledger, ledger_fr
+
+    torch_dir = ledger._TORCH_DIR
+    site = os.path.dirname(torch_dir)
+
+    def at(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    user = at("/w/train.py", 42, "step")
+    fsdp = at(f"{torch_dir}/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 364, "foreach_all_gather")
+    module = at(f"{torch_dir}/nn/modules/module.py", 1784, "_call_impl")
+    llama = at(f"{site}/transformers/models/llama/modeling_llama.py", 300, "forward")
+    accel = at(f"{site}/accelerate/utils/fsdp_utils.py", 522, "fsdp2_load_full_state_dict")
+    scatter = at(f"{torch_dir}/distributed/tensor/_collective_utils.py", 151, "mesh_scatter")
+    graph = at(f"{torch_dir}/autograd/graph.py", 979, "_engine_run_backward")
+    tensor = at(f"{torch_dir}/_tensor.py", 630, "backward")
+
+    def lib(*frames):
+        return ledger_fr.frames({"frames": list(frames)})[3]
+
+    assert lib(fsdp, module, llama, module, user) == f"{fsdp['filename']}:364 foreach_all_gather"
+    assert lib(scatter, accel, user) == f"{accel['filename']}:522 fsdp2_load_full_state_dict"
+    assert lib(graph, tensor, user) == f"{graph['filename']}:979 _engine_run_backward"
+    assert lib(user) == ""
 
 
 def test_an_exception_is_a_cause_unless_a_collective_raised_it():
@@ -253,7 +308,7 @@ def test_an_exception_is_a_cause_unless_a_collective_raised_it():
           '  File "/v/lib/python3.11/site-packages/accelerate/utils/fsdp_utils.py", line 494, in infer\n'
           '  File "/v/lib/python3.11/site-packages/torch/nn/modules/module.py", line 728, in get_submodule\n'
           "AttributeError: no attribute `sidecar`\n")
-    assert cause.raised_at(tb) == "accelerate/utils/fsdp_utils.py:494 infer (from w/my.py:40 load)"
+    assert cause.raised_at(tb) == "w/my.py:40 load (in accelerate/utils/fsdp_utils.py:494 infer)"
     assert not cause.is_symptom(tb, "no attribute `sidecar`")
     timeout = tb.replace("torch/nn/modules/module.py", "torch/distributed/distributed_c10d.py")
     assert cause.is_symptom(timeout, "")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
+from workbench import Scenario
 from workbench.analysis.collectives import OPEN, ledger_table
 from workbench.analysis.deadlock import Watch, find
 
@@ -114,3 +116,48 @@ def test_two_groups_deadlocked_on_their_own_are_one_proof_that_releases_every_wa
     assert not d.finished  # call numbers of two groups do not compare: the release holds first
     # one pair still computing: nothing is provable for it, and the other pair's proof waits for a settled picture
     assert find(led[led["rank"] != 2], done=[], ranks=[0, 1, 2, 3]) is None
+
+
+# -- a subgroup a %%px cell formed, outside any step --------------------------------------------------------
+PX_GROUPS = {  # what a user's own cell runs on every rank before the step (``%%px``: the engines' namespace)
+    "new_group": "import torch.distributed as dist\ng = dist.new_group([0, 1])",
+    # (a DeviceMesh dim over all of 2 ranks reuses the world's group: its sockets are known already)
+    "new_subgroups": "import torch.distributed as dist\ng, _ = dist.new_subgroups(2)",
+}
+px_roots = Scenario("px-group-different-roots", probe=None)
+
+
+@px_roots.step
+def roots(ctx):
+    import torch
+    import torch.distributed as dist
+
+    g = sys.modules["__main__"].g  # the engine's namespace, where the %%px cell left its group
+    dist.broadcast(torch.full((4,), float(ctx.rank)), src=ctx.rank, group=g)  # each rank its own root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("made_by", sorted(PX_GROUPS))
+def test_a_subgroup_a_px_cell_formed_is_released_like_one_a_step_formed(healthy, made_by):
+    """The group is formed before any step records (no ledger is on): a hang on it is still declared from the
+    ledgers, named by its group, and released; the ranks come back at once, not at the collective timeout."""
+    healthy._execute(PX_GROUPS[made_by])  # what a ``%%px`` cell runs
+    try:
+        name = healthy.run(_px_group_name)[0]
+        assert name not in ("0", "default_pg"), name  # a group of its own, not the world's
+        s = healthy.session(px_roots)
+        frame = s.step()
+        d = s.diagnose()
+        assert f"part at group {name} call #1 in step `roots` (different roots)" in d.sentence, d.sentence
+        assert "did not free" not in d.sentence and "(released by the workbench)" in d.sentence, d.sentence
+        assert sorted(frame.released) == [0, 1] and frame.hang.caught_by == "ledger deadlock", frame.rank_errors
+        for r, msg in frame.rank_errors.items():  # each released call reads as the workbench's release
+            assert "aborted by the workbench: it released broadcast #1" in msg and "Timed out" not in msg, (r, msg)
+        assert healthy.wait_idle(5) and not healthy.dead_ranks()  # no rank is left inside the call
+    finally:
+        if healthy.wait_idle(healthy.timeout + 5):
+            healthy._execute("g = None")  # the cell's group is gone with the group the release left unusable
+
+
+def _px_group_name():
+    return sys.modules["__main__"].g.group_name

@@ -1,5 +1,6 @@
 """Real library code on the ranks: a clean path reads clean, a planted bug reads as its mechanism,
-and a call a library issued is placed at the library's line and at the user's.
+and a call a library issued is placed at the user's line with the library's beside it (torch's own modules too:
+FSDP's all-gather, DDP's reducer, DTensor's scatter).
 
 accelerate 1.13.0's ``fsdp2_load_full_state_dict`` (the version before accelerate PR #3982) zips
 rank 0's full state dict with the model's keys: one extra key on rank 0 mispairs every broadcast
@@ -92,14 +93,15 @@ def test_accelerate_fsdp2_load_with_an_extra_key_reads_as_the_mispaired_broadcas
     s.run(until="load")
     d = s.diagnose()
     user = f"tests/test_libraries.py:{_line('fsdp2_load_full_state_dict(accelerator, ctx.model')} load"
-    # the cause first: rank 0's own exception on the sidecar key, at accelerate's line and the user's
-    assert d.sentence.startswith("rank 0 raised AttributeError at accelerate/utils/fsdp_utils.py:"), d.sentence
-    assert f"(from {user})" in d.sentence.split(": ")[0], d.sentence
+    # the cause first: rank 0's own exception on the sidecar key, at the user's line and accelerate's
+    assert d.sentence.startswith(f"rank 0 raised AttributeError at {user} (in accelerate/utils/fsdp_utils.py:"), \
+        d.sentence
     # then the mechanism: the first broadcast carries the sidecar on rank 0 and the embedding on rank 1
     assert "collectives part at group 0 call #1 in step `load` (different sizes)" in d.sentence, d.sentence
-    bc = "rank 0: broadcast #1 float32 [7] 28 B src=0 at accelerate/utils/fsdp_utils.py:"
-    assert bc in d.sentence and f"fsdp2_load_full_state_dict (from {user})" in d.sentence, d.sentence
-    assert "rank 1: broadcast #1 float32 [128, 64] 32.0 KiB src=0 at accelerate/utils/fsdp_utils.py:" in d.sentence
+    bc = f"rank 0: broadcast #1 float32 [7] 28 B src=0 at {user} (in accelerate/utils/fsdp_utils.py:"
+    assert bc in d.sentence and " fsdp2_load_full_state_dict); rank 1: " in d.sentence, d.sentence
+    assert f"rank 1: broadcast #1 float32 [128, 64] 32.0 KiB src=0 at {user} (in accelerate/utils/fsdp_utils.py:" \
+        in d.sentence, d.sentence
     led = s.ledger
     assert led["library_frame"].str.contains("accelerate/utils/fsdp_utils.py").all()
     assert led["user_frame"].str.endswith(user.split("/")[-1]).all()
@@ -129,6 +131,12 @@ def test_fsdp2_backward_on_one_rank_only_reads_as_the_all_gather_the_other_never
     d = s.diagnose()
     assert d.mechanism == "rank-missing" and d.ranks == [1] and d.step == "train", d.sentence
     assert "that rank 0 issued in step `train` (all_gather_into_tensor #" in d.sentence, d.sentence
+    # FSDP2 issued it, inside the backward the user's line ran: both lines are named
+    user = f"tests/test_libraries.py:{_line('loss.backward()')} train"
+    assert f" at {user} (in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:" in d.sentence, d.sentence
+    train = s.ledger[s.ledger["step"] == "train"]
+    assert train["library_frame"].str.contains("torch/distributed/fsdp/_fully_shard/").all(), \
+        train["library_frame"].unique()
 
 
 def _dtensor_scenario() -> wb.Scenario:
@@ -161,6 +169,12 @@ def test_dtensor_distribute_and_redistribute_read_clean_and_a_dtype_plant_reads_
     d = planted.diagnose()
     assert d.mechanism == "collective-mismatch" and "(different dtypes)" in d.sentence, d.sentence
     assert "rank 0: scatter #" in d.sentence and "rank 1: scatter #" in d.sentence and "bfloat16" in d.sentence
+    # DTensor issued the scatter and the redistribute's all-gather: its line beside the user's (never the custom
+    # op's autograd wrapper that sits innermost)
+    user = f"tests/test_libraries.py:{_line('d = distribute_tensor(full, mesh')} distribute"
+    assert f" at {user} (in torch/distributed/tensor/_collective_utils.py:" in d.sentence, d.sentence
+    assert planted.ledger["library_frame"].str.contains("torch/distributed/tensor/").all(), \
+        planted.ledger["library_frame"].unique()
 
 
 def _ddp_scenario() -> wb.Scenario:
@@ -198,3 +212,8 @@ def test_ddp_uneven_inputs_read_clean_with_join_and_as_a_missing_all_reduce_with
     assert d.mechanism == "rank-missing" and d.ranks == [0], d.sentence
     assert d.sentence.startswith("rank 0 never issued group 0 call #"), d.sentence
     assert "that rank 1 issued in step `train` (all_reduce #" in d.sentence, d.sentence
+    # DDP's reducer issued it from C++ inside the backward: autograd's line beside the user's
+    user = f"tests/test_libraries.py:{_line('model(torch.ones(2, 4)).sum().backward()')} train"
+    assert f" at {user} (in torch/autograd/graph.py:" in d.sentence, d.sentence
+    forward = bug.ledger[bug.ledger["library_frame"].str.contains("torch/nn/parallel/distributed.py", na=False)]
+    assert set(forward["op"]) == {"broadcast"}, bug.ledger["library_frame"].unique()  # DDP's buffer broadcasts

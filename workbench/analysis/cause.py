@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.collectives import short_path
+from workbench.analysis.collectives import placed
 from workbench.analysis.stacks import _NOT_USER  # a library's, Python's or the rank plumbing's frame
 
 _TORCH = re.compile(r"(site|dist)-packages>?[/\\]torch[/\\]")  # also a bundle's scrubbed <site-packages>
@@ -29,18 +29,16 @@ def frames(tb: str) -> list[tuple[str, str, str]]:
 
 
 def raised_at(tb: str) -> str:
-    """Where the exception was raised, as the ledger places a call: the innermost frame outside torch
-    (a library's or the user's), then the user's line when that is another frame:
-    ``accelerate/utils/fsdp_utils.py:494 f (from scenario.py:40 load)``; empty when unknown."""
+    """Where the exception was raised, as the ledger places a call: the user's line, then the innermost frame
+    outside torch when that is another (a library's): ``scenario.py:40 load (in accelerate/utils/fsdp_utils.py:494
+    f)``; empty when unknown."""
     fs = frames(tb)
     if not fs:
         return ""
     inner = next((f for f in reversed(fs) if not _TORCH.search(f[0]) and not _PLUMBING.search(f[0])), fs[-1])
-    where = f"{short_path(f'{inner[0]}:{inner[1]}')} {inner[2]}"
     user = next((f for f in reversed(fs) if not _NOT_USER.search(f[0])), None)
-    if user is not None and user != inner:
-        where += f" (from {short_path(f'{user[0]}:{user[1]}')} {user[2]})"
-    return where
+    lib = f"{inner[0]}:{inner[1]} {inner[2]}"
+    return placed(f"{user[0]}:{user[1]} {user[2]}" if user is not None else "", lib).removeprefix(" at ")
 
 
 _COLLECTIVE_ERROR = re.compile(

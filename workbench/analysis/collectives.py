@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,12 +127,35 @@ def describe(call: dict[str, Any] | pd.Series | None) -> str:
     if isinstance(c.get("label"), str) and c["label"]:  # what the issuing code said the call is for
         text += f" [{c['label']}]"
     where = c.get("user_frame") or c.get("caller")
+    return text + placed(where if isinstance(where, str) else "", library_line(c))
+
+
+def placed(user: str, lib: str) -> str:
+    """`` at <the user's line> (in <the library's line>)``: where the user's code reached the call (or raised),
+    and beside it the innermost line of the library that issued it; one of them alone where the other is
+    unknown or the same line; empty when neither is known."""
+    if lib and lib != user:
+        return f" at {short_path(user)} (in {short_path(lib)})" if user else f" at {short_path(lib)}"
+    return f" at {short_path(user)}" if user else ""
+
+
+# torch's own modules that issue collectives (FSDP, DTensor, the state-dict loaders, DDP in torch/nn/parallel) and
+# autograd's engine (DDP's reducer issues its all-reduces from C++ inside a backward); a bundle scrubs the path to
+# <site-packages>/torch/...
+_TORCH_ISSUER = re.compile(r"(^|[/\\]|>)torch[/\\](distributed|nn[/\\]parallel|autograd)[/\\]")
+
+
+def library_line(c: dict[str, Any]) -> str:
+    """The row's library line: the one its rank recorded, else, for a row recorded before the ledger named torch's
+    own modules (a bundle, a Flight Recorder import), its first frame past the c10d plumbing where that is one of
+    torch's modules that issue collectives (``rank/ledger.place`` is the rule)."""
     lib = c.get("library_frame")
-    if isinstance(lib, str) and lib and lib != where:  # a library issued it: its line, then the user's
-        text += f" at {short_path(lib)}" + (f" (from {short_path(where)})" if isinstance(where, str) and where else "")
-    elif isinstance(where, str) and where:
-        text += f" at {short_path(where)}"
-    return text
+    if isinstance(lib, str) and lib:
+        return lib
+    caller = c.get("caller")
+    if isinstance(caller, str) and caller != c.get("user_frame") and _TORCH_ISSUER.search(caller.split(":")[0]):
+        return caller
+    return ""
 
 
 def is_number(v: Any) -> bool:

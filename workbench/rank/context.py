@@ -135,6 +135,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         **kw,
     )
     control.remember_group_sockets(before, port)
+    control.track_new_groups()  # a subgroup a %%px cell forms, outside any step, is released like a step's
     set_rank(rank, world_size, backend, device, timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
             "stacks_file": stacks.install(), "control": where, "kernels": kernel_knobs()}
@@ -142,13 +143,10 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
 
 def new_group(ranks: list[int]) -> Any:
     """``dist.new_group`` whose gloo pairs the control thread knows, so a call stuck on the subgroup can be
-    released like one on the world group (every rank of the world calls it, in the same order)."""
-    import torch.distributed as dist
-
-    before = control.socket_fds()
-    group = dist.new_group(list(ranks))
-    control.remember_group_sockets(before, add=True)
-    return group
+    released like one on the world group (every rank of the world calls it, in the same order). A live engine
+    tracks every ``dist.new_group`` so (``control.track_new_groups``); this makes sure of it anywhere."""
+    control.track_new_groups()
+    return dist.new_group(list(ranks))
 
 
 def gloo_interface(rendezvous: str, own_addr: str) -> None:

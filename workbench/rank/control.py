@@ -298,6 +298,46 @@ def remember_group_sockets(before: dict[int, str], store_port: int | None = None
     return len(group)
 
 
+def track_new_groups() -> bool:
+    """From now on, every subgroup this process forms, wherever it forms it (a step, a ``%%px`` cell before any
+    step, ``new_subgroups``, a ``DeviceMesh``'s dims: all go through c10d's ``_new_group_with_tag``), has its gloo
+    pairs join the sockets an abort cuts. Without it a proven deadlock on a group formed outside a step is
+    declared but never released: the abort cuts only the pairs it knows and the waiters sit until the collective
+    timeout. A live engine installs it once, when it joins its group (``context.init_rank``); never a user's job
+    (a guest leaves c10d as it found it). NCCL needs none of it: its abort reaches every registered group.
+    True where this call installed it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    current = getattr(c10d, "_new_group_with_tag", None)
+    if current is None or tracks_new_groups():
+        return False
+    c10d._new_group_with_tag = group_tracker(current)
+    return True
+
+
+def tracks_new_groups() -> bool:
+    """Whether ``track_new_groups`` is on in this process."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return bool(getattr(getattr(c10d, "_new_group_with_tag", None), "tracks_groups", False))
+
+
+def group_tracker(original: Any) -> Any:
+    """``original`` (c10d's ``_new_group_with_tag``) with the group's new sockets remembered (``add=True``)."""
+    def _new_group_with_tag(*args: Any, **kwargs: Any) -> Any:
+        before = socket_fds()
+        group = original(*args, **kwargs)
+        try:
+            remember_group_sockets(before, add=True)
+        except Exception:  # never fail the user's group for the sake of a release
+            pass
+        return group
+
+    _new_group_with_tag.__wrapped__ = original  # type: ignore[attr-defined]
+    _new_group_with_tag.tracks_groups = True  # type: ignore[attr-defined]
+    return _new_group_with_tag
+
+
 def _ends(fd: int) -> tuple[int, int] | None:
     """(local port, peer port) of a connected TCP socket; None for anything else."""
     try:

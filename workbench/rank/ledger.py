@@ -74,6 +74,10 @@ _WORKBENCH = os.path.dirname(_HERE)
 # A path, not an import: rank/ never imports lab/.
 _LAB = os.path.join(_WORKBENCH, "lab")
 _TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed")
+# torch's own modules that issue collectives (FSDP, DTensor, the state-dict loaders; DDP in torch/nn/parallel), and
+# autograd's engine (a call C++ issues inside a backward: DDP's reducer): a library's line beside the user's
+_TORCH_DISTRIBUTED_CODE = (_TORCH_DISTRIBUTED + os.sep, os.path.join(_TORCH_DIR, "nn", "parallel") + os.sep)
+_AUTOGRAD = os.path.join(_TORCH_DIR, "autograd") + os.sep
 _STDLIB = sysconfig.get_paths().get("stdlib", "")
 _PLUMBING = (
     os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
@@ -616,11 +620,8 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 def _frames() -> tuple[str, str, list[str], str]:
-    """(first frame past the c10d plumbing, first frame in user code, a short stack, the innermost frame of a
-    third-party library on the way: ``accelerate/utils/fsdp_utils.py:522``, empty when none sits between).
-
-    A library counts when it called torch.distributed (a c10d call, DTensor, FSDP) itself; one that only
-    ran a module (transformers' layer ``__call__`` with FSDP2's hooks inside) or autograd did not issue it.
+    """(first frame past the c10d plumbing, first frame in user code, a short stack, the library's line: the
+    innermost frame of the library that issued the call, ``place``'s rule; empty when the user's code issued it).
 
     None is ever one of the workbench's own modes (poison's ``TorchFunctionMode``, the trace's hooks,
     this ledger): with poison on, every collective passes through ``poison.py``'s ``__torch_function__``.
@@ -628,28 +629,50 @@ def _frames() -> tuple[str, str, list[str], str]:
     user shipped is the user's whatever file it names (a script piped to ``python -`` names ``<stdin>``).
     """
     f = sys._getframe(2)
-    caller = user = lib = ""
-    stack: list[str] = []
-    ran_module = False  # torch outside torch.distributed sits between: a module call or autograd, not a library's call
+    walked: list[tuple[str, str, bool]] = []  # (file, "file:line function", the user's), innermost first
     while f is not None:
         fn = _filename(f)
         if not fn.startswith(_PLUMBING):
-            where = f"{fn}:{f.f_lineno} {f.f_code.co_name}"
             if _MACHINERY.search(fn):
                 break  # the kernel that ran the step: nothing past it issued this call
-            if not caller:
-                caller = where
-            if len(stack) < 8:
-                stack.append(where)
-            if f.f_code.co_filename == _SHIPPED or not is_library(fn):
-                user = where
+            mine = f.f_code.co_filename == _SHIPPED or not is_library(fn)
+            walked.append((fn, f"{fn}:{f.f_lineno} {f.f_code.co_name}", mine))
+            if mine:
                 break
-            if fn.startswith(_TORCH_DIR) and not fn.startswith(_TORCH_DISTRIBUTED):
-                ran_module = True
-            elif not lib and not ran_module and _third_party(fn):
-                lib = where
         f = f.f_back
-    return caller, user, stack, lib
+    return place(walked)
+
+
+def place(walked: list[tuple[str, str, bool]]) -> tuple[str, str, list[str], str]:
+    """(caller, user's line, short stack, library's line) from the frames past the plumbing, innermost first,
+    up to the user's (``(file, "file:line function", the user's)``); the ledger's and Flight Recorder's rule.
+
+    The library's line is the innermost frame of the code that issued the call, beside the user's:
+    - a third-party library that called torch.distributed itself (``accelerate/utils/fsdp_utils.py:522``), even
+      through torch's own distributed code (accelerate's ``distribute_tensor``), but not one that only ran a
+      module or autograd (transformers' layer ``__call__`` with FSDP2's hooks inside);
+    - else torch's own distributed modules (FSDP's all-gather, DTensor's scatter, DDP's buffer broadcast in
+      ``torch/nn/parallel``, the state-dict loaders, ``_sync_params_and_buffers``);
+    - else autograd's engine, where C++ issued the call inside a backward (DDP's reducer, a comm hook).
+    Torch's op plumbing (``torch/_library``'s autograd wrapper of functional collectives) is never one."""
+    caller = walked[0][1] if walked else ""
+    user = walked[-1][1] if walked and walked[-1][2] else ""
+    stack = [where for _, where, _ in walked[:8]]
+    third = torch_own = autograd = ""
+    ran_module = False  # torch outside torch.distributed sits between: a module call or autograd, not a library's call
+    for fn, where, mine in walked:
+        if mine:
+            break
+        if fn.startswith(_TORCH_DIR):
+            if fn.startswith(_TORCH_DISTRIBUTED_CODE):
+                torch_own = torch_own or where
+            elif fn.startswith(_AUTOGRAD):
+                autograd = autograd or where
+            if not fn.startswith(_TORCH_DISTRIBUTED):
+                ran_module = True
+        elif not third and not ran_module and _third_party(fn):
+            third = where
+    return caller, user, stack, third or torch_own or autograd
 
 
 def _third_party(fn: str) -> bool:
@@ -715,23 +738,6 @@ def _coalesced_wrapper(original):
     return _broadcast_coalesced
 
 
-def _new_group_wrapper(original):
-    """A subgroup the user's step forms with plain ``dist.new_group`` (or a ``DeviceMesh``): its gloo pairs join
-    the sockets the control thread's abort cuts (``rank/context.new_group`` does this for the workbench's own
-    groups). Without it a proven deadlock on such a group is declared but never released: the abort cuts only
-    the world group's pairs and the waiters sit until the collective timeout."""
-    def _new_group_with_tag(*args, **kwargs):
-        before = control.socket_fds()
-        group = original(*args, **kwargs)
-        try:
-            control.remember_group_sockets(before, add=True)
-        except Exception:  # never fail the user's group for the sake of a release
-            pass
-        return group
-    _new_group_with_tag.__wrapped__ = original
-    return _new_group_with_tag
-
-
 @contextlib.contextmanager
 def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
     """Record every collective this thread issues inside the block into ``ledger`` (and make the subgroups it
@@ -751,10 +757,12 @@ def start_recording(ledger: Ledger, step: str = "") -> Any:
     recorder = _Recorder(ledger)
     c10d = dist.distributed_c10d
     original = dist._broadcast_coalesced
-    original_new = getattr(c10d, "_new_group_with_tag", None)
+    # A live engine tracks every subgroup for good (``control.track_new_groups``); elsewhere (a job's capture) the
+    # ones formed while recording are tracked, and c10d is left as it was found at the stop.
+    original_new = None if control.tracks_new_groups() else getattr(c10d, "_new_group_with_tag", None)
     dist._broadcast_coalesced = _coalesced_wrapper(original)
     if original_new is not None:
-        c10d._new_group_with_tag = _new_group_wrapper(original_new)
+        c10d._new_group_with_tag = control.group_tracker(original_new)
     _ACTIVE.append(recorder)
     recorder.__enter__()
 

@@ -107,7 +107,7 @@ def op_name(profiling: str) -> str:
 
 def frames(entry: dict[str, Any]) -> tuple[str, str, list[str], str]:
     """(caller, user frame, short stack, library frame) from an entry's frames (innermost first), by the ledger's
-    own rules (``ledger._frames``)."""
+    own rules (``ledger.place``)."""
     raw = entry.get("frames") or []
     key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in raw)
     hit = _FRAMES.get(key)
@@ -122,27 +122,18 @@ _FRAMES: dict[tuple, tuple[str, str, list[str], str]] = {}  # a training step is
 
 
 def _frames(raw: list[dict[str, Any]]) -> tuple[str, str, list[str], str]:
-    caller = user = lib = ""
-    stack: list[str] = []
-    ran_module = False
+    walked: list[tuple[str, str, bool]] = []
     for f in raw:
         fn = str(f.get("filename", ""))
         if fn.startswith(_ledger._PLUMBING):
             continue
-        where = f"{fn}:{f.get('line')} {f.get('name')}"
         if _ledger._MACHINERY.search(fn):
             break
-        caller = caller or where
-        if len(stack) < 8:
-            stack.append(where)
-        if not _ledger.is_library(fn):
-            user = where
+        mine = not _ledger.is_library(fn)
+        walked.append((fn, f"{fn}:{f.get('line')} {f.get('name')}", mine))
+        if mine:
             break
-        if fn.startswith(_ledger._TORCH_DIR) and not fn.startswith(_ledger._TORCH_DISTRIBUTED):
-            ran_module = True
-        elif not lib and not ran_module and _ledger._third_party(fn):
-            lib = where
-    return caller, user, stack, lib
+    return _ledger.place(walked)
 
 
 class Complement:
