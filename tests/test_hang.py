@@ -164,7 +164,8 @@ def crunch(ctx) -> None:
 
     import torch.distributed as dist
 
-    time.sleep(5.0)  # outside any collective: a loaded machine or a big model, not a hang
+    dist.barrier()  # both ranks start their work together: under load one may start seconds after the other
+    time.sleep(4.5)  # outside any collective (a loaded machine, a big model), past the 3 s deadline: not a hang
     x = torch.ones(2)
     dist.all_reduce(x)
     ctx.output("sum", x)
@@ -172,7 +173,7 @@ def crunch(ctx) -> None:
 
 def test_ranks_computing_past_the_deadline_are_slow_not_hung(healthy):
     s = healthy.session(SLOW)
-    s.deadline = 3.0  # under the step's 5 s of work outside any collective (it may take up to 5 deadlines)
+    s.deadline = 3.0  # under the step's 4.5 s of work outside any collective (it may take up to 5 deadlines)
     frame = s.step()
     assert frame.hang is None and frame.kinds == set(), frame.hang and frame.hang.message
     assert len(frame.outputs) == 2  # both ranks reached the all-reduce after the deadline had passed
