@@ -15,6 +15,7 @@ GPU suite (fixtures/gpu). Speed targets live here, never in tests.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import subprocess
@@ -134,8 +135,8 @@ def main() -> None:
         ("first run right after `workbench up`", f"{att['first']:.2f} s", "<= 2 s", att["first"] <= 2.0,
          f"`up` {att['up']:.1f} s, returning once the ranks' imports are done; the later runs' median "
          f"{att['median']:.2f} s"),
-        ("warm rerun on live ranks vs spawn script", f"{cold_spawn / w['warm_s']:.1f}x", ">= 25x",
-         cold_spawn / w["warm_s"] >= 25, f"{w['warm_s']:.2f} s a rerun"),
+        ("warm rerun on live ranks vs spawn script", f"{cold_spawn / w['warm_s']:.1f}x", ">= 50x",
+         cold_spawn / w["warm_s"] >= 50, f"{w['warm_s']:.3f} s a rerun (median of 5) vs {cold_spawn:.1f} s"),
         ("per-step overhead (client - slowest rank)", f"{w['overhead_s'] * ms:.1f} ms", "<= 10 ms",
          w["overhead_s"] <= 0.010, f"of which the ranks' probe {w['probe_s'] * ms:.1f} ms"),
         ("trivial call on all ranks (2) / apply_sync", f"{w['trivial_s'] / w['floor_s']:.2f}x", "<= 1.2x",
@@ -146,6 +147,9 @@ def main() -> None:
     for name, now, goal, met, note in rows:
         flag = "" if met is None else ("yes" if met else "no")
         print(f"{name:44s} {now:>10s} {goal:>9s} {flag:>4s}  {note}")
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):  # what every CLI start above paid, that an install does not
+        print("note: PYTHONDONTWRITEBYTECODE is set, so every CLI start above compiled the workbench's own modules "
+              "from source (~0.2 s of CPU on the 2-core box); an installed workbench keeps their .pyc")
     gpu_probe_row()
     gpu_rows()
     scale_table()

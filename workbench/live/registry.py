@@ -102,6 +102,36 @@ def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
     return ipc
 
 
+_LOCAL = {"controller": ("local", "ipyparallel.cluster.launcher.LocalControllerLauncher"),
+          "engines": ("local", "ipyparallel.cluster.launcher.LocalEngineSetLauncher")}
+
+
+def peek(profile: str | None, cluster_id: str = "") -> tuple[str, int] | None:
+    """The profile directory and engine count of a running cluster of local processes (what ``up`` and
+    ``ipcluster start`` record), read from the cluster file as JSON; None for anything else (another launcher,
+    a process gone, a file that does not parse), which ``load`` then reads as before.
+
+    ``load`` builds ipyparallel's ``Cluster`` and launchers from the file, which scans every installed
+    package's entry points several times (0.3-1 s on the 2-core box): an attach needs only the two numbers."""
+    profile, cluster_id = split_key(profile, cluster_id)
+    pdir = profile_dir(profile)
+    try:
+        with open(os.path.join(pdir, "security", f"cluster-{cluster_id}.json")) as f:
+            d = json.load(f)
+        if d["cluster"].get("class", "ipyparallel.cluster.cluster.Cluster") != "ipyparallel.cluster.cluster.Cluster":
+            return None
+        ctl, eng = d["controller"], d["engines"]
+        if ctl["class"] not in _LOCAL["controller"] or eng["class"] not in _LOCAL["engines"]:
+            return None
+        pids = [ctl["state"]["pid"]] + [e["pid"] for es in eng["sets"].values() for e in es["engines"].values()]
+        n = [len(es["engines"]) for es in eng["sets"].values()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not n or not all(n) or not all(isinstance(p, int) and p > 0 and psutil.pid_exists(p) for p in pids):
+        return None  # as ipyparallel reads it: a process gone changes the count, or means no controller
+    return pdir, sum(n)
+
+
 def expected_engines(ipc: Any) -> int | None:
     """How many engines the cluster's launchers started (None when they do not say)."""
     sets = list(getattr(ipc, "engines", {}).values())
@@ -242,16 +272,21 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
         # ... nor FSDP's and transformers' (seconds more): awaited, so the first run right after `up` finds the
         # ranks warm (queued and not awaited, the imports would make that run wait behind them: 9 s against
-        # 1.5 s). Past WARM_WAIT_S the imports stay queued on the engines and `up` says so.
+        # 1.5 s). Then the first calls of a scenario's first steps on a throwaway tiny model (lab/models.py says
+        # which: a first run's load and forward took 2-3x their later times without them). Past WARM_WAIT_S the
+        # rest stays queued on the engines and `up` says so.
         t_warm = time.time()
-        warming = view.apply_async(RankFn("workbench.rank.remote", "warm"))
+        warming = [view.apply_async(RankFn("workbench.rank.remote", "warm")),
+                   view.apply_async(RankFn("workbench.lab.models", "warm_first_calls"))]
         try:
-            warming.get(timeout=WARM_WAIT_S)
+            for ar in warming:
+                ar.get(timeout=max(0.0, t_warm + WARM_WAIT_S - time.time()))
             warm_s: float | None = time.time() - t_warm
-        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on importing
+        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on warming
             if type(exc).__name__ != "TimeoutError":
                 raise
-            leave_queued(client, warming, view.targets)
+            for ar in warming:
+                leave_queued(client, ar, view.targets)
             warm_s = None
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
