@@ -251,6 +251,32 @@ def test_the_first_calls_warm_up_leaves_the_rng_and_the_temp_dir_as_it_found_the
     assert list(tmp_path.glob("wb-*")) == []  # (torch may leave its own inductor cache dir there)
 
 
+def test_a_rerun_writes_the_same_checkpoint_from_memory_and_leaves_the_rng_as_a_build_would(tmp_path, monkeypatch):
+    """A scenario rerun on warm ranks writes its seeded checkpoint into a new work dir: the same bytes as a fresh
+    build, without building the model again, and the torch RNG where the build leaves it."""
+    import torch
+    import transformers
+
+    from workbench.lab import models
+
+    config = models.qwen3_config(num_hidden_layers=1)
+    first = models.save_checkpoint(config, str(tmp_path / "a"), seed=3)
+    after_build = torch.rand(3)
+    built = []
+    from_config = transformers.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(1) or
+                        from_config(*a, **k))
+    torch.manual_seed(99)
+    again = models.save_checkpoint(config, str(tmp_path / "b"), seed=3)
+    assert built == []
+    assert torch.equal(torch.rand(3), after_build)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (first, again) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    models.save_checkpoint(config, str(tmp_path / "c"), seed=4)  # another seed: built
+    assert built == [1]
+
+
 def test_rank_order_is_by_host_then_launcher_index_else_pid():
     def info(host, pid, local=None, gpus=0):
         return {"host": host, "pid": pid, "local_env": local, "gpus": gpus}
