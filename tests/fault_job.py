@@ -81,7 +81,8 @@ def main() -> None:
         path = Path(args.read_only) / "runs"
     ledger = {"full": True, "calls": "calls"}[args.ledger]
     strict = {"strict": True} if args.strict else {}
-    cap = wj.capture(path, ledger=ledger, points=[f"step{i}" for i in range(4)], attach=args.attach,
+    # the allocator-wide poison (not the default since issue 46): its hook on every torch.empty is what may fail
+    cap = wj.capture(path, ledger=ledger, poison="all", points=[f"step{i}" for i in range(4)], attach=args.attach,
                      attach_deadline=args.deadline, **strict)
     if fault == "ledger-bug":
         from workbench.rank import ledger as ledger_mod

@@ -463,3 +463,18 @@ def test_fuzz_absurd_manifest_values_under_a_memory_cap(small, tmp_path):
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fuzzed" in out.stdout and "'refused': 0" not in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", ["eval-loop-uneven-batches", "weight-sync-order-desync", "stale-conversion-cache"])
+def test_the_report_words_every_failure_never_a_backends_raw_message(name):
+    """The per-rank failures read in the workbench's words: a call it released says so, a later call on the
+    aborted group says that, an engine that died says it died; gloo's source file and ipyparallel's task ids never
+    reach the page (the raw messages stay in the bundle's events)."""
+    b = bundle.load(Path(__file__).resolve().parent.parent / "fixtures" / "bundles" / f"{name}.wbundle")
+    raw = pd.concat([rec.events for rec in b])["message"].astype(str)
+    assert raw.str.contains("pair.cc").any()  # the recording holds gloo's own words...
+    page = report.render(b)
+    for words in ("pair.cc", "third_party/gloo", "Connection closed by peer", "while running task",
+                  "This is typically caused"):
+        assert words not in page, words  # ...the page does not
+    assert "aborted by the workbench: it released" in page  # each of these runs had a deadlock released

@@ -183,6 +183,28 @@ def test_clean_run_and_comparison_parting_step():
     assert "parts from the bug path at step `b`" in c.sentence and c.sentence.endswith("and is clean")
 
 
+def test_a_record_is_read_once_and_a_changed_record_again(monkeypatch):
+    """The run's model (each step's status table, the expensive part) is built once per record: a comparison reuses
+    the bug's and the fix's, and diagnosing the bug again (the report does, once per fix) reads nothing new. A record
+    given other tables is read again."""
+    from workbench.analysis import findings
+
+    ok = [[("x", torch.ones(4))], [("x", torch.ones(4))]]
+    bad = [[("x", torch.ones(4))], [("x", poison_(torch.empty(4)))]]
+    bug = record(steps(("a", ok), ("b", bad)), outputs("b", 1, nan_logits()))
+    fixed = record(steps(("a", ok), ("b", ok)), outputs("b", 1, [torch.ones(8), torch.ones(8)]))
+    reads = []
+    status = findings.status
+    monkeypatch.setattr(findings, "status", lambda t, *a, **kw: reads.append(1) or status(t, *a, **kw))
+    diagnosis.diagnose_comparison(bug, fixed)
+    assert len(reads) == 4  # two steps of each run, once
+    diagnosis.diagnose(bug)
+    diagnosis.diagnose_comparison(bug, fixed)
+    assert len(reads) == 4
+    bug.tensors = steps(("a", ok), ("b", ok))  # the same record, other rows: read again (only the outputs depart)
+    assert diagnosis.diagnose(bug).mechanism == "outputs-only" and len(reads) == 6
+
+
 def test_figure_has_a_categorical_legend_and_outlines_the_first_step():
     from workbench.viz.diagnosis import figure
 

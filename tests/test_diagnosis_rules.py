@@ -8,7 +8,6 @@ ranks write them (see tests/test_diagnosis.py for whole stories and the recorded
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pandas as pd
@@ -22,7 +21,8 @@ from workbench.analysis.diagnosis_rules.parting import PartFacts
 from workbench.analysis.diagnosis_rules.rule import Rule, always
 from workbench.analysis.diagnosis_rules.story import RunFacts
 from workbench.analysis.diagnosis_rules.tensor import TensorFacts
-from workbench.analysis.diagnosis_run import Diagnosis, Run, persistent_faults
+from workbench.analysis.diagnosis_run import Run, persistent_faults
+from workbench.analysis.diagnosis_words import Diagnosis, said
 from workbench.analysis.frames import COLUMNS, EVENT_COLUMNS, OUTPUT_COLUMNS, table
 from workbench.rank.poison import poison_
 from workbench.rank.probe import probe_tensors
@@ -269,6 +269,21 @@ def test_independent_groups_add_their_parting():
     assert "independently" not in alone.sentence
 
 
+def test_independent_groups_come_before_who_was_left_stuck_even_when_outputs_follow():
+    """The groups' clause goes before the stuck clause by what the clauses are, not by matching the sentence's end:
+    an outputs clause after the stuck one used to push it to the end."""
+    led = [call(0, 1, "all_reduce", group="1", members=(0, 1), state="timed out"),
+           call(1, 1, "broadcast", group="1", members=(0, 1)),
+           call(2, 1, "all_reduce", group="2", members=(2, 3)), call(3, 1, "barrier", group="2", members=(2, 3))]
+    nan = torch.full((4,), float("nan"))
+    d = diagnosis.diagnose(rec(probed(("sync", same(4, ("x", W)))), outputs("sync", [W, nan, W, W]), ledger=led,
+                               ranks=4))
+    text = d.sentence
+    groups, stuck, out = (text.index("; independently, on group 2"), text.index("; rank 0 timed out in all_reduce #1"),
+                          text.index("; output `logits` on rank 1"))
+    assert groups < stuck < out, text
+
+
 # -- stage "tensor" ----------------------------------------------------------------------------------
 def tensor_rule(r: SimpleNamespace) -> str:
     run = Run.of(r)
@@ -403,8 +418,21 @@ def test_a_later_exception_leaves_the_story_and_is_added_after_it():
     assert diagnosis.diagnose(rec(probed(("a", OK), ("b", OK)), events=[event("b", 1)])).sentence.count("raised") == 1
 
 
+def test_an_exception_message_that_reads_like_the_sentence_changes_nothing():
+    """Whether an exception is already named is read from the story's clauses, not from its words: rank 1's own
+    message saying "rank 0 raised ValueError" does not hide rank 0's ValueError of a later step."""
+    plain = rec(probed(("a", OK), ("b", OK)), events=[event("a", 1), event("b", 0, error="ValueError",
+                                                                               message="bad shape")])
+    tricky = rec(probed(("a", OK), ("b", OK)), events=[event("a", 1, message="peer says rank 0 raised ValueError"),
+                                                       event("b", 0, error="ValueError", message="bad shape")])
+    later = "; rank 0 raised ValueError in step `b`: bad shape"
+    assert diagnosis.diagnose(plain).sentence.endswith(later)
+    d = diagnosis.diagnose(tricky)
+    assert d.sentence == "rank 1 raised KeyError in step `a`: peer says rank 0 raised ValueError" + later, d.sentence
+
+
 def test_a_rule_added_to_a_stage_adds_to_every_story_of_it(monkeypatch):
-    note = Rule("exception", "note", lambda f, d: True, lambda f, d: replace(d, sentence=d.sentence + " (noted)"),
+    note = Rule("exception", "note", lambda f, d: True, lambda f, d: d.add(said(" (noted)")),
                 adds=True)
     monkeypatch.setattr(exception, "RULES", (*exception.RULES, note))
     assert diagnosis.diagnose(rec(probed(("a", OK)))).sentence.endswith("final state (noted)")

@@ -153,3 +153,26 @@ def test_dead_rank_is_recovered_with_fresh_engines(healthy):
     assert set(healthy.pids.values()).isdisjoint(old.values())
     assert healthy.run(lambda: 1 + 1) == {0: 2, 1: 2}
 
+
+
+SLOW = Scenario(name="slow-not-stuck", title="both ranks compute past the step deadline, then meet")
+
+
+@SLOW.step
+def crunch(ctx) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    time.sleep(5.0)  # outside any collective: a loaded machine or a big model, not a hang
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    ctx.output("sum", x)
+
+
+def test_ranks_computing_past_the_deadline_are_slow_not_hung(healthy):
+    s = healthy.session(SLOW)
+    s.deadline = 3.0  # under the step's 5 s of work outside any collective (it may take up to 5 deadlines)
+    frame = s.step()
+    assert frame.hang is None and frame.kinds == set(), frame.hang and frame.hang.message
+    assert len(frame.outputs) == 2  # both ranks reached the all-reduce after the deadline had passed

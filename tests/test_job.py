@@ -86,13 +86,15 @@ LEDGER_COLUMNS = ["rank", "step", "group", "seq", "op", "dtypes", "shapes", "sta
 
 
 def test_the_ledger_around_calls_only_records_what_the_full_one_does(fsdp2_run, tmp_path):
-    """``ledger="calls"`` (no dispatch mode between collectives): the same rows, call for call."""
-    out = tmp_path / "calls"
+    """``ledger="calls"`` (the default: no dispatch mode between collectives): the same rows, call for call, as the
+    full ledger (``WORKBENCH_CAPTURE_LEDGER=full``)."""
+    out = tmp_path / "full"
     run = subprocess.run([*TORCHRUN, str(EXAMPLES / "fsdp2_buffers_job.py"), str(out)], capture_output=True,
-                         text=True, timeout=300, env={**_env(), "WORKBENCH_CAPTURE_LEDGER": "calls"}, cwd=tmp_path)
+                         text=True, timeout=300, env={**_env(), "WORKBENCH_CAPTURE_LEDGER": "full"}, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    full, calls = wb.load(fsdp2_run).bug, wb.load(out).bug
-    assert json.loads((out / "rank0" / shards.MANIFEST).read_text())["ledger"] == "calls"
+    full, calls = wb.load(out).bug, wb.load(fsdp2_run).bug
+    assert json.loads((fsdp2_run / "rank0" / shards.MANIFEST).read_text())["ledger"] == "calls"
+    assert json.loads((out / "rank0" / shards.MANIFEST).read_text())["ledger"] is True
     a, b = full.ledger[LEDGER_COLUMNS].reset_index(drop=True), calls.ledger[LEDGER_COLUMNS].reset_index(drop=True)
     assert len(a) > 20 and a.equals(b)
     assert calls.diagnose().sentence == full.diagnose().sentence

@@ -447,7 +447,7 @@ def test_attach_takes_only_what_it_names(tmp_path):
 
     with pytest.raises(ValueError, match="attach must be 'on-error', 'on-deadlock' or 'post-mortem'"):
         wj.capture(tmp_path / "x", attach="sometimes")
-    with pytest.raises(ValueError, match="needs ledger=True or 'calls'"):
+    with pytest.raises(ValueError, match="needs ledger='calls' or 'full'"):
         wj.capture(tmp_path / "x", attach="on-deadlock", ledger=False)
     with pytest.raises(ValueError, match="positive seconds"):
         wj.capture(tmp_path / "x", attach="on-error", attach_deadline=0)

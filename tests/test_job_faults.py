@@ -155,7 +155,7 @@ def test_a_failing_hook_turns_the_capture_off_and_its_modes_go(tmp_path, alone, 
     from workbench.rank import poison
 
     before = _stacks()
-    cap = wj.capture(tmp_path / "runs", ledger=True)
+    cap = wj.capture(tmp_path / "runs", ledger=True, poison=True)  # both modes (no longer the defaults)
     assert cap.point("first", model=torch.nn.Linear(2, 2))["rows"] == 2
     assert _stacks() == (before[0] + 1, before[1] + 1)
 

@@ -69,7 +69,10 @@ def test_a_sigkilled_runs_cluster_is_found_by_down_without_its_id(tmp_path):
         status = cli("status", env=env, timeout=60)
         assert status.returncode == 0 and "default:" in status.stdout, status
         down = cli("down", env=env, timeout=120)
-        assert down.returncode == 0, down.stderr[-2000:]
+        # the killed run's lease reaper (it watches the run's pid) may end the cluster between status and down, as
+        # it did once under a loaded 2-core box: then down finds nothing to end, says so, and nothing may be left
+        reaped = down.returncode == 2 and "no running cluster" in down.stderr
+        assert down.returncode == 0 or reaped, down.stderr[-2000:]
         # the killed run's lease reaper may still be finishing its own round when down returns (seen once in
         # 512 tests under load): it goes within seconds; an engine down failed to end would stay
         end = time.monotonic() + 10

@@ -94,23 +94,19 @@ def message(e: dict[str, Any]) -> str:
     return _ADDRESS.sub(r"<\1>", str(e.get("message") or "").split("\n")[0])[:200]
 
 
-def told(errors: list[dict[str, Any]], step: str) -> list[str]:
-    """One clause per distinct exception, its ranks together: ``ranks 0,3 raised ValueError at f.py:18 exchange in
-    step `s`: Global rank 1 is not part of group <ProcessGroup>``."""
+def alike(errors: list[dict[str, Any]], step: str) -> list[tuple[str, str, list[int]]]:
+    """(clause, exception type, ranks) per distinct exception, its ranks together: ``ranks 0,3 raised ValueError
+    at f.py:18 exchange in step `s`: Global rank 1 is not part of group <ProcessGroup>``."""
     from workbench.analysis.rankgroups import ranks_words as _ranks  # ranges on a mesh, as the sentence names them
 
-    alike: dict[tuple[str, str, str], list[int]] = {}
+    same: dict[tuple[str, str, str], list[int]] = {}
     for e in errors:
         key = (str(e["error"]), raised_at(str(e.get("traceback") or "")), message(e))
-        alike.setdefault(key, []).append(int(e["rank"]))
-    return [f"{_ranks(rs)} raised {err}" + (f" at {where}" if where else "") + f" in step `{step}`: {msg}"
-            for (err, where, msg), rs in alike.items()]
+        same.setdefault(key, []).append(int(e["rank"]))
+    return [(f"{_ranks(rs)} raised {err}" + (f" at {where}" if where else "") + f" in step `{step}`: {msg}", err, rs)
+            for (err, where, msg), rs in same.items()]
 
 
-def lead(errors: list[dict[str, Any]], step: str, waiting: list[int]) -> str:
-    """``rank 1 raised AssertionError at f.py:30 check in step `s`: msg; it left rank 0 waiting``."""
-    text = "; ".join(told(errors, step))
-    if waiting:
-        who = "it" if len({int(e["rank"]) for e in errors}) == 1 else "they"
-        text += f"; {who} left {'rank' if len(waiting) == 1 else 'ranks'} {','.join(map(str, waiting))} waiting"
-    return text
+def told(errors: list[dict[str, Any]], step: str) -> list[str]:
+    """One clause per distinct exception, its ranks together (``alike``)."""
+    return [text for text, _, _ in alike(errors, step)]

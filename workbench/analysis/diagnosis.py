@@ -21,8 +21,11 @@ shows it as a table: each rule's name, when it fires and what it says. A new fin
 put in its place. Faults that a later step repairs (rank 1's tensors between ``to_empty`` and
 the state dict load) are not causes. ``record`` is anything with ``tensors``, ``outputs``,
 ``events``, ``ledger``, ``trace`` tables and a ``manifest`` (a RunRecord, duck-typed so
-this module stays below the postmortem layer; ``diagnosis_run`` reads it). The figure is
-built by ``workbench.viz.diagnosis.figure`` from ``Diagnosis.grid``.
+this module stays below the postmortem layer; ``diagnosis_run`` reads it, once per record). A
+``Diagnosis`` is its clauses (``diagnosis_words``): each clause's words and what it tells as data (who
+raised, who is stuck, which groups parted, which tensors, which outputs); the sentence is rendered
+from them, and no rule reads it back. The figure is built by ``workbench.viz.diagnosis.figure`` from
+``Diagnosis.grid``.
 """
 
 from __future__ import annotations
@@ -32,22 +35,21 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis.diagnosis_rules import RULES, diagnose_run, rules
-from workbench.analysis.diagnosis_run import (
-    BAD,
+from workbench.analysis.diagnosis_run import BAD, Run
+from workbench.analysis.diagnosis_words import (
     EVIDENCE_COLUMNS,
     GRID_COLUMNS,
     GRID_STATUSES,
+    Clause,
     Diagnosis,
-    Run,
     dt,
     short,
-    where_stuck,
 )
 from workbench.analysis.frames import fmt
 from workbench.analysis.rankgroups import ranks_words as _ranks
 
-__all__ = ["BAD", "EVIDENCE_COLUMNS", "GRID_COLUMNS", "GRID_STATUSES", "RULES", "Diagnosis", "_ranks", "diagnose",
-           "diagnose_comparison", "dt", "grid", "parted", "rules", "short"]
+__all__ = ["BAD", "EVIDENCE_COLUMNS", "GRID_COLUMNS", "GRID_STATUSES", "RULES", "Clause", "Diagnosis", "_ranks",
+           "diagnose", "diagnose_comparison", "dt", "grid", "parted", "rules", "short"]
 
 
 def diagnose(record: Any) -> Diagnosis:
@@ -61,8 +63,8 @@ def diagnose(record: Any) -> Diagnosis:
 # -- the figure's data ---------------------------------------------------------------------------
 def grid(run: Run | Any, d: Diagnosis | None = None) -> pd.DataFrame:
     """One cell per (step, rank): ok, fault (n tensors wrong), failed, hung or not run; what the figure draws."""
-    run = run if isinstance(run, Run) else Run.of(run)
-    stuck = {(s["step"], s["rank"]): s["how"] for s in where_stuck(run)}
+    run = Run.of(run)
+    stuck = {(s["step"], s["rank"]): s["how"] for s in run.stuck}
     errors = {(e.step, int(e.rank)): e.error for e in run.events.itertuples(index=False)} if len(run.events) else {}
     rows = []
     for i, s in enumerate(run.steps):
@@ -111,7 +113,7 @@ def _split_cells(run: Run, step: str, d: Diagnosis | None) -> dict[int, str]:
 def parted(bug: Any, fix: Any, names: tuple[str, str] = ("the bug path", "the fix")) -> dict[str, Any] | None:
     """The first step where two runs hold different bytes (or dtypes) for some (rank, tensor), or different
     outputs; ``names`` says the two runs in the words of the answer."""
-    a, b = Run.of(bug), Run.of(fix)
+    a, b = Run.of(bug), Run.of(fix)  # each read once per record: diagnose_comparison's own are these
     for s in a.steps:
         if s not in b.steps:
             continue
@@ -155,15 +157,17 @@ def _head_gap(a: pd.DataFrame, b: pd.DataFrame, key: tuple) -> str:
 
 def diagnose_comparison(bug: Any, fix: Any) -> Diagnosis:
     """The bug run's diagnosis, with the fix run's own and the first step where the two runs part."""
-    d = diagnose(bug)
-    d.fix = diagnose(fix)
-    d.parted = parted(bug, fix)
+    a, b = Run.of(bug), Run.of(fix)  # each run read once: its diagnosis, the parting and the words share it
+    d = diagnose(a)
+    d.fix = diagnose(b)
+    d.parted = parted(a, b)
     label = (getattr(fix, "manifest", {}) or {}).get("fix") or "the fix"
     if d.parted:
         p = d.parted
-        d.sentence += (f". The fix `{label}` parts from the bug path at step `{p['step']}` (rank {p['rank']} "
-                       f"`{short(p['name'], Run.of(bug).names)}`: {p['what']})"
-                       + (" and is clean" if d.fix.clean else f", but is not clean: {d.fix.sentence}"))
+        d.add(Clause(f". The fix `{label}` parts from the bug path at step `{p['step']}` (rank {p['rank']} "
+                     f"`{short(p['name'], a.names)}`: {p['what']})", "comparison", p),
+              *([Clause(" and is clean", "comparison")] if d.fix.clean else
+                [Clause(", but is not clean: ", "comparison"), *d.fix.clauses]))
     else:
-        d.sentence += f". The fix `{label}` holds the same bytes as the bug path at every step"
+        d.add(Clause(f". The fix `{label}` holds the same bytes as the bug path at every step", "comparison"))
     return d

@@ -1,119 +1,29 @@
-"""A run as the diagnosis reads it: the tables, the facts its rules ask for, and the small words they say.
+"""A run as the diagnosis reads it: its tables, and the facts its rules ask for, each computed once.
 
 ``Run.of(record)`` reads anything with ``tensors``, ``outputs``, ``events``, ``ledger``, ``trace``
 tables, ``notes`` and a ``manifest`` (a RunRecord, duck-typed so this module stays below the
-postmortem layer). The functions below answer one question each (which tensors are still wrong,
-who hung, what a bucket held, which ranks raised) and are shared by the rules in
-``workbench.analysis.diagnosis_rules``; ``Diagnosis`` is what a rule says.
+postmortem layer), once per record: asked again for the same record (a comparison, the report's
+lines), it returns the same ``Run``, whose facts (who is stuck, the bad outputs, the divergences, the
+first exception) are computed when first asked for. The functions below answer one question each
+(which tensors are still wrong, what a bucket held, which groups parted) for the rules in
+``workbench.analysis.diagnosis_rules``; what the rules say is ``workbench.analysis.diagnosis_words``.
 """
 
 from __future__ import annotations
 
-import html
-import re
-from collections.abc import Iterable
+import weakref
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import pandas as pd
 
 from workbench.analysis import collectives, findings, floor
 from workbench.analysis.collectives import is_number
-from workbench.analysis.frames import fmt
-from workbench.analysis.rankgroups import ranks_words
 from workbench.errors import LOST
 
 BAD = ("poison", "nan", "inf", "reference", "dtype", "differs")  # "missing": ranks may hold different tensors
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
-EVIDENCE_COLUMNS = ["step", "rank", "what", "fact"]
-GRID_COLUMNS = ["step", "step_index", "rank", "status", "label"]
-GRID_STATUSES = ["ok", "fault", "failed", "hung", "not run"]
-PART_WORDS = {"op": "different collectives", "dtype": "different dtypes", "size": "different sizes",
-              "root": "different roots"}  # how two sides of a parted call differ (else: "an extra call")
-
-
-@dataclass
-class Diagnosis:
-    """What went wrong first: mechanism, step, ranks, tensor, call; one sentence; the rows behind it."""
-
-    mechanism: str  # "clean", "reinterpreted", "mispaired", "collective-mismatch", "rank-missing", ...
-    sentence: str
-    step: str | None = None  # the first step of the story
-    ranks: list[int] = field(default_factory=list)
-    tensor: str | None = None
-    call: dict[str, Any] | None = None  # the first divergent ledger call (the deviating rank's)
-    evidence: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EVIDENCE_COLUMNS))
-    grid: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=GRID_COLUMNS))  # for the figure
-    parted: dict[str, Any] | None = None  # comparison: where bug and fix runs part
-    fix: Diagnosis | None = None  # comparison: the fix run's own diagnosis
-
-    @property
-    def clean(self) -> bool:
-        return self.mechanism == "clean"
-
-    def to_dict(self) -> dict[str, Any]:
-        from workbench.analysis.frames import jsonable, records
-
-        return {"mechanism": self.mechanism, "sentence": self.sentence, "step": self.step, "ranks": self.ranks,
-                "tensor": self.tensor, "call": jsonable(self.call), "evidence": records(self.evidence),
-                "parted": jsonable(self.parted), "fix": None if self.fix is None else self.fix.to_dict()}
-
-    def __str__(self) -> str:
-        return self.sentence
-
-    def __repr__(self) -> str:
-        return f"<Diagnosis {self.mechanism}: {self.sentence}>"
-
-    def _repr_html_(self) -> str:
-        rows = self.evidence.to_html(index=False) if len(self.evidence) else ""
-        return f"<p><b>{html.escape(self.mechanism)}</b>: {html.escape(self.sentence)}</p>{rows}"
-
-
-# -- small words --------------------------------------------------------------------------
-def dt(dtype: Any) -> str:
-    return SHORT_DTYPES.get(str(dtype), str(dtype))
-
-
-def short(name: str, among: list[str] | None = None) -> str:
-    """The shortest dotted suffix of ``name`` that no other name in ``among`` ends with (never starting at a
-    bare index: ``layers.0.mlp``, not ``0.mlp``)."""
-    parts = str(name).split(".")
-    others = [n for n in (among or []) if n != name]
-    for k in range(1, len(parts) + 1):
-        if k < len(parts) and parts[-k].isdigit():
-            continue
-        tail = ".".join(parts[-k:])
-        if not any(o == tail or o.endswith("." + tail) for o in others):
-            return tail
-    return str(name)
-
-
-def named(names: list[str], among: list[str], n: int = 3) -> str:
-    out = ", ".join(f"`{short(x, among)}`" for x in names[:n])
-    return out + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-
-
-def possessive(ranks: list[int]) -> str:
-    """``rank 1's``, ``ranks 1-7's``: whose tensor a sentence is about, as one group."""
-    return ranks_words(ranks) + "'s"
-
-
-def by_value(pairs: Iterable[tuple[int, Any]]) -> dict[Any, list[int]]:
-    """``(rank, value)`` pairs -> ``{value: [ranks]}``, values in the order they first come."""
-    out: dict[Any, list[int]] = {}
-    for r, v in pairs:
-        out.setdefault(v, []).append(int(r))
-    return out
-
-
-def calls_by_group(calls: dict[int, Any]) -> str:
-    """Where ranks part, one clause per distinct call: ``rank 0: all_reduce #9 …; ranks 1-7: all_gather …``.
-
-    At 8 or 64 ranks the ranks on one side issue the same call; listing each would bury the two sides."""
-    groups = by_value((r, collectives.describe(c)) for r, c in sorted(calls.items()) if c)
-    return "; ".join(f"{ranks_words(rs)}: {text}" for text, rs in groups.items())
+TABLES = ("tensors", "outputs", "events", "ledger", "trace")
 
 
 def _table(rec: Any, name: str) -> pd.DataFrame:
@@ -136,6 +46,24 @@ class Run:
 
     @classmethod
     def of(cls, rec: Any) -> Run:
+        """The run ``rec`` holds, read once per record: the same ``Run`` (and so its facts) while the record holds
+        the same tables, manifest and notes; ``rec`` itself when it is a ``Run``."""
+        if isinstance(rec, Run):
+            return rec
+        key = _key(rec)
+        hit = _RUNS.get(id(rec))
+        if hit is not None and hit[0]() is rec and _same(hit[1], key):
+            return hit[2]
+        run, at = cls._read(rec), id(rec)
+        try:
+            ref = weakref.ref(rec, lambda _: _RUNS.pop(at, None))
+        except TypeError:  # a record that cannot be referred to weakly is read each time
+            return run
+        _RUNS[at] = (ref, key, run)
+        return run
+
+    @classmethod
+    def _read(cls, rec: Any) -> Run:
         manifest = dict(getattr(rec, "manifest", {}) or {})
         tensors, events = _table(rec, "tensors"), _table(rec, "events")
         steps = list(manifest.get("steps_run") or [])
@@ -156,21 +84,60 @@ class Run:
     def index(self, step: str | None) -> int:
         return self.steps.index(step) if step in self.steps else len(self.steps)
 
-    @property
+    @cached_property
     def ranks(self) -> list[int]:
         n = self.manifest.get("ranks")
         seen = {int(r) for df in (self.tensors, self.events, self.ledger) if "rank" in df for r in df["rank"].dropna()}
         return sorted(seen | set(range(int(n)))) if n else sorted(seen)
 
-    @property
+    @cached_property
     def names(self) -> list[str]:
         return list(dict.fromkeys(self.tensors["name"])) if "name" in self.tensors else []
 
-    @property
+    @cached_property
     def kinds(self) -> dict[str, str]:
         if "kind" not in self.tensors:
             return {}
         return dict(zip(self.tensors["name"], self.tensors["kind"]))
+
+    # -- the facts the rules, the grid and a comparison share: each computed once, when first asked for --------
+    @cached_property
+    def stuck(self) -> list[dict[str, Any]]:
+        """Who timed out, hung or died, and in which call (``where_stuck``)."""
+        return where_stuck(self)
+
+    @cached_property
+    def bad_outputs(self) -> list[dict[str, Any]]:
+        """The last step's outputs that are non-finite or depart (``bad_outputs``)."""
+        return bad_outputs(self)
+
+    @cached_property
+    def divergences(self) -> list[collectives.Divergence]:
+        """Each group's first divergence, earliest first."""
+        return collectives.divergences(self.ledger) if len(self.ledger) else []
+
+    @cached_property
+    def first_error(self) -> Any:
+        """The first step's first ``error`` event, or None."""
+        return first_error(self)
+
+
+_RUNS: dict[int, tuple[weakref.ref, tuple, Run]] = {}  # id(record) -> (the record, what it held, its Run)
+
+
+def _key(rec: Any) -> tuple:
+    """What a record held when it was read: its tables (the objects), a copy of its manifest, its notes."""
+    notes = getattr(rec, "notes", None)
+    return (*(getattr(rec, n, None) for n in TABLES), dict(getattr(rec, "manifest", {}) or {}),
+            list(notes) if isinstance(notes, list) else None)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    n = len(TABLES)
+    try:
+        return all(x is y for x, y in zip(a[:n], b[:n])) and bool(a[n:] == b[n:])
+    except (TypeError, ValueError):  # values that do not compare as one truth value (arrays): read it again
+        return False
 
 
 def persistent_faults(run: Run) -> pd.DataFrame:
@@ -273,16 +240,6 @@ def bad_outputs(run: Run) -> list[dict[str, Any]]:
     return out
 
 
-def outputs_clause(bad: list[dict[str, Any]]) -> str:
-    if not bad:
-        return ""
-    by: dict[tuple[str, str], list[int]] = {}
-    for b in bad:
-        by.setdefault((b["name"], b["how"]), []).append(b["rank"])
-    parts = [f"`{n}` on {ranks_words(rs)}: {how}" for (n, how), rs in list(by.items())[:2]]
-    return "; output " + "; ".join(parts)
-
-
 # -- what the ledger says ---------------------------------------------------------------------
 def bucket_names(run: Run, rank: int, call: dict[str, Any]) -> list[str]:
     """The tensors a coalesced bucket held, inferred from ``rank``'s tensors of the call's dtype before the call."""
@@ -297,10 +254,6 @@ def bucket_names(run: Run, rank: int, call: dict[str, Any]) -> list[str]:
         if len(t) and count_ok and (not is_number(numel) or int(t["numel"].sum()) == int(numel)):
             return list(t["name"])
     return []
-
-
-def size_of(call: dict[str, Any]) -> str:
-    return collectives.human_bytes(call.get("bytes"))
 
 
 def where_stuck(run: Run) -> list[dict[str, Any]]:
@@ -323,8 +276,7 @@ def where_stuck(run: Run) -> list[dict[str, Any]]:
         for rank, what in (h.get("stuck") or {}).items():
             if int(rank) not in seen:
                 seen.add(int(rank))
-                op = what.split(" (")[0].split(" [")[0]
-                op = " ".join(op.split()[:2]) if what != "no collective" else "no collective"
+                op = _hung_op(what)
                 out.append({"rank": int(rank), "step": h.get("step"), "how": f"hung in {op} ({h.get('caught_by')})",
                             "call": None})
         for rank in h.get("dead") or []:
@@ -340,9 +292,12 @@ def where_stuck(run: Run) -> list[dict[str, Any]]:
     return out
 
 
-def stuck_clause(stuck: list[dict[str, Any]]) -> str:
-    """``; rank 0 hung in …; ranks 1-7 …``: ranks stuck the same way read as one group."""
-    return "".join(f"; {ranks_words(rs)} {how}" for how, rs in by_value((s["rank"], s["how"]) for s in stuck).items())
+def _hung_op(what: str) -> str:
+    """The call a hang record's ``stuck`` words name (``all_reduce #9 (float32 [2]) [...]`` -> ``all_reduce
+    #9``): the manifest keeps a hang as the words the live session said, so this is the one place they are read."""
+    if what == "no collective":
+        return what
+    return " ".join(what.split(" (")[0].split(" [")[0].split()[:2])
 
 
 def split_before(run: Run, upto: str | None, dtypes: set[str]) -> tuple[str, list[str], dict] | None:
@@ -376,7 +331,7 @@ def members(run: Run, div: collectives.Divergence) -> set[int]:
 def independent(run: Run, div: collectives.Divergence) -> list[collectives.Divergence]:
     """The other groups that part in the same step and share no rank with ``div``'s group or each other."""
     out, taken = [], members(run, div)
-    for other in collectives.divergences(run.ledger)[1:]:
+    for other in run.divergences[1:]:
         mine = members(run, other)
         if other.step == div.step and other.group != div.group and not mine & taken:
             out.append(other)
@@ -384,44 +339,12 @@ def independent(run: Run, div: collectives.Divergence) -> list[collectives.Diver
     return out
 
 
-def parting(run: Run, div: collectives.Divergence) -> str:
-    """One group's parting in a clause: ``on group 3 (ranks 0,3): the ranks' collectives part at call #1
-    (different roots): rank 0: …; rank 3: …``."""
-    head = f"on group {div.group} ({ranks_words(sorted(members(run, div)))}): "
-    absent = [r for r, c in div.calls.items() if c is None]
-    if absent:
-        present = [r for r, c in div.calls.items() if c is not None]
-        return (head + f"{ranks_words(absent)} never issued call #{div.seq} that {ranks_words(present)} issued "
-                f"({collectives.describe(div.calls[present[0]])})")
-    words = PART_WORDS.get(div.kind, "an extra call")
-    return head + f"the ranks' collectives part at call #{div.seq} ({words}): {calls_by_group(div.calls)}"
-
-
-def ev_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=EVIDENCE_COLUMNS)
-    df["rank"] = df["rank"].astype("Int64")
-    return df
-
-
-
-def named_raisers(sentence: str) -> set[tuple[int, str]]:
-    """(rank, exception type) pairs a sentence already tells: ``rank 1 raised X``, ``ranks 0,3-5 raised Y``."""
-    out: set[tuple[int, str]] = set()
-    for m in re.finditer(r"\branks? ([\d,\-]+) raised (\w+)", sentence):
-        for part in m.group(1).split(","):
-            a, _, b = part.partition("-")
-            if a.isdigit():
-                out |= {(r, m.group(2)) for r in range(int(a), int(b if b.isdigit() else a) + 1)}
-    return out
-
-
-def parted_members(run: Run, d: Diagnosis) -> list[int]:
-    """The ranks of the group whose collectives part in ``d`` (empty when unknown)."""
-    call, led = d.call or {}, run.ledger
+def parted_members(run: Run, call: dict[str, Any] | None) -> list[int]:
+    """The ranks of the group ``call`` (a parting story's first divergent call) is on (empty when unknown)."""
+    call, led = call or {}, run.ledger
     if not call or not len(led) or call.get("group") is None:
         return []
     return collectives.group_ranks(led[led["group"].astype(str) == str(call["group"])])
-
 
 
 def first_error(run: Run) -> Any:
@@ -434,64 +357,11 @@ def first_error(run: Run) -> Any:
     return min(errors.itertuples(index=False), key=lambda e: run.index(e.step))
 
 
-def from_error(run: Run, step: str) -> Diagnosis:
-    """Ranks that raised in ``step``: one sentence for one error, the others named by rank."""
-    ev = run.events
-    errors = ev[(ev["kind"] == "error") & (ev["step"] == step)]
-    e = errors.iloc[0]
-    same = errors[(errors["error"] == e["error"]) & (errors["message"] == e["message"])]
-    ranks = sorted(int(r) for r in same["rank"])
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
-    sentence = f"{who} raised {e['error']} in step `{step}`: {str(e['message'])[:200]}"
-    others = errors[~errors.index.isin(same.index)]
-    sentence += "".join(f"; rank {int(o.rank)} raised {o.error}" for o in others.itertuples(index=False))
-    return Diagnosis("error", sentence, step, sorted(int(r) for r in errors["rank"]), None, None,
-                     ev_frame([{"step": x.step, "rank": x.rank, "what": x.error, "fact": str(x.message)[:300]}
-                          for x in ev[ev["kind"] == "error"].itertuples(index=False)]))
-
-
-
-def floor_clause(run: Run) -> str:
-    """For outputs judged against an engine's own floor: both numbers, so a reader on another CPU sees why
-    0.066 reads clean (``; output `logprobs` 0.066 from the reference, the engine's own floor 0.066 ...``)."""
-    o = run.outputs
-    if o.empty or "ref_floor" not in o:
-        return ""
-    o = o[o["ref_floor"].map(floor.floor_of).notna()]
-    if "step_index" in o and len(o):
-        o = o[o["step_index"] == o["step_index"].max()]
-    parts = []
-    for name, g in o.groupby("name", sort=False):
-        worst = g.loc[g["ref_max_abs_diff"].map(lambda v: floor.number(v) or 0.0).idxmax()]
-        parts.append(floor.within_words(name, worst["ref_max_abs_diff"], worst["ref_floor"]))
-    return "; output " + "; ".join(parts[:2]) if parts else ""
-
-
 def last_call(run: Run, rank: int) -> dict[str, Any] | None:
     if run.ledger.empty:
         return None
     mine = run.ledger[run.ledger["rank"] == rank]
     return dict(mine.sort_values("t_start").iloc[-1]) if len(mine) else None
-
-
-def real_before(run: Run, step: str, names: list[str], ranks: list[int]) -> str:
-    """How the never-written tensors looked one step earlier, when every one of them was already real
-    memory (not meta) on every rank: then materialisation replaced a live tensor, not a placeholder.
-    Empty when any of them was meta, absent or not probed there."""
-    i = run.index(step)
-    if i == 0 or i >= len(run.steps):
-        return ""
-    t = run.at(run.tensors, run.steps[i - 1])
-    if t.empty or "is_meta" not in t:
-        return ""
-    rows = t[t["name"].isin(names) & t["rank"].isin(ranks)]
-    if len(rows) != len(names) * len(ranks) or rows["is_meta"].map(_true).any():
-        return ""
-    first = rows.iloc[0]
-    head = first.get("head") if "head" in rows else None
-    head = [fmt(float(x)) for x in list(head)[:4]] if head is not None and not isinstance(head, str) else []
-    values = f", first values [{', '.join(head)}]" if head else ""
-    return f"{dt(first['dtype'])} on {first.get('device', '?')}{values}"
 
 
 ties = findings.ties  # the pairs of names one tensor is held under in a step's rows

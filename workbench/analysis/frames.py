@@ -23,6 +23,64 @@ OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
 INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
 
 
+_SOURCE_FILE = re.compile(r"\[[^\]]*\.(?:cc|cpp|cu|h)(?::\d+)?\]\s*")  # gloo's "[.../pair.cc:553] "
+_TASK_DIED = re.compile(r"^Engine \d+ died while running task '[^']*'")  # ipyparallel's words, with its task id
+_TASK_DIED_ANY = re.compile(r"Engine (\d+) died while running task '[^']*'")
+
+
+# gloo's echo of a peer gone: "[<its source>.cc:553] Connection closed by peer [127.0.0.1]:2987. This is typically
+# caused by a remote worker crashing. ..." (what, then where, then advice for gloo's own bug reports)
+_ECHO = re.compile(r"\[[^\]]*\.(?:cc|cpp|cu|h)(?::\d+)?\]\s*(?:Read error \S+\s*)?(?P<what>[^\[.]*)"
+                   r"(?:\s*\[[^\]]*\](?::\d+)?)?\.?(?:\s+This is typically caused[^)]*)?")
+_ECHO_WORDS = {"connection closed by peer": "a peer closed the connection",
+               "connection reset by peer": "a peer reset the connection"}
+
+
+def plain_backend(text: Any) -> Any:
+    """``text`` with a backend's echo of a peer gone (gloo's source file, address and bug-report advice) in a few
+    words; other text, and anything not a string, as it is."""
+    if not isinstance(text, str):
+        return text
+    text = _TASK_DIED_ANY.sub(lambda m: f"engine {m.group(1)} died while running a step", text)
+    if not _SOURCE_FILE.search(text):
+        return text
+
+    def words(m: re.Match) -> str:
+        what = m.group("what").strip().rstrip(":").strip()
+        return f"gloo: {_ECHO_WORDS.get(what.lower(), what.lower() or 'the connection failed')}"
+
+    return _ECHO.sub(words, text)
+
+
+def is_backend_echo(kind: str, message: Any) -> bool:
+    """Whether a failed call's message is the backend's own (a peer gone, a cut socket), not the rank's code."""
+    return kind == "error" and bool(_BACKEND_WORDS.search(str(message or "").split("\n")[0]))
+
+
+def released_words(call: str) -> str:
+    return (f"aborted by the workbench: it released {call}, which could never complete (a deadlock proven from the "
+            "ledgers)")
+
+
+def worded_failure(kind: str, message: Any, released: str | None = None, aborted_before: bool = False) -> str:
+    """A failed rank's message in the workbench's words, for a page a person reads: a call the workbench released
+    says so; a backend's echo of a peer gone says that, after an earlier release that the group was aborted; an
+    engine that died says it died. A rank's own exception keeps its first line. The raw text stays in the events."""
+    text = str(message or "")
+    first = text.split("\n")[0]
+    if is_backend_echo(kind, text):
+        if released:
+            return released_words(released)
+        if aborted_before:
+            return ("its collective failed at once: the workbench aborted this process group earlier in the run, "
+                    "releasing a proven deadlock")
+        backend = "nccl" if "nccl" in first.lower() else "gloo"
+        return f"its collective failed: a peer of the process group went away ({backend} lost the connection)"
+    if kind == "died" and _TASK_DIED.match(first):
+        return "the engine process died while running this step; call cluster.restart()"
+    return _SOURCE_FILE.sub("", first)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> pd.DataFrame:
     """Rows as a DataFrame with ``columns`` first (missing ones empty), extra keys after."""
     seen = dict.fromkeys(columns)
@@ -137,9 +195,8 @@ class Frame:
         for r in self.events.itertuples():
             text = f"{r.kind} {r.error}: {r.message}"
             call = released.get(int(r.rank))
-            if call and r.kind == "error" and _BACKEND_WORDS.search(str(r.message or "").split("\n")[0]):
-                text = (f"{r.kind} {r.error}: aborted by the workbench: it released {call}, which could never "
-                        "complete (a deadlock proven from the ledgers)")
+            if call and is_backend_echo(r.kind, r.message):
+                text = f"{r.kind} {r.error}: {released_words(call)}"
             out[int(r.rank)] = text
         return out
 

@@ -21,14 +21,16 @@ worker server per rank), a handler of the capture's own (``workbench_capture``) 
 ``<worker>/handler/workbench_capture`` with this rank's latest point and its open calls, while the
 job runs or hangs (``ask``); the shard records the worker's address.
 
-What it costs the job (CPU, measured here): a point is the probe's own time (27 tensors: 1-6 ms; 67 MB:
-0.6-1 s, the same as a bare probe) and 10-45 KB of JSON; between points every aten op passes the
-ledger's ``TorchDispatchMode`` and poison's ``TorchFunctionMode`` (a tiny Qwen3 forward 1.3 -> 4 ms,
-mostly the ledger), poison fills every Python-level ``torch.empty`` the job makes (FSDP2's all-gather
-buffers included), and while the ledger's dispatch mode is on ``torch.compile`` runs the model eagerly
-(measured: the first call 0.02 s instead of a 60 s compile). ``ledger="calls"`` records the same rows
-with neither cost (the forward 2.0 ms, compiled), ``poison="to_empty"`` poisons what ``to_empty`` hands out
-and nothing else (no mode at all); ``ledger=False`` / ``poison=False`` turn them off.
+What it costs the job: a point is the probe's own time (CPU: 27 tensors 1-6 ms, 67 MB 0.6-1 s, the same as a
+bare probe) and 10-45 KB of JSON. Between points the defaults keep nothing on the job's ops: the ledger wraps
+``torch.distributed``'s collective functions (``ledger="calls"``, ``rank/ledger_calls.py``) and is completed by
+PyTorch's Flight Recorder for the collectives issued from C++ (DDP's reducer; ``rank/ledger_fr.py``: read at each
+point, at close, at the job's exception, at a hang and post mortem, and only where the ledger's numbers have a gap),
+and poison fills what ``to_empty`` hands out (``poison="to_empty"``), so ``torch.compile`` compiles. The expensive
+modes stay a choice: ``ledger="full"`` (or ``True``) puts a ``TorchDispatchMode`` over every aten op (a tiny Qwen3
+forward 1.3 -> 4 ms; ``torch.compile`` then runs the model eagerly: the first call 0.02 s instead of a 60 s
+compile) and ``poison="all"`` (or ``True``) a ``TorchFunctionMode`` that fills every Python-level ``torch.empty``
+the job makes (FSDP2's all-gather buffers included). ``benchmarks/job_capture.py`` measures each mode.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
 returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe. A directory
@@ -60,13 +62,13 @@ from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
 ENV_JOB = "WORKBENCH_JOB_ID"
-ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls": the ledger around collective calls only; "0": none
+ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
-def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = True,
-            ledger: bool | str = True,
+def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = "to_empty",
+            ledger: bool | str = "calls",
             name: str | None = None, job: str | None = None, points: list[str] | None = None,
             attach: bool | str | None = None, attach_deadline: float = 600.0,
             hang_after: float = 60.0, strict: bool = False) -> Capture | NoCapture:
@@ -74,12 +76,15 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
 
     Rank, world size and local rank come from the launcher (torchrun's ``RANK``/``WORLD_SIZE``/
     ``LOCAL_RANK``, srun's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``, else the process group).
-    ``poison``: fill what ``to_empty`` and ``torch.empty``-like calls hand out with a NaN pattern that
-    only unwritten memory keeps (``"to_empty"``: only what ``to_empty`` hands out, with no cost per op).
-    ``ledger``: record every collective this thread issues (a dispatch mode over every op); ``"calls"``:
-    only around ``torch.distributed``'s collective functions, at no cost per op and with ``torch.compile``
-    still compiling (``rank/ledger_calls.py`` says what it misses); the environment's
-    ``WORKBENCH_CAPTURE_LEDGER`` (``calls``, ``full``, ``0``) overrides it. ``name``: the run's title (default:
+    ``poison``: fill what ``to_empty`` hands out with a NaN pattern that only unwritten memory keeps, with no
+    cost per op (the default, ``"to_empty"``); ``"all"`` (or ``True``, as before) also every ``torch.empty``-like
+    call (a function mode over every call: FSDP2's all-gather buffers included); ``False``: none.
+    ``ledger``: ``"calls"`` (the default): around ``torch.distributed``'s collective functions, at no cost per op
+    and with ``torch.compile`` still compiling, completed by PyTorch's Flight Recorder for the collectives issued
+    from C++ (DDP's reducer; ``rank/ledger_fr.py``: read at each point, at close, at a hang and post mortem);
+    ``"full"`` (or ``True``, as before): every collective this thread issues, through a dispatch mode over every
+    op (``torch.compile`` then runs eagerly); ``False``: none. The environment's ``WORKBENCH_CAPTURE_LEDGER``
+    (``calls``, ``full``, ``0``) overrides it. ``name``: the run's title (default:
     the directory's name). ``job``: the job id every shard carries (default: the launcher's job or run
     id, else one the ranks agree on through the process group's store). ``points``: the names of the points
     the job will reach, in order (optional): a rank stuck on its way to one is read as stuck in that step
@@ -101,12 +106,13 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
         return _CURRENT[0]
     ledger = _ledger_mode(ledger, strict) if enabled else ledger
-    if poison not in (True, False, "to_empty"):
-        raise ValueError(f"poison must be True, False or 'to_empty'; got {poison!r}")
-    if ledger not in (True, False, "calls"):
-        raise ValueError(f"ledger must be True, False or 'calls'; got {ledger!r}")
+    if poison not in POISON_MODES:
+        raise ValueError(f"poison must be 'to_empty', 'all' (or True) or False; got {poison!r}")
+    if ledger not in LEDGER_ARGS:
+        raise ValueError(f"ledger must be 'calls', 'full' (or True) or False; got {ledger!r}")
+    poison, ledger = POISON_MODES[poison], LEDGER_ARGS[ledger]
     if "deadlock" in on and not ledger:
-        raise ValueError("attach='on-deadlock' reads the ledger: it needs ledger=True or 'calls'")
+        raise ValueError("attach='on-deadlock' reads the ledger: it needs ledger='calls' or 'full'")
     if not (isinstance(attach_deadline, (int, float)) and attach_deadline > 0 and hang_after > 0):
         raise ValueError(f"attach_deadline and hang_after must be positive seconds; got {attach_deadline!r}, "
                          f"{hang_after!r}")
@@ -131,8 +137,12 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
         return NoCapture(line)
 
 
-LEDGER_MODES = {"calls": "calls", "full": True, "1": True, "on": True, "true": True, "yes": True,
+LEDGER_MODES = {"calls": "calls", "default": "calls", "full": True, "1": True, "on": True, "true": True, "yes": True,
                 "0": False, "off": False, "false": False, "no": False}
+# the script's own values: True stays the full ledger and the allocator-wide poison (what they meant before the
+# defaults became the cheap ones); the manifest keeps True for them
+LEDGER_ARGS: dict[Any, bool | str] = {"calls": "calls", "full": True, True: True, False: False}
+POISON_MODES: dict[Any, bool | str] = {"to_empty": "to_empty", "all": True, True: True, False: False}
 
 
 def _ledger_mode(ledger: bool | str, strict: bool) -> bool | str:
@@ -144,7 +154,7 @@ def _ledger_mode(ledger: bool | str, strict: bool) -> bool | str:
     got = LEDGER_MODES.get(raw.strip().lower())
     if got is not None:
         return got
-    line = (f"{ENV_LEDGER}={raw!r} is not a ledger mode (calls, full or 1, off or 0): refused; the script's "
+    line = (f"{ENV_LEDGER}={raw!r} is not a ledger mode (calls or default, full or 1, off or 0): refused; the script's "
             f"ledger={ledger!r} stands")
     if strict:
         raise ValueError(line)
@@ -233,7 +243,7 @@ def _store_job() -> str | None:
 class Capture:
     """This rank's capture: ``point`` probes and appends, ``close`` (or exit) marks the shard finished."""
 
-    def __init__(self, path: str | os.PathLike, *, poison: bool | str = True, ledger: bool | str = True,
+    def __init__(self, path: str | os.PathLike, *, poison: bool | str = "to_empty", ledger: bool | str = "calls",
                  name: str | None = None, job: str | None = None, points: list[str] | None = None,
                  strict: bool = False):
         import torch
@@ -247,6 +257,9 @@ class Capture:
         self._fault_lock = threading.Lock()
         self._stack = contextlib.ExitStack()  # every install step's undo, last first (close, a fault, a failed start)
         self._ledger: Any = None
+        self._fr: Any = None  # Flight Recorder's complement of the calls ledger (rank/ledger_fr.py)
+        self._fr_lock = threading.Lock()
+        self._fr_still: tuple[Any, float] = ((), 0.0)  # the groups' counts a hang's read last saw, and since when
         self._poison_mode: Any = None
         self._hook = sys.excepthook
         self._latest: dict[str, Any] | None = None
@@ -317,6 +330,11 @@ class Capture:
                 calls = CallLedger(self._ledger)
                 stack.callback(calls.uninstall)
                 calls.install()
+                from workbench.rank.ledger_fr import Complement, switch_on
+
+                switch_on()  # where no process group exists yet and the job set no buffer size of its own
+                self._fr = Complement(self._ledger)
+                self.doc["flight_recorder"] = True
             else:
                 stack.callback(ledger_mod.start_recording(self._ledger, "0"))
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
@@ -495,6 +513,7 @@ class Capture:
             self.job = _store_job() or f"local-{shards.host()}-{os.getppid()}"
             if self._ledger is not None:
                 self._ledger.session = self.job
+        self.fill_from_flight_recorder(f"before point `{name}`")
         self._where()
         objects = dict(objects)
         for key, value in list(objects.items()):
@@ -578,6 +597,8 @@ class Capture:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
         released = isinstance(exc, triggers.Released) or triggers.was_released()
         if self.stopped is None and not self._closed:
+            with contextlib.suppress(Exception):
+                self.fill_from_flight_recorder("at the job's exception")
             try:
                 from workbench.rank.ledger import traceback_text
 
@@ -627,14 +648,55 @@ class Capture:
             ledger_mod.settle()
 
     def open_calls(self) -> list[dict[str, Any]]:
-        """The collectives this rank started and saw no end of, read from its own ledger file, oldest first."""
-        return triggers.open_calls(triggers.ledger_reader(self._ledger.path)) if self._ledger is not None else []
+        """The collectives this rank started and saw no end of, read from its own ledger file, oldest first (Flight
+        Recorder's record first fills what the calls ledger could not see: the rank may wait in one of those)."""
+        if self._ledger is None:
+            return []
+        self.fill_from_flight_recorder("while the rank waits", hang=True)
+        return triggers.open_calls(triggers.ledger_reader(self._ledger.path))
+
+    def fill_from_flight_recorder(self, when: str, hang: bool = False) -> int:
+        """Write into the ledger the collectives Flight Recorder recorded and the calls ledger did not (issued from
+        C++); nothing is read while the ledger's numbers have no gap. Returns how many rows; a fault of its own is
+        one line (``guest.py``) and the capture goes on without the complement."""
+        if self._fr is None:
+            return 0
+        try:
+            with self._fr_lock:
+                return self._fr.fill(when, hang=hang)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fr = None
+            guest.say(f"workbench: rank {self.rank}: Flight Recorder's record is no longer read: {guest.cause(exc)}; "
+                      "the calls ledger goes on without it")
+            return 0
+
+    def watch_flight_recorder(self, still_for: float) -> int:
+        """The post-mortem watcher's read (its own thread): once no group's count has moved for ``still_for``
+        seconds and the ledger has gaps, the rank may wait inside a call only Flight Recorder saw: fill, its
+        newest call left open."""
+        if self._fr is None:
+            return 0
+        from workbench.rank import ledger_fr
+        from workbench.rank.ledger import backend_seq
+
+        counts = tuple(backend_seq(pg) for pg, _ in ledger_fr.groups())
+        now = time.monotonic()
+        if counts != self._fr_still[0]:
+            self._fr_still = (counts, now)
+            return 0
+        if now - self._fr_still[1] < still_for:
+            return 0
+        return self.fill_from_flight_recorder("while the rank waits", hang=True)
 
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised). A fault here is one
         line on stderr (``guest.py``)."""
         if not self._usable():
             return
+        with contextlib.suppress(Exception):
+            self.fill_from_flight_recorder("at close")
         self._closed = self._unwound = True
         try:
             with contextlib.suppress(Exception):

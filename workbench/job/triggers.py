@@ -283,6 +283,8 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             return
         if tail is None:
             continue
+        with contextlib.suppress(Exception):  # a call only Flight Recorder saw (DDP's reducer) may be the one
+            cap.watch_flight_recorder(min(1.0, pm["hang_after"] / 2))
         now = time.time()
         calls = open_calls(tail)
         old = [c for c in calls if now - float(c.get("t") or now) > pm["hang_after"]]

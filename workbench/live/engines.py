@@ -29,6 +29,7 @@ from workbench.rank.host import free_port, gpu_count, set_threads
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
 WATCH_EVERY_S = 0.1  # how often a running step's ledgers are read for a deadlock
+SLOW_GRACE = 5.0  # ranks busy outside any collective at the deadline are slow, not hung: up to this many deadlines
 # The hub only counts an engine as registered once its heart answers a ping; at the default
 # 3 s period that alone cost ~5 s of every cold start (6.7 s -> 2.2 s measured at 500 ms).
 # Ten missed pings (5 s) still mark an engine dead; the heart runs outside the GIL, so a rank
@@ -334,15 +335,18 @@ class Engines:
 
     def call(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
              timeout: float | None = None, watch: Callable[[set[int]], str | None] | None = None,
-             **kwargs: Any) -> Outcome:
+             busy: Callable[[list[int]], bool] | None = None, **kwargs: Any) -> Outcome:
         """Run ``fn`` on the ranks; every rank's value or failure, never an exception.
 
         ``watch(done_ranks)`` is polled while ranks are still running; a reason it returns ends
         the wait at once, the open ranks becoming 'timeout' failures with that reason (a
-        deadlock the ledgers prove needs no deadline).
+        deadlock the ledgers prove needs no deadline). ``busy(open_ranks)``, asked when the
+        deadline passes: True when none of those ranks is inside a collective, so they are slow
+        (a loaded machine, a big model), not hung; the wait goes on, up to ``SLOW_GRACE`` deadlines
+        in all. A rank inside a collective is never waited for past the deadline.
         """
         pending = self.submit(fn, *args, ranks=ranks, **kwargs)
-        return self._collect(pending, self.deadline if timeout is None else timeout, watch)
+        return self._collect(pending, self.deadline if timeout is None else timeout, watch, busy)
 
     def run(self, fn: Callable, *args: Any, ranks: list[int] | None = None,
             timeout: float | None = None, **kwargs: Any) -> dict[int, Any]:
@@ -444,9 +448,11 @@ class Engines:
         return dead
 
     def _collect(self, pending: dict[int, Any], timeout: float,
-                 watch: Callable[[set[int]], str | None] | None = None) -> Outcome:
+                 watch: Callable[[set[int]], str | None] | None = None,
+                 busy: Callable[[list[int]], bool] | None = None) -> Outcome:
         out = Outcome()
         end = time.monotonic() + timeout
+        last_end = time.monotonic() + timeout * SLOW_GRACE
         death_seen: float | None = None
         last_check = last_watch = 0.0
         while True:
@@ -473,6 +479,9 @@ class Engines:
                     self._busy[r] = pending[r]
                     out.failures[r] = RankFailure(r, "timeout", "Deadlock", f"deadlocked: {reason}")
                 break
+            if now > end and death_seen is None and now < last_end and _still_busy(busy, open_):
+                end = min(now + max(timeout / 4, 1.0), last_end)  # asked again then: one collective ends it
+                continue
             if now > end or (death_seen is not None and now - death_seen > DEATH_GRACE_S):
                 for r in open_:
                     self._busy[r] = pending[r]
@@ -501,6 +510,16 @@ class Engines:
                         # the network is not a dead engine)
                         out.failures[r] = RankFailure(r, "died", "EngineDied", self.death_line(r))
         return out
+
+
+def _still_busy(busy: Callable[[list[int]], bool] | None, open_: list[int]) -> bool:
+    """Whether the open ranks are all busy outside any collective (a failing check counts as no)."""
+    if busy is None:
+        return False
+    try:
+        return bool(busy(open_))
+    except Exception:
+        return False
 
 
 def _main_thread_first(dump: str) -> str:

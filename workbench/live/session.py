@@ -175,7 +175,8 @@ class Session:
             line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
             try:
                 outcome = self.cluster.call(RUN_STEP, self.id, fn, self.scenario.probe, timeout=deadline,
-                                            watch=live_progress.poll_with(line, watch), step=name)
+                                            watch=live_progress.poll_with(line, watch),
+                                            busy=lambda open_: self._outside_collectives(name, open_), step=name)
             finally:
                 if line is not None:
                     line.close()
@@ -365,6 +366,14 @@ class Session:
 
     def _ledger(self, step: str | None = None, attempt: int | None = None) -> pd.DataFrame:
         return collectives.ledger_table(self._ledger_rows(step, attempt))
+
+    def _outside_collectives(self, step: str, ranks: list[int]) -> bool:
+        """Whether none of ``ranks`` is inside a collective of the step (they compute: slow, not hung). Only
+        where the ledger records every call: with it off, nothing says where a rank waits."""
+        if self.cluster.detect_deadlocks is False or not ranks:
+            return False
+        inside = {int(c["rank"]) for c in self._open_calls(step) if c.get("rank") is not None}
+        return not inside.intersection(ranks)
 
     def _open_calls(self, step: str) -> list[dict[str, Any]]:
         """The step's calls some rank is still inside, as raw rows (cheap: no table of every call)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.diagnosis_run import dt
+from workbench.analysis.diagnosis_words import dt
 from workbench.errors import BundleError
 from workbench.postmortem import closeness
 from workbench.postmortem.record import RunRecord
@@ -657,7 +657,7 @@ def _failed(rec: RunRecord) -> dict[tuple[str, int], str]:
 
 
 def _short(name: str, among: list[str]) -> str:
-    from workbench.analysis.diagnosis_run import short
+    from workbench.analysis.diagnosis_words import short
 
     return short(name, among)
 

@@ -24,7 +24,7 @@ import plotly.io as pio
 
 from workbench import viz
 from workbench.analysis import diagnosis, findings, stacks
-from workbench.analysis.frames import fmt, last_step
+from workbench.analysis.frames import fmt, last_step, plain_backend, worded_failure
 from workbench.errors import WorkbenchError
 from workbench.postmortem.record import RunRecord
 from workbench.viz.diagnosis import figure as diagnosis_figure
@@ -138,7 +138,10 @@ def _ledger_section(page: _Page, rec: RunRecord) -> None:
         for step in steps:
             page.fig(swimlane(ledger, step=step))
     cols = [c for c in ledger.columns if c not in ("traceback", "stack")]
-    page.table(ledger[cols], max_rows=40)
+    shown = ledger[cols].copy()
+    if "error" in shown:
+        shown["error"] = shown["error"].map(plain_backend)
+    page.table(shown, max_rows=40)
 
 
 def _hang_section(page: _Page, rec: RunRecord) -> None:
@@ -167,16 +170,35 @@ def _hang_section(page: _Page, rec: RunRecord) -> None:
             page.parts.append(f"<details open><summary>{html.escape(summary)}</summary>{body}</details>")
 
 
+def _worded_events(rec: RunRecord) -> pd.DataFrame:
+    """The run's failures as a reader wants them: the workbench's words where the message is a backend's echo or
+    an engine's task id (``frames.worded_failure``), from the hangs the record kept; the raw text stays in events."""
+    hangs = rec.manifest.get("hangs") or []
+    released = {(h.get("step"), int(r)): call for h in hangs if h.get("caught_by") == "ledger deadlock"
+                for r, call in (h.get("stuck") or {}).items()}
+    order = {step: i for i, step in enumerate(rec.steps)}
+    first_release = min((order.get(step, len(order)) for step, _ in released), default=None)
+    ev = rec.events[[c for c in ("step", "rank", "kind", "error", "message") if c in rec.events]].copy()
+    if "message" in ev and "rank" in ev:
+        ev["message"] = [worded_failure(row.kind, row.message, released.get((row.step, int(row.rank))),
+                                        first_release is not None and order.get(row.step, -1) > first_release)
+                         for row in ev.itertuples()]
+    return ev
+
+
 def _run_section(page: _Page, rec: RunRecord, i: int, found: pd.DataFrame) -> None:
     page.h(2, rec.label, anchor=f"run-{i}")
     _hang_section(page, rec)
     events = rec.events
     if len(events):
         page.h(3, "Per-rank failures")
-        page.table(events[[c for c in ("step", "rank", "kind", "error", "message") if c in events]])
+        page.table(_worded_events(rec))
     if len(found):
         page.h(3, "Findings")
-        page.table(findings.deduplicated(found, rec.steps))
+        shown = findings.deduplicated(found, rec.steps)
+        if "finding" in shown:
+            shown["finding"] = shown["finding"].map(plain_backend)
+        page.table(shown)
     else:
         page.p("No findings: every rank holds the same tensors and outputs are clean.")
     page.h(3, "What every rank holds, step by step")

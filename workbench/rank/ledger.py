@@ -143,6 +143,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._file = open(self.path, "a", buffering=1)
         self._open: dict[tuple, dict[str, Any]] = {}  # (group, seq) -> start line: calls whose end is unwritten
+        # group -> the numbers of the calls written, kept only where Flight Recorder's complement reads them
+        # (``ledger_fr.Complement``: it prunes them as it accounts for them)
+        self.seen: dict[str, set[int]] = {}
+        self.track_seen = False
         self._closing = False
         # A guest in someone's job (``workbench.job``): ``guest(exc)`` hears of the recorder's own failures (a full
         # disk, a bug) instead of the job, and the ledger goes ``off`` (its modes pass every call through).
@@ -163,6 +167,8 @@ class Ledger:
                 key = (record.get("group"), record.get("seq"))
                 if record.get("ev") == "start":
                     self._open[key] = record
+                    if self.track_seen and isinstance(record.get("seq"), int):
+                        self.seen.setdefault(str(record.get("group")), set()).add(record["seq"])
                 elif record.get("ev") == "end":
                     self._open.pop(key, None)
                     if self._closing and not self._open:  # the last call still running at close() has ended
@@ -185,9 +191,11 @@ class Ledger:
         with self._lock:
             return list(self._open.values())
 
-    def next_seq(self, group: str) -> int:
+    def next_seq(self, group: str, floor: int = 0) -> int:
+        """The group's next call number: one past the last, or ``floor`` (the backend's own count, where the
+        ledger numbers calls as Flight Recorder does) where that is higher."""
         with self._lock:
-            self._seq[group] = self._seq.get(group, 0) + 1
+            self._seq[group] = max(self._seq.get(group, 0) + 1, floor)
             return self._seq[group]
 
     def close(self, settle_later: bool = False) -> None:
@@ -232,6 +240,10 @@ class _Recorder(TorchDispatchMode):
         self._patched: tuple[Any, Any] | None = None  # (functional collectives module, its own wait_tensor)
         self._device: torch.device | None = None
         self._last_device: torch.device | None = None
+        # Number each group's calls by the backend's own count (Flight Recorder's ``collective_seq_id``), so the
+        # calls it records and this recorder does not (DDP's C++ all-reduces) fill the gaps (``ledger_fr.py``).
+        # The capture's calls ledger sets it; the full mode (live sessions) counts its own calls from 1.
+        self.backend_seq = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -368,10 +380,12 @@ class _Recorder(TorchDispatchMode):
                 send = {"1": next(iter(send.values()))} if send else {}
                 recv = {"0": next(iter(recv.values()))} if recv else {}
         self._last_device = payload[0].device if payload else None
+        floor = backend_seq(pg, self._last_device) + 1 if self.backend_seq and pg is not None and raw not in P2P \
+            else 0
         rec: dict[str, Any] = {
             "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
             "attempt": self.ledger.attempt, "step": self.ledger.step, "group": group,
-            "group_ranks": ranks, "seq": self.ledger.next_seq(group), "op": OP_NAMES.get(raw, raw),
+            "group_ranks": ranks, "seq": self.ledger.next_seq(group, floor), "op": OP_NAMES.get(raw, raw),
             "c10d_op": schema.name, "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in payload}),
             "shapes": [list(t.shape) for t in payload], "numel": sum(t.numel() for t in payload),
             "bytes": sum(t.numel() * t.element_size() for t in payload),
@@ -538,6 +552,20 @@ def _watch_destroy() -> None:
 
 
 P2P = ("send", "recv_", "isend", "irecv")
+
+
+def backend_seq(pg: Any, device: torch.device | None = None) -> int:
+    """How many calls the group's backend has numbered so far (Flight Recorder's ``collective_seq_id`` of its
+    last one; ~0.3 us); 0 where the backend keeps no count."""
+    if device is not None:  # a group of two backends (cpu:gloo,cuda:nccl) counts per backend
+        try:
+            return int(pg._get_backend(device)._get_sequence_number_for_group())
+        except Exception:
+            pass
+    try:
+        return int(pg._get_sequence_number_for_group())
+    except Exception:
+        return 0
 
 
 def _group(bound: dict[str, Any]) -> Any:

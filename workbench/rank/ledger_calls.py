@@ -16,7 +16,9 @@ all_gather (the parameter-shape check) and 2 broadcasts, and in 2 training steps
 all-reduces and 2 bucket-index broadcasts; this mode saw 1 broadcast at wrap and nothing in
 training, so a DDP job hung in its backward is not named here), and functions a library bound by
 name before ``install`` (``from torch.distributed import all_reduce``). The full mode sees those on
-the thread that issues them.
+the thread that issues them. A job's capture completes this ledger with Flight Recorder's record
+(``ledger_fr.py``): the calls here are numbered by the backend's own count, the same numbers Flight
+Recorder gives, so what it recorded and this did not (DDP's reducer) are the gaps, filled from its entries.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class CallLedger:
     def __init__(self, book: _ledger.Ledger):
         self.book = book
         self.recorder = _ledger._Recorder(book)
+        self.recorder.backend_seq = True  # numbered as Flight Recorder numbers them: its entries fill the gaps
         self._local = threading.local()
         self._patched: list[tuple[Any, str, Any]] = []
 

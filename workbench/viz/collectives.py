@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from workbench.analysis import stacks
 from workbench.analysis.collectives import OPEN, Divergence, describe, first_divergence
+from workbench.analysis.frames import plain_backend
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 STATE_MARKS = {OPEN: ("circle-open", "#d62728", "hung (still inside)"),
@@ -46,7 +47,8 @@ def swimlane(ledger: pd.DataFrame, step: str | None = None, divergence: Divergen
     df["lane"] = [f"rank {r} · group {g}" if multi else f"rank {r}" for r, g in zip(df["rank"], df["group"])]
     lanes = sorted(df["lane"].unique(), key=lambda s: (int(s.split()[1]), s))
     df["hover"] = [describe(row) + f"<br>state: {row['state']}<br>step: {row['step']}"
-                   + (f"<br>{row['error']}" if isinstance(row["error"], str) else "") for _, row in df.iterrows()]
+                   + (f"<br>{plain_backend(row['error'])}" if isinstance(row["error"], str) else "")
+                   for _, row in df.iterrows()]
     ops = list(dict.fromkeys(df.sort_values("seq")["op"]))
     few = len(df) <= 60
     for i, op in enumerate(ops):

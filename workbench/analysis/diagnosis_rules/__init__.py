@@ -13,12 +13,14 @@ whose ``when`` holds adds its clause to that story (``rule.walk``).
   sync, one wrong value on every rank, another value, a dtype split, plain divergence), then a tie that
   broke there;
 - ``exception``: how a rank's exception joins the story (alone, independently, as the cause of the
-  parting, before it), then each exception the sentence has not named yet.
+  parting, before it), then each exception the story's clauses have not named yet.
 
 A new finding is a rule put in its place in its stage's ``RULES``: a ``when`` and a ``says`` (an
 adding rule's take the story so far as a second argument), each reading the stage's facts
 (``RunFacts``, ``PartFacts``, ``TensorFacts``, ``ExceptionFacts``: every fact computed once, when a
-rule first asks for it). ``rules()`` is the whole list as a table.
+rule first asks for it; the facts several stages share live on the ``Run``). A ``says`` builds its
+``Diagnosis`` from clauses (``workbench.analysis.diagnosis_words``); an adding rule reads the story's
+clauses, never its sentence. ``rules()`` is the whole list as a table.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import pandas as pd
 
 from workbench.analysis.diagnosis_rules import exception, parting, rule, story, tensor
 from workbench.analysis.diagnosis_rules.rule import Rule
-from workbench.analysis.diagnosis_run import Diagnosis, Run
+from workbench.analysis.diagnosis_run import Run
+from workbench.analysis.diagnosis_words import Diagnosis
 
 STAGES = {"story": story, "parting": parting, "tensor": tensor, "exception": exception}
 

@@ -3,7 +3,7 @@
 Alone, when the state reads clean; independently, raised on ranks outside a group whose
 collectives part in the same step; as the cause of that parting, raised on its ranks; before the
 state went wrong, or in that step with no collective to blame; else the story stands. Then each
-exception the sentence has not named yet.
+exception the story's clauses have not named yet.
 """
 
 from __future__ import annotations
@@ -14,21 +14,15 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis import cause
+from workbench.analysis.diagnosis_rules import parting
 from workbench.analysis.diagnosis_rules.rule import Rule, always, walk
-from workbench.analysis.diagnosis_run import (
-    Diagnosis,
-    Run,
-    first_error,
-    from_error,
-    named_raisers,
-    parted_members,
-    where_stuck,
-)
+from workbench.analysis.diagnosis_run import Run, parted_members
+from workbench.analysis.diagnosis_words import Diagnosis, from_error, lead, said, told
 from workbench.analysis.rankgroups import ranks_words
 
 OUTCOMES = ("rank-died", "hang")  # stories about ranks, which already name who raised
-# stories read from the ledger
-PARTED = ("collective-mismatch", "rank-missing", "rank-dead", "mispaired", "reinterpreted")
+# stories read from the ledger: the parting stage's, each named for the rule that tells it
+PARTED = frozenset(r.name for r in parting.RULES if not r.adds)
 
 
 class ExceptionFacts:
@@ -37,10 +31,10 @@ class ExceptionFacts:
     def __init__(self, run: Run, story: Diagnosis) -> None:
         self.run, self.story = run, story
 
-    @cached_property
+    @property
     def error(self) -> Any:
         """The first step's first ``error`` event, or None."""
-        return first_error(self.run)
+        return self.run.first_error
 
     @cached_property
     def same_step(self) -> bool:
@@ -75,7 +69,7 @@ def when_raised_independently(f: ExceptionFacts) -> bool:
     explains the other"""
     if not _parted_same_step(f):
         return False
-    members = parted_members(f.run, f.story)
+    members = parted_members(f.run, f.story.call)
     return bool(members) and not f.raisers & set(members)
 
 
@@ -84,8 +78,8 @@ def says_raised_independently(f: ExceptionFacts) -> Diagnosis:
     symptom)"""
     d = f.story
     group = (d.call or {}).get("group")
-    d.sentence = ("; ".join(cause.told(f.raised, d.step))
-                  + f"; independently, on group {group} ({ranks_words(parted_members(f.run, d))}): {d.sentence}")
+    d.lead(*told(f.raised, d.step),
+           said(f"; independently, on group {group} ({ranks_words(parted_members(f.run, d.call))}): "))
     d.ranks = sorted(f.raisers) + [r for r in d.ranks if r not in f.raisers]
     return d
 
@@ -98,8 +92,8 @@ def when_raised_leads(f: ExceptionFacts) -> bool:
 def says_raised_leads(f: ExceptionFacts) -> Diagnosis:
     """rank R raised E in step `S`: message; it left rank Q waiting: the parting's story"""
     d = f.story
-    waiting = [s["rank"] for s in where_stuck(f.run) if s["rank"] not in f.raisers]
-    d.sentence = f"{cause.lead(f.raised, d.step, waiting)}: {d.sentence}"
+    waiting = [s["rank"] for s in f.run.stuck if s["rank"] not in f.raisers]
+    d.lead(*lead(f.raised, d.step, waiting), said(": "))
     d.ranks = sorted(f.raisers) + [r for r in d.ranks if r not in f.raisers]
     return d
 
@@ -117,7 +111,7 @@ def says_raised_first(f: ExceptionFacts) -> Diagnosis:
     """the exception's story; later, in step `S` (or: in the same step): the state's story"""
     d = f.story
     e = from_error(f.run, f.error.step)
-    e.sentence += (f"; later, in step `{d.step}`: " if not f.same_step else "; in the same step: ") + d.sentence
+    e.add(said(f"; later, in step `{d.step}`: " if not f.same_step else "; in the same step: "), *d.clauses)
     e.evidence = pd.concat([e.evidence, d.evidence], ignore_index=True)
     return e
 
@@ -132,10 +126,10 @@ def _unnamed(f: ExceptionFacts, d: Diagnosis) -> list[tuple[str, list[dict[str, 
     ev = f.run.events
     if not len(ev) or "kind" not in ev.columns:
         return []
-    told = named_raisers(d.sentence)
+    named = d.raisers  # what the story's clauses already name, never what its words happen to read like
     out = []
     for step in dict.fromkeys(ev[ev["kind"] == "error"]["step"]):
-        missing = [e for e in cause.causes(ev, step) if (int(e["rank"]), str(e["error"])) not in told]
+        missing = [e for e in cause.causes(ev, step) if (int(e["rank"]), str(e["error"])) not in named]
         if missing:
             out.append((step, missing))
     return out
@@ -149,7 +143,7 @@ def when_exception_unnamed(f: ExceptionFacts, d: Diagnosis) -> bool:
 def says_exception_unnamed(f: ExceptionFacts, d: Diagnosis) -> Diagnosis:
     """…; rank R raised E at file:line in step `S`: message (one clause per distinct exception)"""
     for step, missing in _unnamed(f, d):
-        d.sentence += "; " + "; ".join(cause.told(missing, step))
+        d.add(said("; "), *told(missing, step))
     return d
 
 

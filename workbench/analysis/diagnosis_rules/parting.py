@@ -15,26 +15,24 @@ import pandas as pd
 from workbench.analysis import collectives, findings
 from workbench.analysis.collectives import is_number
 from workbench.analysis.diagnosis_rules.rule import Rule, always, outcome_rows, walk
-from workbench.analysis.diagnosis_run import (
+from workbench.analysis.diagnosis_run import Run, bucket_names, independent, split_before
+from workbench.analysis.diagnosis_words import (
     PART_WORDS,
+    Clause,
     Diagnosis,
-    Run,
-    bad_outputs,
-    bucket_names,
     by_value,
     calls_by_group,
     dt,
     ev_frame,
-    independent,
     named,
     outputs_clause,
     parting,
     possessive,
+    said,
     short,
     size_of,
-    split_before,
     stuck_clause,
-    where_stuck,
+    tensors,
 )
 from workbench.analysis.rankgroups import ranks_words
 
@@ -55,9 +53,9 @@ class PartFacts:
         self.receivers = [r for r in others if (self.calls.get(r) or {}).get("dtypes") == self.rcall.get("dtypes")] \
             or [self.receiver]
 
-    @cached_property
+    @property
     def stuck(self) -> list[dict[str, Any]]:
-        return where_stuck(self.run)
+        return self.run.stuck
 
     @cached_property
     def split(self) -> tuple[str, list[str], dict] | None:
@@ -117,14 +115,14 @@ class PartFacts:
         return ev_frame(rows)
 
     @cached_property
-    def tail(self) -> str:
+    def tail(self) -> list[Clause]:
         """The rest of the receivers' tensors never written; who then hung or died; the outputs."""
-        rest = ""
+        rest = []
         if self.never:
             st = self.status
             never_on = sorted(set(st[(st["status"] == "poison") & st["name"].isin(self.never)]["rank"]))
-            rest = f"; the rest of {possessive(never_on)} tensors were never written"
-        return rest + stuck_clause(self.stuck) + outputs_clause(bad_outputs(self.run))
+            rest = [said(f"; the rest of {possessive(never_on)} tensors were never written")]
+        return [*rest, stuck_clause(self.stuck), outputs_clause(self.run.bad_outputs)]
 
     @property
     def first_step(self) -> str:
@@ -172,7 +170,8 @@ def says_rank_dead(f: PartFacts) -> Diagnosis:
         if s["rank"] not in f.absent:
             error = (s.get("call") or {}).get("error")
             parts.append(f"rank {s['rank']} {s['how']}" + (f": {error}" if isinstance(error, str) and error else ""))
-    return Diagnosis("rank-dead", "; ".join(parts), f.div.step, f.absent, None, f.call, ev_frame(f.call_rows()))
+    return Diagnosis("rank-dead", [said("; ".join(parts))], f.div.step, f.absent, None, f.call,
+                     ev_frame(f.call_rows()))
 
 
 def when_rank_missing(f: PartFacts) -> bool:
@@ -183,9 +182,10 @@ def when_rank_missing(f: PartFacts) -> bool:
 def says_rank_missing(f: PartFacts) -> Diagnosis:
     """rank R never issued group G call #N that ranks Q issued in step `S` (the call); who then hung or died"""
     div = f.div
-    sentence = (f"{ranks_words(f.absent)} never issued group {div.group} call #{div.seq} that {ranks_words(div.ranks)} "
-                f"issued in step `{div.step}` ({collectives.describe(f.call)})" + stuck_clause(f.stuck))
-    return Diagnosis("rank-missing", sentence, div.step, f.absent, None, f.call, ev_frame(f.call_rows()))
+    clauses = [said(f"{ranks_words(f.absent)} never issued group {div.group} call #{div.seq} that "
+                    f"{ranks_words(div.ranks)} issued in step `{div.step}` ({collectives.describe(f.call)})"),
+               stuck_clause(f.stuck)]
+    return Diagnosis("rank-missing", clauses, div.step, f.absent, None, f.call, ev_frame(f.call_rows()))
 
 
 def when_reinterpreted(f: PartFacts) -> bool:
@@ -218,8 +218,8 @@ def says_reinterpreted(f: PartFacts) -> Diagnosis:
         more = f" and {len(alike) - 1} more of its tensors" if len(alike) > 1 else ""
         head = (f"rank {pick['rank']}'s `{short(pick['name'], among)}`{more} hold rank {sender}'s bytes slid by "
                 f"{amount}{why}")
-    sentence = f"{head}: {f.bucket_how}, {f.bucket_what}{f.tail}"
-    return Diagnosis("reinterpreted", sentence, f.first_step, alike_on, pick["name"], call, f.evidence())
+    clauses = [tensors(head, [pick["name"]]), said(f": {f.bucket_how}, {f.bucket_what}"), *f.tail]
+    return Diagnosis("reinterpreted", clauses, f.first_step, alike_on, pick["name"], call, f.evidence())
 
 
 def when_mispaired(f: PartFacts) -> bool:
@@ -230,9 +230,9 @@ def when_mispaired(f: PartFacts) -> bool:
 def says_mispaired(f: PartFacts) -> Diagnosis:
     """`via` bucketed by dtype after `step` split the dtypes, rank S sent an extra fp32 bucket (…) that rank R
     received into its bf16 bucket; the rest"""
-    sentence = f"{f.bucket_how}, {f.bucket_what}{f.tail}"
+    clauses = [said(f"{f.bucket_how}, {f.bucket_what}"), *f.tail]
     tensor = f.bucket[0] if f.bucket else None
-    return Diagnosis("mispaired", sentence, f.first_step, [f.receiver], tensor, f.call, f.evidence())
+    return Diagnosis("mispaired", clauses, f.first_step, [f.receiver], tensor, f.call, f.evidence())
 
 
 def says_collective_mismatch(f: PartFacts) -> Diagnosis:
@@ -241,8 +241,8 @@ def says_collective_mismatch(f: PartFacts) -> Diagnosis:
     div = f.div
     words = PART_WORDS.get(div.kind, "an extra call")
     how = f"the ranks' collectives part at group {div.group} call #{div.seq} in step `{div.step}` ({words})"
-    sentence = f"{how}: {calls_by_group(f.calls)}{f.tail}"
-    return Diagnosis("collective-mismatch", sentence, div.step, sorted(div.ranks), None, f.call, f.evidence())
+    clauses = [said(f"{how}: {calls_by_group(f.calls)}"), *f.tail]
+    return Diagnosis("collective-mismatch", clauses, div.step, sorted(div.ranks), None, f.call, f.evidence())
 
 
 def when_independent_groups(f: PartFacts, d: Diagnosis) -> bool:
@@ -251,18 +251,16 @@ def when_independent_groups(f: PartFacts, d: Diagnosis) -> bool:
 
 
 def says_independent_groups(f: PartFacts, d: Diagnosis) -> Diagnosis:
-    """…; independently, on group G (ranks …): that group's parting; then what the ranks were left doing"""
-    more = "".join(f"; independently, {parting(f.run, o)}" for o in f.also)
-    tail = stuck_clause(where_stuck(f.run))
-    d.sentence = (d.sentence[:-len(tail)] + more + tail) if tail and d.sentence.endswith(tail) \
-        else d.sentence + more
+    """…; independently, on group G (ranks …): that group's parting; then what the ranks were left doing, then the
+    outputs"""
+    d.insert_before("stuck", *[parting(f.run, o) for o in f.also])
     d.ranks = d.ranks + [r for o in f.also for r in sorted(o.ranks) if r not in d.ranks]
     d.evidence = pd.concat([d.evidence, ev_frame([{"step": o.step, "rank": None, "what": f"group {o.group}",
                                                    "fact": o.message} for o in f.also])], ignore_index=True)
     return d
 
 
-# -- the order: tried top to bottom ------------------------------------------------------------------
+# -- the order: tried top to bottom (a teller's name is the mechanism it says: exception.PARTED reads them) -------
 RULES: tuple[Rule, ...] = (
     Rule("parting", "rank-dead", when_rank_dead, says_rank_dead),
     Rule("parting", "rank-missing", when_rank_missing, says_rank_missing),

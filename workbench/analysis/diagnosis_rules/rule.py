@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.diagnosis_run import Diagnosis
+from workbench.analysis.diagnosis_words import Diagnosis, said
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def walk(rules: Sequence[Rule], facts: Any) -> Diagnosis:
 
 def then(d: Diagnosis, step: str, later: Diagnosis) -> Diagnosis:
     """``d``, then ``later`` (what went wrong next, in ``step``) as its second part."""
-    d.sentence += f"; later, in step `{step}`: {later.sentence}"
+    d.add(said(f"; later, in step `{step}`: "), *later.clauses)
     d.call = later.call
     d.evidence = pd.concat([d.evidence, later.evidence], ignore_index=True)
     return d

@@ -16,19 +16,16 @@ import pandas as pd
 from workbench.analysis import cause, collectives
 from workbench.analysis.diagnosis_rules import parting, tensor
 from workbench.analysis.diagnosis_rules.rule import Rule, always, outcome_rows, then, walk
-from workbench.analysis.diagnosis_run import (
+from workbench.analysis.diagnosis_run import Run, first_faults, last_call, persistent_faults
+from workbench.analysis.diagnosis_words import (
+    Clause,
     Diagnosis,
-    Run,
-    bad_outputs,
     ev_frame,
-    first_faults,
     floor_clause,
     from_error,
-    last_call,
     outputs_clause,
-    persistent_faults,
+    said,
     short,
-    where_stuck,
 )
 from workbench.analysis.weightsync_order import first_split
 from workbench.errors import LOST
@@ -43,7 +40,7 @@ class RunFacts:
     @cached_property
     def div(self) -> collectives.Divergence | None:
         """The first ledger call on which the ranks disagree."""
-        return collectives.first_divergence(self.run.ledger) if len(self.run.ledger) else None
+        return self.run.divergences[0] if self.run.divergences else None
 
     @cached_property
     def stream_split(self) -> dict[str, Any] | None:
@@ -55,17 +52,17 @@ class RunFacts:
         """Tensors wrong on their own terms before the collectives parted."""
         return first_faults(self.run, before=self.div.step)
 
-    @cached_property
+    @property
     def stuck(self) -> list[dict[str, Any]]:
-        return where_stuck(self.run)
+        return self.run.stuck
 
     @cached_property
     def dead(self) -> list[dict[str, Any]]:
         return [s for s in self.stuck if s["how"] in LOST]
 
-    @cached_property
+    @property
     def bad_out(self) -> list[dict[str, Any]]:
-        return bad_outputs(self.run)
+        return self.run.bad_outputs
 
     @cached_property
     def faults(self) -> pd.DataFrame:
@@ -91,23 +88,22 @@ def says_permuted(f: RunFacts) -> Diagnosis:
     step = sp["step"] if sp["step"] in run.steps else (run.steps[0] if run.steps else None)
     types = (f" ({sp['dtype_planned']} planned, {sp['dtype_streamed']} streamed)"
              if sp["dtype_planned"] != sp["dtype_streamed"] else "")
-    sentence = (f"the receiver's plan and the sender's stream part at index {sp['index']} of stage {sp['stage']}"
-                f"{types}: the plan lists `{short(str(sp['planned']))}` there, the stream carries "
-                f"`{short(str(sp['streamed']))}`, so {sp['wrong']} of {sp['names']} planned names load other "
-                "tensors' bytes")
+    clauses = [said(f"the receiver's plan and the sender's stream part at index {sp['index']} of stage {sp['stage']}"
+                    f"{types}: the plan lists `{short(str(sp['planned']))}` there, the stream carries "
+                    f"`{short(str(sp['streamed']))}`, so {sp['wrong']} of {sp['names']} planned names load other "
+                    "tensors' bytes")]
     later = run.steps[run.index(step):] if step is not None else []
     caught = next((st for st in later if cause.causes(run.events, st)), None)  # an exception, not a collective's
     if caught is not None:
-        sentence += f"; {from_error(run, caught).sentence}"  # a check that caught it: loud, yet the same cause
+        clauses += [said("; "), *from_error(run, caught).clauses]  # a check that caught it: loud, yet the same cause
     else:
-        sentence += " and nothing raised"
+        clauses.append(said(" and nothing raised"))
     ev = [{"step": step, "rank": None, "what": "plan vs stream",
            "fact": f"index {sp['index']}: plan {sp['planned']!r}, stream {sp['streamed']!r}"}]
-    d = Diagnosis("permuted", sentence, step, [], sp["planned"], None, ev_frame(ev))
+    d = Diagnosis("permuted", clauses, step, [], sp["planned"], None, ev_frame(ev))
     if f.div is not None and run.index(f.div.step) >= run.index(d.step):
         return then(d, f.div.step, parting.tell(parting.PartFacts(run, f.div)))
-    d.sentence += outputs_clause(f.bad_out)
-    return d
+    return d.add(outputs_clause(f.bad_out))
 
 
 def when_fault_before_parting(f: RunFacts) -> bool:
@@ -142,10 +138,12 @@ def says_died(f: RunFacts) -> Diagnosis:
     s = f.dead[0]
     last = last_call(f.run, s["rank"])
     lost = "died" if s["how"] == "died" else "was stopped (SIGSTOP or Ctrl-Z), not dead,"
-    sentence = (f"rank {s['rank']}'s engine {lost} in step `{s['step']}`"
-                + (f" (its last call: {collectives.describe(last)}, {last.get('state')})" if last else "")
-                + "".join(f"; rank {x['rank']} {x['how']}" for x in f.stuck if x is not s))
-    return Diagnosis("rank-died", sentence, s["step"], [s["rank"]], None, last, ev_frame(outcome_rows(f.stuck)))
+    others = [x for x in f.stuck if x is not s]
+    head = (f"rank {s['rank']}'s engine {lost} in step `{s['step']}`"
+            + (f" (its last call: {collectives.describe(last)}, {last.get('state')})" if last else ""))
+    clauses = [Clause(head, "stuck", (s,)), Clause("".join(f"; rank {x['rank']} {x['how']}" for x in others),
+                                                  "stuck", tuple(others))]
+    return Diagnosis("rank-died", clauses, s["step"], [s["rank"]], None, last, ev_frame(outcome_rows(f.stuck)))
 
 
 def when_hung(f: RunFacts) -> bool:
@@ -158,9 +156,10 @@ def says_hung(f: RunFacts) -> Diagnosis:
     mispaired"""
     stuck = f.stuck
     s = stuck[0]
-    sentence = (f"step `{s['step']}` did not finish: " + "; ".join(f"rank {x['rank']} {x['how']}" for x in stuck)
-                + "; the ranks' ledgers agree call for call, so no collective was mispaired")
-    return Diagnosis("hang", sentence, s["step"], [x["rank"] for x in stuck], None, s.get("call"),
+    clauses = [Clause(f"step `{s['step']}` did not finish: " + "; ".join(f"rank {x['rank']} {x['how']}" for x in stuck),
+                      "stuck", tuple(stuck)),
+               said("; the ranks' ledgers agree call for call, so no collective was mispaired")]
+    return Diagnosis("hang", clauses, s["step"], [x["rank"] for x in stuck], None, s.get("call"),
                      ev_frame(outcome_rows(stuck)))
 
 
@@ -190,9 +189,10 @@ def says_outputs_only(f: RunFacts) -> Diagnosis:
 
         mod = first_fault(run.trace, ranks[0])
         where = f"; the forward trace first departs at `{mod}`" if mod else ""
-    sentence = (f"outputs depart at step `{bad_out[0]['step']}`{outputs_clause(bad_out)}{where}, while every "
-                "probed tensor agrees across ranks and with its reference: the cause is outside what was probed")
-    return Diagnosis("outputs-only", sentence, bad_out[0]["step"], ranks, None, None,
+    clauses = [said(f"outputs depart at step `{bad_out[0]['step']}`"), outputs_clause(bad_out),
+               said(f"{where}, while every probed tensor agrees across ranks and with its reference: the cause is "
+                    "outside what was probed")]
+    return Diagnosis("outputs-only", clauses, bad_out[0]["step"], ranks, None, None,
                      ev_frame([{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]}
                                for b in bad_out]))
 
@@ -209,15 +209,15 @@ def when_clean_so_far(f: RunFacts) -> bool:
 def says_clean_so_far(f: RunFacts) -> Diagnosis:
     """clean so far: K of N steps ran on every rank, the ranks agree and no detector fired on the latest state"""
     run = f.run
-    return Diagnosis("clean", f"clean so far: {len(run.steps)} of {_planned(run)} steps ran on every rank, the ranks "
-                     "agree and no detector fired on the latest state" + floor_clause(run), None)
+    return Diagnosis("clean", [said(f"clean so far: {len(run.steps)} of {_planned(run)} steps ran on every rank, the "
+                                    "ranks agree and no detector fired on the latest state"), floor_clause(run)], None)
 
 
 def says_clean(f: RunFacts) -> Diagnosis:
     """clean: all N step(s) ran on every rank, the ranks agree and no detector fired on the final state"""
     run = f.run
-    return Diagnosis("clean", f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
-                     "detector fired on the final state" + floor_clause(run), None)
+    return Diagnosis("clean", [said(f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
+                                    "detector fired on the final state"), floor_clause(run)], None)
 
 
 # -- the order: tried top to bottom ------------------------------------------------------------------

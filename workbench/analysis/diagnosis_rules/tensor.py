@@ -15,16 +15,18 @@ import pandas as pd
 from workbench.analysis import weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.diagnosis_rules.rule import Rule, always, walk
-from workbench.analysis.diagnosis_run import (
+from workbench.analysis.diagnosis_run import Run, broken_tie
+from workbench.analysis.diagnosis_words import (
+    Clause,
     Diagnosis,
-    Run,
-    broken_tie,
     dt,
     ev_frame,
     named,
     outputs_clause,
     real_before,
+    said,
     short,
+    tensors,
 )
 from workbench.analysis.frames import fmt
 from workbench.analysis.rankgroups import ranks_words
@@ -47,7 +49,7 @@ class TensorFacts:
         return ev + [{"step": b["step"], "rank": b["rank"], "what": b["name"], "fact": b["how"]} for b in self.bad_out]
 
     @cached_property
-    def out(self) -> str:
+    def out(self) -> Clause:
         return outputs_clause(self.bad_out)
 
     @cached_property
@@ -115,33 +117,33 @@ def says_never_written(f: TensorFacts) -> Diagnosis:
     agree = set(ranks) == set(all_ranks) and len(all_ranks) > 1
     real = real_before(run, step, names, ranks)
     was = "was" if len(names) == 1 else "were"
-    sentence = (f"{named(names, among)} on {ranks_words(ranks)} {was} real (not meta) before step `{step}` "
-                f"({real}) and {was} replaced there by memory never written since"
-                if real else
-                f"{named(names, among)} on {ranks_words(ranks)} {was} never written after materialisation at "
-                f"step `{step}`")
+    head = (f"{named(names, among)} on {ranks_words(ranks)} {was} real (not meta) before step `{step}` "
+            f"({real}) and {was} replaced there by memory never written since"
+            if real else
+            f"{named(names, among)} on {ranks_words(ranks)} {was} never written after materialisation at "
+            f"step `{step}`")
     kept = never[never["status"] == "nan"]
-    sentence = (sentence
-                + (f": `{read[0]}` read the unwritten bytes" if read else ": still unwritten at the last step")
-                + (f"; in-place updates kept it NaN through step `{kept['last'].iloc[0]}`" if len(kept) else "")
-                + f.out + ("; every rank holds the same garbage, so a cross-rank check sees nothing"
-                           if agree else ""))
-    return Diagnosis("never-written", sentence, step, ranks, names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(head, names),
+               said((f": `{read[0]}` read the unwritten bytes" if read else ": still unwritten at the last step")
+                    + (f"; in-place updates kept it NaN through step `{kept['last'].iloc[0]}`" if len(kept) else "")),
+               f.out, said("; every rank holds the same garbage, so a cross-rank check sees nothing" if agree else "")]
+    return Diagnosis("never-written", clauses, step, ranks, names[0], None, ev_frame(f.rows()))
 
 
 def _synced(f: TensorFacts, status: str, mechanism: str, what: str) -> Diagnosis:
     """A weight sync loaded names with the wrong content: say whose tensor each one now holds."""
     hits, ref, step = f.hits(status), f.ref, f.step
     ranks = sorted(set(ref["rank"]))
-    sentence = f"{hits[0]}: {len(hits)} loaded name(s) {what} from step `{step}` on, and nothing raised" + f.out
+    clauses = [tensors(f"{hits[0]}: {len(hits)} loaded name(s) {what} from step `{step}` on, and nothing raised",
+                       list(dict.fromkeys(ref["name"]))), f.out]
     via = weightsync.sliced_with(f.run, step) if status == "mislabel" else None
     if via is not None:
         ws = via["workers"]
         who = (f"worker {ws[0]} sliced trainer rank {ws[0]}'s buffer" if len(ws) == 1 else
                f"{ranks_words(ws).replace('ranks', 'workers', 1)} sliced their own trainer ranks' buffers")
-        sentence = f"{who} with rank {via['rank']}'s metadata (names and offsets): {sentence}"
+        clauses.insert(0, said(f"{who} with rank {via['rank']}'s metadata (names and offsets): "))
     ev = [{"step": step, "rank": None, "what": status, "fact": m} for m in hits[:20]] + f.rows()
-    return Diagnosis(mechanism, sentence, step, ranks, str(ref["name"].iloc[0]), None, ev_frame(ev))
+    return Diagnosis(mechanism, clauses, step, ranks, str(ref["name"].iloc[0]), None, ev_frame(ev))
 
 
 def when_mislabeled(f: TensorFacts) -> bool:
@@ -175,9 +177,10 @@ def says_agreed_wrong(f: TensorFacts) -> Diagnosis:
     """every rank holds the same wrong `t` from step `S` (departs from its reference value by X): a cross-rank
     comparison sees nothing"""
     names, ranks = list(dict.fromkeys(f.ref["name"])), sorted(set(f.ref["rank"]))
-    sentence = (f"every rank holds the same wrong {named(names, f.among)} from step `{f.step}` (departs from "
-                f"its reference value by {fmt(f.worst)}): a cross-rank comparison sees nothing" + f.out)
-    return Diagnosis("agreed-wrong", sentence, f.step, ranks, names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(f"every rank holds the same wrong {named(names, f.among)} from step `{f.step}` (departs "
+                       f"from its reference value by {fmt(f.worst)}): a cross-rank comparison sees nothing", names),
+               f.out]
+    return Diagnosis("agreed-wrong", clauses, f.step, ranks, names[0], None, ev_frame(f.rows()))
 
 
 def when_wrong_value(f: TensorFacts) -> bool:
@@ -188,9 +191,9 @@ def when_wrong_value(f: TensorFacts) -> bool:
 def says_wrong_value(f: TensorFacts) -> Diagnosis:
     """`t` on rank R departs from its reference value (by X) from step `S`"""
     names, ranks = list(dict.fromkeys(f.ref["name"])), sorted(set(f.ref["rank"]))
-    sentence = (f"{named(names, f.among)} on {ranks_words(ranks)} departs from its reference value "
-                f"(by {fmt(f.worst)}) from step `{f.step}`" + f.out)
-    return Diagnosis("wrong-value", sentence, f.step, ranks, names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(f"{named(names, f.among)} on {ranks_words(ranks)} departs from its reference value "
+                       f"(by {fmt(f.worst)}) from step `{f.step}`", names), f.out]
+    return Diagnosis("wrong-value", clauses, f.step, ranks, names[0], None, ev_frame(f.rows()))
 
 
 def when_dtype_split(f: TensorFacts) -> bool:
@@ -204,8 +207,9 @@ def says_dtype_split(f: TensorFacts) -> Diagnosis:
     t = f.run.at(f.run.tensors, f.step)
     g = t[t["name"] == names[0]]
     per = ", ".join(f"{dt(d)} on rank {int(r)}" for r, d in zip(g["rank"], g["dtype"]))
-    sentence = f"{named(names, f.among)} split by dtype at step `{f.step}` ({per}) and stayed split" + f.out
-    return Diagnosis("dtype-split", sentence, f.step, sorted(set(f.split["rank"])), names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(f"{named(names, f.among)} split by dtype at step `{f.step}` ({per}) and stayed split", names),
+               f.out]
+    return Diagnosis("dtype-split", clauses, f.step, sorted(set(f.split["rank"])), names[0], None, ev_frame(f.rows()))
 
 
 def _replicas(f: TensorFacts) -> tuple[str, list[list[int]]] | None:
@@ -238,17 +242,17 @@ def says_replicas_parted(f: TensorFacts) -> Diagnosis:
     ranks = sorted(set(f.at_first["rank"]))
     sides = " vs ".join(",".join(str(r) for r in g) if i else ranks_words(g) for i, g in enumerate(groups))
     verb = "differs" if len(names) == 1 else "differ"
-    sentence = (f"{named(names, f.among)} {verb} between the replicas ({by}: {sides}) from step `{f.step}`"
-                + f.out)
-    return Diagnosis("replicas-parted", sentence, f.step, ranks, names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(f"{named(names, f.among)} {verb} between the replicas ({by}: {sides}) from step `{f.step}`",
+                       names), f.out]
+    return Diagnosis("replicas-parted", clauses, f.step, ranks, names[0], None, ev_frame(f.rows()))
 
 
 def says_diverged(f: TensorFacts) -> Diagnosis:
     """`t` on rank R <status> from step `S` on (detail)"""
     names, ranks = list(dict.fromkeys(f.at_first["name"])), sorted(set(f.at_first["rank"]))
-    sentence = (f"{named(names, f.among)} on {ranks_words(ranks)} {f.first['status']} from step `{f.step}` on "
-                f"({f.first['detail']})" + f.out)
-    return Diagnosis("diverged", sentence, f.step, ranks, names[0], None, ev_frame(f.rows()))
+    clauses = [tensors(f"{named(names, f.among)} on {ranks_words(ranks)} {f.first['status']} from step `{f.step}` "
+                       f"on ({f.first['detail']})", names), f.out]
+    return Diagnosis("diverged", clauses, f.step, ranks, names[0], None, ev_frame(f.rows()))
 
 
 def when_tie_broken(f: TensorFacts, d: Diagnosis) -> bool:
@@ -260,10 +264,10 @@ def says_tie_broken(f: TensorFacts, d: Diagnosis) -> Diagnosis:
     """…; `a` and `b` were one tensor (tied) until step `S` and are two after it: the tie broke there, so what
     was written into `b` never reached `a` (tie them again after materialising, …)"""
     (name, partner), step, among = f.tie, f.step, f.among
-    d.sentence += (f"; `{short(name, among)}` and `{short(partner, among)}` were one tensor (tied) until step "
-                   f"`{step}` and are two after it: the tie broke there, so what was written into "
-                   f"`{short(partner, among)}` never reached `{short(name, among)}` (tie them again after "
-                   "materialising, e.g. `tie_weights()` after `to_empty`)")
+    d.add(tensors(f"; `{short(name, among)}` and `{short(partner, among)}` were one tensor (tied) until step "
+                  f"`{step}` and are two after it: the tie broke there, so what was written into "
+                  f"`{short(partner, among)}` never reached `{short(name, among)}` (tie them again after "
+                  "materialising, e.g. `tie_weights()` after `to_empty`)", (name, partner)))
     d.evidence = pd.concat([ev_frame([{"step": step, "rank": None, "what": "tie broken",
                                        "fact": f"{name} shared {partner}'s tensor before step `{step}`, holds its own "
                                                "after"}]), d.evidence], ignore_index=True)

@@ -1,0 +1,232 @@
+"""What the capture costs a training job, mode by mode, eager and compiled (issue 46: capture you leave on).
+
+    python benchmarks/job_capture.py                       # CPU: spawns torchrun (2 ranks, gloo), prints the table
+    torchrun --nproc-per-node 4 benchmarks/job_capture.py --shape llama-3.2-1b \\
+        --out fixtures/gpu/job_capture_leave_on_4gpu.json   # GPUs: NCCL, one GPU a rank (scripts/job_capture_gpu.sh)
+
+A Llama-shaped model (``tiny`` on CPU; ``llama-3.2-1b``: hidden 2048, 16 layers, GQA 32/8, vocab 128256, tied
+embeddings) is built on meta in bf16, ``fully_shard``-ed per layer and whole (FSDP2), materialised with
+``to_empty`` and initialised from a seed; then ``--steps`` training steps (AdamW) of ``--batch`` x ``--seq``
+tokens a rank, with one point a step: ``cap.point(f"step{i}", model=model, logits=out.logits)``. Per mode the
+job's own step (forward, backward, optimizer, synchronised) is timed apart from the point after it; the figure is
+the median of steps 2-5 (``--steps 6``). Modes: ``off`` (capture disabled), ``defaults`` (``wj.capture(dir)``:
+the calls ledger completed by Flight Recorder, poison of ``to_empty`` only), ``full`` (``ledger="full"``),
+``poison_all`` (``poison="all"``), ``full_all`` (both: the defaults before issue 46); compiled (each decoder
+layer ``.compile()``-d, torchtitan's way with FSDP2; ``--compile-backend``, default ``inductor`` on GPU,
+``aot_eager`` on CPU): ``off`` and ``defaults``. Rank 0 prints a table and writes ``--out`` (JSON: ``step_ms``,
+``compiled_step_ms``, ``point_ms``, ``point_ms_first``, ``point_bytes``, and the same per compiled mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1024, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+}
+MODES = {"off": dict(enabled=False), "defaults": dict(), "full": dict(ledger="full"),
+         "poison_all": dict(poison="all"), "full_all": dict(ledger="full", poison="all")}
+COMPILED = ("off", "defaults")
+
+
+def build(config, device, world: int, compile_backend: str | None):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model.model.layers:
+        if compile_backend:
+            layer.compile(backend=compile_backend)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        for m in model.modules():  # rope's buffers: to_empty leaves them unwritten
+            if hasattr(m, "inv_freq"):
+                inv, _ = m.compute_default_rope_parameters(m.config)
+                m.inv_freq.copy_(inv.to(device))
+                m.original_inv_freq = m.inv_freq.clone()
+    return model
+
+
+def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: int, runs: str,
+             compile_backend: str | None) -> dict:
+    import torch
+
+    import workbench.job as wj
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    cap = wj.capture(os.path.join(runs, name + ("-compiled" if compile_backend else "")), **kwargs)
+    model = build(config, device, world, compile_backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    step_s, point_s, point_b, rows = [], [], [], []
+    for i in range(args.steps):
+        ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        step_s.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        info = cap.point(f"step{i}", model=model, logits=out.logits)
+        sync()
+        point_s.append(time.perf_counter() - t1)
+        if info:
+            point_b.append(info["bytes"])
+            rows.append(info["rows"])
+        del out
+    fr = getattr(cap, "_fr", None)  # Flight Recorder's complement: rows it filled, times it read the record
+    fr_stats = {"rows": fr.rows, "dumps": fr.dumps} if fr is not None else None
+    cap.close()
+    del model, opt
+    window = slice(2, 6) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
+    return {"step_ms": 1e3 * statistics.median(step_s[window]), "step_ms_first": 1e3 * step_s[0],
+            "point_ms": 1e3 * statistics.median(point_s[window]) if point_b else None,
+            "point_ms_first": 1e3 * point_s[0] if point_b else None,
+            "point_bytes": statistics.median(point_b) if point_b else None, "rows": rows[0] if rows else None,
+            "flight_recorder": fr_stats}
+
+
+def job(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    dist.init_process_group("nccl" if gpu else "gloo", **({"device_id": device} if gpu else {}))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = LlamaConfig(attn_implementation="sdpa", **SHAPES[args.shape])
+    backend = args.compile_backend or ("inductor" if gpu else "aot_eager")
+    runs = args.runs or os.path.join(tempfile.gettempdir(), f"wb-job-capture-{os.environ.get('TORCHELASTIC_RUN_ID')}")
+    eager: dict[str, dict] = {}
+    compiled: dict[str, dict] = {}
+    for name in args.modes.split(","):
+        eager[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, None)
+        dist.barrier()
+    errors: dict[str, str] = {}
+    if rank == 0 and args.out:  # the eager figures stay written should the compiled part fail or run out of time
+        write(args, eager, {}, errors, gpu, device, backend, world)
+    if args.compile:
+        import torch._dynamo
+
+        for name in COMPILED:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            try:  # a compiler's failure is the same on every rank: each records it and goes on to the barrier
+                compiled[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, backend)
+                compiled[name]["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            except Exception as exc:
+                errors[f"compiled {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            dist.barrier()
+    if rank == 0:
+        print(table(write(args, eager, compiled, errors, gpu, device, backend, world)), flush=True)
+        for k, v in errors.items():
+            print(f"{k}: {v}", flush=True)
+    dist.destroy_process_group()
+
+
+def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, backend: str, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    doc = {
+        "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": "median of steps 2-5",
+        "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
+        "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
+                                                                "TORCH_NCCL_TRACE_BUFFER_SIZE")},
+        "step_ms": {k: round(v["step_ms"], 2) for k, v in eager.items()},
+        "compiled_step_ms": {k: round(v["step_ms"], 2) for k, v in compiled.items()},
+        "point_ms": {k: _r(v["point_ms"]) for k, v in eager.items()},
+        "point_ms_first": {k: _r(v["point_ms_first"]) for k, v in eager.items()},
+        "point_bytes": {k: v["point_bytes"] for k, v in eager.items()},
+        "compiled_point_ms": {k: _r(v["point_ms"]) for k, v in compiled.items()},
+        "compiled_unique_graphs": {k: v.get("unique_graphs") for k, v in compiled.items()},
+        "flight_recorder_rows": {k: v["flight_recorder"] for k, v in eager.items() if v["flight_recorder"]},
+        "errors": errors, "rank0": {"eager": eager, "compiled": compiled},
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def table(doc: dict) -> str:
+    off = doc["step_ms"].get("off")
+    lines = [f"job capture: {doc['shape']}, {doc['ranks']} ranks, {doc['backend']} on {doc['device']}, torch "
+             f"{doc['torch']}, {doc['batch']} x {doc['seq']} tokens a rank, {doc['window']}",
+             "| mode | step ms | vs off | point ms (first) | bytes a point |", "| --- | --- | --- | --- | --- |"]
+    for k, v in doc["step_ms"].items():
+        ratio = f"{v / off:.2f}x" if off else "-"
+        pm, pf, pb = doc["point_ms"].get(k), doc["point_ms_first"].get(k), doc["point_bytes"].get(k)
+        lines.append(f"| {k} | {v:.1f} | {ratio} | " + (f"{pm:.1f} ({pf:.1f})" if pm is not None else "-") +
+                     f" | {pb if pb is not None else '-'} |")
+    coff = doc["compiled_step_ms"].get("off")
+    for k, v in doc["compiled_step_ms"].items():
+        ratio = f"{v / coff:.2f}x" if coff else "-"
+        pm = doc["compiled_point_ms"].get(k)
+        lines.append(f"| compiled ({doc['compile_backend']}) {k} | {v:.1f} | {ratio} | "
+                     + (f"{pm:.1f}" if pm is not None else "-") + f" | graphs {doc['compiled_unique_graphs'][k]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default: 512; 128 for tiny)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--compile-backend", default=None)
+    ap.add_argument("--ranks", type=int, default=2, help="CPU only: how many ranks torchrun starts")
+    ap.add_argument("--out", default=None, help="rank 0 writes the figures here (JSON)")
+    ap.add_argument("--runs", default=None, help="the capture directories (default: one in the temp dir, per job)")
+    args = ap.parse_args()
+    if args.seq is None:
+        args.seq = 128 if args.shape == "tiny" else 512
+    if "LOCAL_RANK" not in os.environ:  # one command on CPU: start the ranks under torchrun
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+               os.path.abspath(__file__), *sys.argv[1:]]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                              os.environ.get("PYTHONPATH", "")])}
+        sys.exit(subprocess.run(cmd, env=env).returncode)
+    job(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Flight Recorder's record completing the calls ledger: the collectives no Python function issued.
+
+The calls ledger (``ledger_calls.py``) sees what passes ``torch.distributed``'s Python functions; DDP's
+reducer issues its bucket all-reduces (and its bucket-index broadcasts) from C++. PyTorch's own Flight
+Recorder records every collective of every group, C++-issued ones included, with the Python frames of the
+thread that issued it (reading of 2026-11-27, torch 2.13 CPU, gloo, 2 ranks, ``scripts/fr_gloo_reading.py``:
+a DDP step's reducer all-reduce and broadcasts, FSDP2's all-gathers, 4-20 frames an entry; gloo's entries
+stay ``scheduled``, with no end and no send/recv).
+
+The calls ledger numbers each group's calls by the backend's own count (``ledger.backend_seq``: the same
+number Flight Recorder gives as ``collective_seq_id``), so a call the ledger did not see is a gap in its
+numbers. ``Complement.fill`` finds the gaps (one counter read per group: nothing is dumped while there are
+none, as in an FSDP2 job whose calls all pass Python) and writes Flight Recorder's entries for them into the
+ledger file as rows of its own (``"source": "flight_recorder"``): at each point, at close, and when a hang
+or a post mortem reads the open calls. A row filled at a point or at close ends ``completed`` where Flight
+Recorder says so (NCCL) and ``issued`` where it cannot (gloo: the job went on past it, its end unrecorded).
+A row filled while the job is stuck (``hang=True``) for the newest call of its group, with no later call the
+ledger knows of, is left open: the call the rank waits in, as far as the record can tell (on gloo the record
+cannot say it is still running: the note says so).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workbench.rank import ledger as _ledger
+
+SOURCE = "flight_recorder"
+ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # read when a process group is made
+BUFFER = "2000"
+TORCH_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+                "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
+                "ComplexFloat": "complex64", "ComplexDouble": "complex128", "Float8_e4m3fn": "float8_e4m3fn",
+                "Float8_e5m2": "float8_e5m2", "UInt16": "uint16", "UInt32": "uint32", "UInt64": "uint64"}
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+            "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "uint16": 2, "uint32": 4, "uint64": 8}
+NOTE = "recorded by Flight Recorder, not by the ledger (issued from C++, past torch.distributed's Python functions)"
+
+
+def switch_on() -> bool:
+    """Turn Flight Recorder on for the process groups made from now on, where the job set no size of its own (the
+    default is off on some versions); False where the world group exists already (its size is fixed)."""
+    if dist.is_available() and dist.is_initialized():
+        return False
+    if not any(os.environ.get(k) for k in ENVS):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = BUFFER
+    return True
+
+
+def dump(stacks: bool = True) -> list[dict[str, Any]]:
+    """Every entry Flight Recorder holds in this process: its gloo buffer and, on versions that keep NCCL's apart
+    (torch 2.11), NCCL's (the pickle dump: the json one carries no frames)."""
+    c10d = torch._C._distributed_c10d
+    out: list[dict[str, Any]] = []
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            raw = fn(True, stacks, False)  # includeCollectives, includeStackTraces, onlyActive
+        except Exception:
+            continue
+        try:
+            out += pickle.loads(raw).get("entries", []) or []  # torch's own dump of this very process
+        except Exception:
+            continue
+    return out
+
+
+def groups() -> list[tuple[Any, str]]:
+    """Every process group of this process with the name the ledger gives it."""
+    try:
+        names = dict(dist.distributed_c10d._world.pg_names)
+    except Exception:
+        return []
+    out = []
+    for pg, name in names.items():
+        try:
+            out.append((pg, pg.group_name or name or "default_pg"))
+        except Exception:
+            continue
+    return out
+
+
+def op_name(profiling: str) -> str:
+    raw = str(profiling).split(":", 1)[-1]
+    return _ledger.OP_NAMES.get(raw + "_", _ledger.OP_NAMES.get(raw, raw))
+
+
+def frames(entry: dict[str, Any]) -> tuple[str, str, list[str], str]:
+    """(caller, user frame, short stack, library frame) from an entry's frames (innermost first), by the ledger's
+    own rules (``ledger._frames``)."""
+    caller = user = lib = ""
+    stack: list[str] = []
+    ran_module = False
+    for f in entry.get("frames") or []:
+        fn = str(f.get("filename", ""))
+        if fn.startswith(_ledger._PLUMBING):
+            continue
+        where = f"{fn}:{f.get('line')} {f.get('name')}"
+        if _ledger._MACHINERY.search(fn):
+            break
+        caller = caller or where
+        if len(stack) < 8:
+            stack.append(where)
+        if not _ledger.is_library(fn):
+            user = where
+            break
+        if fn.startswith(_ledger._TORCH_DIR) and not fn.startswith(_ledger._TORCH_DISTRIBUTED):
+            ran_module = True
+        elif not lib and not ran_module and _ledger._third_party(fn):
+            lib = where
+    return caller, user, stack, lib
+
+
+class Complement:
+    """Flight Recorder's entries for the calls a ledger (numbered by the backend) has no row of."""
+
+    def __init__(self, book: _ledger.Ledger):
+        self.book = book
+        book.track_seen = True
+        # group -> the backend's count accounted for: at install everything before is not this capture's
+        self.done: dict[str, int] = {name: _ledger.backend_seq(pg) for pg, name in groups()}
+        self.left_open: dict[str, dict[str, Any]] = {}  # group -> the row written open by a hang's read
+        self.rows = 0  # rows written so far
+        self.dumps = 0  # Flight Recorder read this many times
+
+    def gaps(self) -> dict[str, tuple[Any, set[int], int]]:
+        """group -> (its group, the numbers the backend gave that the ledger has no row of, the backend's count)."""
+        out = {}
+        for pg, name in groups():
+            n = _ledger.backend_seq(pg)
+            lo = self.done.get(name, 0)
+            if n <= lo:
+                continue
+            seen = self._seen(name)
+            if seen and max(seen) > n + 1:
+                # the ledger numbered past the backend's count (calls the backend counted as one: a coalescing
+                # block): its numbers are no longer Flight Recorder's, so a gap is no missed call
+                self._account(name, n)
+                continue
+            missing = {s for s in range(lo + 1, n + 1) if s not in seen}
+            if missing:
+                out[name] = (pg, missing, n)
+            else:
+                self._account(name, n)
+        return out
+
+    def _seen(self, name: str) -> set[int]:
+        """The numbers the ledger wrote rows of on ``name`` (a copy: the job's thread adds to it meanwhile)."""
+        with self.book._lock:
+            return set(self.book.seen.get(name, ()))
+
+    def _account(self, name: str, n: int) -> None:
+        self.done[name] = n
+        with self.book._lock:
+            seen = self.book.seen.get(name)
+            if seen:
+                seen.difference_update([s for s in seen if s <= n])
+
+    def fill(self, when: str, hang: bool = False) -> int:
+        """Write the rows the ledger lacks; returns how many. ``when``: what read them ("before point `step3`", "at
+        close", "while the rank waits"); ``hang``: the rank may be stuck: a group's newest call stays open."""
+        if self.book.off:
+            return 0
+        self._close_left_open(everything=not hang)
+        gaps = self.gaps()
+        if not gaps:
+            return 0
+        self.dumps += 1
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for e in dump():
+            pgid = e.get("process_group")
+            name = str(pgid[0]) if isinstance(pgid, (list, tuple)) and pgid else str(pgid)
+            if name in gaps and not e.get("is_p2p") and e.get("collective_seq_id") in gaps[name][1]:
+                by_group.setdefault(name, []).append(e)
+        written = 0
+        for name, (pg, _missing, n) in gaps.items():
+            entries = sorted({e["collective_seq_id"]: e for e in by_group.get(name, [])}.values(),
+                             key=lambda e: e["collective_seq_id"])
+            try:
+                ranks = dist.get_process_group_ranks(pg)
+            except Exception:
+                ranks = None
+            newest = max(self._seen(name) | {0})
+            for e in entries:
+                seq = int(e["collective_seq_id"])
+                still = hang and seq == entries[-1]["collective_seq_id"] and seq > newest and \
+                    e.get("state") != "completed"
+                rec = self._row(e, name, ranks, seq)
+                self.book.write(rec)
+                if still:
+                    self.left_open[name] = rec
+                else:
+                    state = "completed" if e.get("state") == "completed" else "issued"
+                    note = NOTE + ("" if state == "completed" else f"; its end is not in the record, read {when}")
+                    self._end(rec, state, note)
+                written += 1
+            self._account(name, n)
+        self.rows += written
+        return written
+
+    def _close_left_open(self, everything: bool) -> None:
+        """A row left open by a hang's read whose group has gone on since (``everything``: a point or close, which
+        the rank reached past it): the rank went past it."""
+        for name, rec in list(self.left_open.items()):
+            pg = next((p for p, n in groups() if n == name), None)
+            if everything or pg is None or _ledger.backend_seq(pg) > rec["seq"]:
+                self._end(rec, "issued", NOTE + "; read open while the rank waited, its group went on after it")
+                del self.left_open[name]
+
+    def _row(self, e: dict[str, Any], name: str, ranks: list[int] | None, seq: int) -> dict[str, Any]:
+        dtypes = [TORCH_DTYPES.get(d, str(d).lower()) for d in (e.get("input_dtypes") or [])]
+        sizes = [list(s) for s in (e.get("input_sizes") or [])]
+        per = dtypes if len(dtypes) == len(sizes) else dtypes[:1] * len(sizes)
+        numel = [int(torch.Size(s).numel()) for s in sizes]
+        caller, user, stack, lib = frames(e)
+        created = e.get("time_created_ns")
+        profiling = str(e.get("profiling_name") or "")
+        return {
+            "ev": "start", "rank": self.book.rank, "session": self.book.session, "attempt": self.book.attempt,
+            "step": self.book.step, "group": name, "group_ranks": ranks, "seq": seq, "op": op_name(profiling),
+            "c10d_op": profiling, "dtypes": sorted(set(dtypes)), "shapes": sizes, "numel": sum(numel),
+            "bytes": sum(k * ITEMSIZE.get(d, 0) for k, d in zip(numel, per)),
+            "device": "cuda" if profiling.startswith("nccl") else "cpu",
+            "src": None, "dst": None, "group_src": None, "group_dst": None, "tag": None,
+            "t": created / 1e9 if isinstance(created, (int, float)) else time.time(), "send": {}, "recv": {},
+            "caller": caller, "user_frame": user, "stack": stack, "library_frame": lib, "label": None,
+            "source": SOURCE,
+        }
+
+    def _end(self, rec: dict[str, Any], state: str, note: str) -> None:
+        self.book.write({"ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
+                         "group": rec["group"], "seq": rec["seq"], "state": state, "error": None, "t": time.time(),
+                         "note": note, "source": SOURCE})
