@@ -18,16 +18,19 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import Qwen3Config
 
 import workbench.job as wj
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from job_capture import build  # the one FSDP2 meta build both scripts measure
 
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -41,24 +44,9 @@ MODES = {"off": dict(enabled=False), "full": dict(), "calls": dict(ledger="calls
 
 def build_model(config: Qwen3Config, device: torch.device, world: int) -> torch.nn.Module:
     """Built on meta, ``fully_shard``-ed per layer and whole, materialised with ``to_empty``, initialised
-    (weights N(0, 0.02) from seed 0, rope's ``inv_freq`` recomputed: ``to_empty`` leaves buffers unwritten)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-        for m in model.modules():
-            if hasattr(m, "inv_freq"):
-                inv, _ = m.compute_default_rope_parameters(m.config)
-                m.inv_freq.copy_(inv.to(device))
-                m.original_inv_freq = m.inv_freq.clone()
-    return model
+    (weights N(0, 0.02) from seed 0, rope's ``inv_freq`` recomputed: ``to_empty`` leaves buffers unwritten):
+    ``benchmarks/job_capture.py``'s build, uncompiled, so both measure the same job."""
+    return build(config, device, world, None)
 
 
 def sync(device: torch.device) -> None:

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.job.debug_server import ask, ask_all, fetch
 from workbench.job.engine import here
-from workbench.job.shard import ENV_OFF, Capture, NoCapture, ask, ask_all, capture, fetch
+from workbench.job.shard import ENV_OFF, Capture, NoCapture, capture
 
 __all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "here", "load", "merge"]
 

@@ -26,6 +26,7 @@ an exception or a proven deadlock, from a watcher thread on the ranks stuck in a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -33,20 +34,74 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from workbench.job import guest
 
 ATTACH = "attach.json"
-_STATE: dict[str, Any] = {}  # the breakpoint in progress in this process: namespace, stop event, loop
+
+
+@dataclass
+class Serving:
+    """The attach in progress on a rank (a breakpoint, or the post mortem), held by its capture
+    (``Capture.serving``) while it serves: what the engine's remote calls (``here``, ``whoami``, ``resume``),
+    the cell tracker and the deadline's watchdog share."""
+
+    ident: int | str  # a breakpoint's number, or "post-mortem"
+    ns: dict[str, Any]  # the engine's namespace
+    names: list[str] = field(default_factory=list)  # what the namespace offers a notebook (``shown_names``)
+    by: str = "deadline"  # how it ends: "client" once resumed
+    loop: Any = None  # the engine's event loop, once it runs
+    event: Any = None  # the stop event on that loop
+    busy: float | None = None  # time.monotonic() since a client's cell runs; None between cells
+
+
+class Host(Protocol):
+    """What an attach reads of the capture it serves (``shard.Capture``), and nothing else."""
+
+    rank: int
+    world_size: int
+    root: Path
+    job: str | None
+    points: list[str]
+    serving: Serving | None  # the attach sets it while it serves
+
+    @property
+    def attempt(self) -> int: ...  # the launcher's restart count: its keys in the job's store
+
+    @property
+    def objects(self) -> dict[str, Any]: ...  # the last point's objects
+
+    @property
+    def device(self) -> Any: ...  # the rank's device, as its last point saw it
+
+    @property
+    def latest(self) -> dict[str, Any] | None: ...  # the last point's record (its rows)
+
+    @property
+    def device_held(self) -> str | None: ...  # why the post mortem could not free its device, where it could not
+
+
+# Two facts of the process, not of one capture: the engine is a singleton of the process (so is the attach in
+# progress: the remote calls find the capture that serves here), and a breakpoint's keys in the job's store
+# outlive the capture that set them (so breakpoints are numbered across the process's captures).
+_SERVED: list[Host] = []
+_BREAKPOINTS = itertools.count()
+
+
+def _serving() -> Serving | None:
+    host = _SERVED[0] if _SERVED else None
+    return host.serving if host is not None else None
 
 
 def here() -> dict[str, Any]:
     """The namespace of the breakpoint this rank is in (what ``%%px`` cells see): for ``cluster.run``."""
-    if "ns" not in _STATE:
+    now = _serving()
+    if now is None:
         raise RuntimeError("this process is not at a workbench breakpoint")
-    return _STATE["ns"]
+    return now.ns
 
 
 def whoami() -> dict[str, Any]:
@@ -55,13 +110,14 @@ def whoami() -> dict[str, Any]:
 
     from workbench.job.launcher import launcher_env
 
-    cap = _STATE.get("cap")
+    host = _SERVED[0] if _SERVED else None
+    now = _serving()
     init = dist.is_available() and dist.is_initialized()
-    return {"rank": dist.get_rank() if init else getattr(cap, "rank", 0),
-            "world_size": dist.get_world_size() if init else getattr(cap, "world_size", 1),
+    return {"rank": dist.get_rank() if init else host.rank if host else 0,
+            "world_size": dist.get_world_size() if init else host.world_size if host else 1,
             "backend": dist.get_backend() if init else "", "pid": os.getpid(), "host": socket.gethostname(),
-            "local_rank": launcher_env()["local_rank"], "names": _STATE.get("names", []),
-            "job": getattr(cap, "job", None), "breakpoint": _STATE.get("id") if cap is not None else None,
+            "local_rank": launcher_env()["local_rank"], "names": now.names if now else [],
+            "job": host.job if host else None, "breakpoint": now.ident if now else None,
             "control": _control()}
 
 
@@ -81,11 +137,11 @@ def _control() -> dict[str, Any] | None:
 
 def resume(delay: float = 0.2) -> bool:
     """Called on the engine by ``cluster.resume()``: the breakpoint returns once this reply has left."""
-    loop, event = _STATE.get("loop"), _STATE.get("event")
-    if loop is None or event is None:
+    now = _serving()
+    if now is None or now.loop is None or now.event is None:
         return False
-    _STATE["by"] = "client"
-    loop.call_later(delay, event.set)
+    now.by = "client"
+    now.loop.call_later(delay, now.event.set)
     return True
 
 
@@ -231,8 +287,8 @@ def _gone(shards: Any, root: Any, rank: int) -> bool:
         return False
 
 
-def serve(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
-               **objects: Any) -> dict[str, Any]:
+def serve(cap: Host, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+          **objects: Any) -> dict[str, Any]:
     """Serve this rank as an ipyparallel engine until a client resumes it or ``deadline`` seconds pass.
 
     Call it on every rank at the same point. ``objects`` (and the capture's last point's objects, the
@@ -240,19 +296,18 @@ def serve(cap: Any, *, deadline: float = 600.0, controller: str | os.PathLike | 
     ``workbench.job.engine.here()`` inside ``cluster.run`` functions. Returns how it ended:
     ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
     """
-    n = _STATE.get("count", 0)
-    _STATE["count"] = n + 1
+    n = next(_BREAKPOINTS)
     return attach(cap, n, f"{store_prefix(cap)}/breakpoint/{n}", f"bp{n}", deadline=deadline,
                   controller=controller, objects=objects)
 
 
-def store_prefix(cap: Any) -> str:
+def store_prefix(cap: Host) -> str:
     """This attempt's keys in the job's store: an elastic restart keeps the store and its keys, so a restarted
     rank must not read the engine file or the trigger its earlier attempt left there."""
-    return f"workbench/attempt{getattr(cap, 'doc', {}).get('attempt', 0)}"
+    return f"workbench/attempt{cap.attempt}"
 
 
-def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: float,
+def attach(cap: Host, ident: int | str, key: str, cluster_id: str, *, deadline: float,
            controller: str | os.PathLike | None = None, objects: dict[str, Any] | None = None,
            doc: Any = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank serves as an engine of one controller (rank 0 starts it) until resumed or the deadline.
@@ -263,9 +318,7 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
     resumed (a rank that then exits may have the launcher end the rest). ``on_stuck()`` runs (on another
     thread) when a cell outlasts the deadline and its interrupt: the post mortem's raising rank exits there."""
     objects = objects or {}
-    rank = getattr(cap, "rank", 0)
-    world = getattr(cap, "world_size", 1)
-    root = Path(getattr(cap, "root", "."))
+    rank, world, root = cap.rank, cap.world_size, Path(cap.root)
     t0 = time.time()
     folder = root / "attach"
     proc = None
@@ -287,7 +340,7 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
             guest.say(f"workbench: rank 0: no {'post mortem' if ident == 'post-mortem' else 'breakpoint'}: the "
                       f"controller did not start ({got['error']}); every rank goes on")
         return {"by": "error", "error": got["error"], "seconds": time.time() - t0, "attach_s": None}
-    _STATE["id"] = ident
+    ns = _namespace(cap, objects)
     if rank == 0:
         extra: dict[str, Any] = {}
         if doc is not None:
@@ -295,13 +348,13 @@ def attach(cap: Any, ident: int | str, key: str, cluster_id: str, *, deadline: f
                 extra = doc()
         _write(root / ATTACH, {
             "status": "waiting", "breakpoint": ident, "kind": "breakpoint" if isinstance(ident, int) else ident,
-            "job": getattr(cap, "job", None), "world_size": world,
+            "job": cap.job, "world_size": world,
             "client_file": got["client_file"], "controller_pid": proc.pid if proc else None,
-            "point": (getattr(cap, "points", None) or [None])[-1], "names": shown_names(_namespace(cap, objects)),
+            "point": (cap.points or [None])[-1], "names": shown_names(ns),
             "started_at": t0, "deadline_at": t0 + deadline, "host": socket.gethostname(), "pid": os.getpid(),
             "ready_s": time.time() - t0, **extra})
     try:
-        result = _serve(cap, got["engine"], deadline, objects, on_stuck)
+        result = _serve(cap, Serving(ident, ns, shown_names(ns)), got["engine"], deadline, on_stuck)
     except BaseException:
         if rank == 0:
             _stop_controller(proc)
@@ -334,15 +387,16 @@ def probe_here(names: list[str]) -> dict[str, Any]:
     from workbench.rank import phases
 
     ns = here()
+    host = _SERVED[0]
     objects = {n: ns[n] for n in names if n in ns}
-    held = (getattr(ns.get("cap") or _STATE.get("cap"), "_pm", None) or {}).get("device_held")
+    held = host.device_held
     try:
         if held:  # the post mortem could not free this rank's device: asking it would wait for good
             raise TimeoutError(f"its device is held behind a collective that never completes ({held})")
         return {"rows": phases.probe_rows(objects)}
     except Exception as exc:
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-    latest = getattr(ns.get("cap") or _STATE.get("cap"), "_latest", None) or {}
+    latest = host.latest or {}
     rows = [dict(r, as_of=f"point {latest.get('point')}") for r in latest.get("tensors") or []
             if str(r.get("name", "")).split(".")[0] in names]
     if not rows:
@@ -350,19 +404,17 @@ def probe_here(names: list[str]) -> dict[str, Any]:
     return {"rows": rows, "as_of": latest.get("point"), "why": why}
 
 
-def _namespace(cap: Any, objects: dict[str, Any]) -> dict[str, Any]:
+def _namespace(cap: Host, objects: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    ns: dict[str, Any] = {"torch": torch, "dist": dist, "cap": cap, "rank": getattr(cap, "rank", 0),
-                          "world_size": getattr(cap, "world_size", 1)}
-    ns.update(getattr(cap, "objects", None) or {})
+    ns: dict[str, Any] = {"torch": torch, "dist": dist, "cap": cap, "rank": cap.rank, "world_size": cap.world_size}
+    ns.update(cap.objects)
     ns.update(objects)
     return ns
 
 
-def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
-           on_stuck: Any = None) -> dict[str, Any]:
+def _serve(cap: Host, now: Serving, engine_json: str, deadline: float, on_stuck: Any = None) -> dict[str, Any]:
     """Run ipyparallel's engine on this thread until ``resume`` or the deadline; undo what it changed."""
     import asyncio
 
@@ -370,21 +422,21 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
 
     # the engine's own files sit in the capture's folder, not in the temp dir: a rank the launcher kills at the
     # breakpoint (SIGTERM, no ``finally``) leaves nothing in TMPDIR (a ``wb-bp-*`` folder there before)
-    tmp = Path(getattr(cap, "root", ".")) / "attach" / f"engine-rank{getattr(cap, 'rank', 0)}"
+    tmp = Path(cap.root) / "attach" / f"engine-rank{cap.rank}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "profile").mkdir(parents=True)
     (tmp / "engine.json").write_text(engine_json)
     saved = {"stdout": sys.stdout, "stderr": sys.stderr, "displayhook": sys.displayhook,
              "main": sys.modules.get("__main__"), "path": list(sys.path)}
-    ns = _namespace(cap, objects)
-    _STATE.update(ns=ns, cap=cap, by="deadline", names=shown_names(ns))
+    ns = now.ns
+    cap.serving = now
+    _SERVED[:] = [cap]
     from workbench.rank import context
 
-    fill_rank = not context._RANK  # what %%px cells' ``wbr.here()`` reads, where no live group set it
+    fill_rank = not context.rank_is_set()  # what %%px cells' ``wbr.here()`` reads, where no live group set it
     if fill_rank:
-        context._RANK.update(rank=getattr(cap, "rank", 0), world_size=getattr(cap, "world_size", 1),
-                             backend=ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
-                             device=getattr(getattr(cap, "ctx", None), "device", "cpu"), timeout_s=deadline)
+        context.set_rank(cap.rank, cap.world_size, ns["dist"].get_backend() if ns["dist"].is_initialized() else "",
+                         cap.device, deadline)
     import threading
 
     t0 = time.perf_counter()
@@ -398,20 +450,20 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
         engine.init_signal = lambda: None  # the launcher's SIGTERM keeps ending the rank
         engine.out_stream_factory = _out_stream()  # cells' prints go to the client; the job's own fds stay its own
         engine.initialize([f"--file={tmp / 'engine.json'}", "--IPEngine.enable_nanny=False",
-                           f"--IPEngine.id={int(getattr(cap, 'rank', 0))}",  # %%px output labelled by the rank
+                           f"--IPEngine.id={int(cap.rank)}",  # %%px output labelled by the rank
                            f"--profile-dir={tmp / 'profile'}", "--log-level=ERROR", "--IPEngine.timeout=60"])
 
         async def main() -> None:
             event = asyncio.Event()
-            _STATE.update(loop=asyncio.get_running_loop(), event=event)
+            now.loop, now.event = asyncio.get_running_loop(), event
             await engine.register()
-            _track_cells(engine.kernel)
+            _track_cells(engine.kernel, now)
             out["attach_s"] = time.perf_counter() - t0
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, deadline - (time.perf_counter() - t0)))
-            out["by"] = _STATE.get("by", "deadline") if event.is_set() else "deadline"
+            out["by"] = now.by if event.is_set() else "deadline"
 
-        watchdog = _Watchdog(t0 + deadline, out, on_stuck)
+        watchdog = _Watchdog(t0 + deadline, out, now, on_stuck)
         engine.loop.run_sync(main)
     except SystemExit as exc:  # the engine's own registration timeout calls sys.exit
         out.update(by="error", error=f"the engine exited ({exc.code}) before a client attached")
@@ -440,26 +492,26 @@ def _serve(cap: Any, engine_json: str, deadline: float, objects: dict[str, Any],
                 asyncio.set_event_loop(None)
         _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
-            context._RANK.clear()
-        for k in ("ns", "cap", "loop", "event", "by", "names", "busy"):
-            _STATE.pop(k, None)
+            context.clear_rank()
+        cap.serving = None
+        _SERVED.clear()
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
-def _track_cells(kernel: Any) -> None:
+def _track_cells(kernel: Any, now: Serving) -> None:
     """Mark while the kernel runs a client's request (a ``%%px`` cell, a ``cluster.run`` function): what the
     deadline's watchdog interrupts. The kernel's own SIGINT hook stays (it raises on a thread that is not the
     main one, and the kernel logs and ignores that)."""
     pre, post = kernel.pre_handler_hook, kernel.post_handler_hook
 
     def pre_hook() -> None:
-        _STATE["busy"] = time.monotonic()
+        now.busy = time.monotonic()
         pre()
 
     def post_hook() -> None:
-        _STATE.pop("busy", None)
+        now.busy = None
         post()
 
     kernel.pre_handler_hook, kernel.post_handler_hook = pre_hook, post_hook
@@ -475,10 +527,10 @@ class _Watchdog:
 
     GRACE_S = 10.0
 
-    def __init__(self, at: float, out: dict[str, Any], on_stuck: Any = None) -> None:
+    def __init__(self, at: float, out: dict[str, Any], now: Serving, on_stuck: Any = None) -> None:
         import threading
 
-        self.at, self.out, self.on_stuck = at, out, on_stuck  # ``at``: time.perf_counter() of the deadline
+        self.at, self.out, self.now, self.on_stuck = at, out, now, on_stuck  # ``at``: time.perf_counter()
         self.target = threading.get_ident()
         self.main = threading.current_thread() is threading.main_thread()
         self.done = threading.Event()
@@ -492,12 +544,12 @@ class _Watchdog:
         if self.done.wait(max(0.0, self.at - time.perf_counter())):
             return
         tries, end = 0, time.perf_counter() + self.GRACE_S
-        while not self.done.is_set() and _STATE.get("busy") is not None:
+        while not self.done.is_set() and (busy := self.now.busy) is not None:
             if tries == 0:
-                self.out["hung"] = {"cell_s": round(time.monotonic() - _STATE["busy"], 2)}
-                loop, event = _STATE.get("loop"), _STATE.get("event")
+                self.out["hung"] = {"cell_s": round(time.monotonic() - busy, 2)}
+                loop, event = self.now.loop, self.now.event
                 if loop is not None and event is not None:
-                    _STATE["by"] = "deadline"
+                    self.now.by = "deadline"
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(event.set)
                 if not self.main:  # a thread takes it at its next bytecode (not inside a blocking C call)

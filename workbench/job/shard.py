@@ -16,10 +16,9 @@ in the background. An exception that ends the job is one more line (``sys.except
 ``kill -USR1`` writes every thread's Python stacks into ``stacks.txt`` (faulthandler; left
 alone where the job has its own SIGUSR1 handler).
 
-Where the job runs PyTorch's debug server (``torch.distributed.debug.start_debug_server``: a
-worker server per rank), a handler of the capture's own (``workbench_capture``) answers a POST to
-``<worker>/handler/workbench_capture`` with this rank's latest point and its open calls, while the
-job runs or hangs (``ask``); the shard records the worker's address.
+Where the job runs PyTorch's debug server, a handler of the capture's own answers with this rank's
+latest point and its open calls while the job runs or hangs (``debug_server.py``, with the client that
+asks it); the shard records the worker's address.
 
 What it costs the job: a point is the probe's own time (CPU: 27 tensors 1-6 ms, 67 MB 0.6-1 s, the same as a
 bare probe) and 10-45 KB of JSON. Between points the defaults keep nothing on the job's ops: the ledger wraps
@@ -56,14 +55,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench.job import guest, triggers
+from workbench.job import debug_server, engine, guest, triggers
 from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
 ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
 ENV_JOB = "WORKBENCH_JOB_ID"
 ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none
-HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
@@ -121,7 +119,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     cap = None
     try:
         cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points, strict=strict)
-        triggers.install(cap, on, attach_deadline, hang_after)
+        cap.watch = triggers.install(cap, on, attach_deadline, hang_after)
         return cap
     except Exception as exc:
         if strict:
@@ -265,6 +263,8 @@ class Capture:
         self._latest: dict[str, Any] | None = None
         self._objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
         self._objects_weak = True
+        self.serving: engine.Serving | None = None  # the attach in progress, while this rank serves
+        self.watch: triggers.Watch | None = None  # the post-mortem watch (``capture(attach=...)``)
         where = launcher_env()
         self.rank, self.world_size = where["rank"], where["world_size"]
         self.root = Path(path)
@@ -349,7 +349,7 @@ class Capture:
         stack.callback(atexit.unregister, self.close)
         _CURRENT[:] = [self]
         stack.callback(self._forget)
-        _register_handler()
+        debug_server.register(_open_capture)
         self._write_manifest()
 
     def _leave_poison_mode(self) -> None:
@@ -376,6 +376,42 @@ class Capture:
     def enabled(self) -> bool:
         return self.stopped is None and not self._closed
 
+    # -- what an attach reads (``engine.Host``) ------------------------------------------------
+    @property
+    def attempt(self) -> int:
+        """The launcher's restart count (torchelastic's), as the shard records it."""
+        return int(self.doc.get("attempt", 0))
+
+    @property
+    def device(self) -> Any:
+        """This rank's device, as its last point saw it (cpu until one saw CUDA)."""
+        return self.ctx.device
+
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The last point's record (its rows), or None before the first."""
+        return self._latest
+
+    @property
+    def device_held(self) -> str | None:
+        """Why the post mortem could not free this rank's device (its communicators' abort failed), else None."""
+        return self.watch.device_held if self.watch is not None else None
+
+    # -- what the post-mortem watch reads (``triggers.Watched``) -------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def ledger_path(self) -> str | None:
+        """This rank's ledger file, None without a ledger."""
+        return self._ledger.path if self._ledger is not None else None
+
+    @property
+    def job_excepthook(self) -> Any:
+        """The excepthook the capture took over: what runs the job's own failure as it would have been."""
+        return self._hook
+
     @property
     def objects(self) -> dict[str, Any]:
         """The last point's objects (not its tensors), the namespace a breakpoint's engines see. Held weakly where the
@@ -391,7 +427,7 @@ class Capture:
         return out
 
     def _remember(self, objects: dict[str, Any]) -> None:
-        self._objects_weak = not getattr(self, "_pm", None)
+        self._objects_weak = self.watch is None
         if not self._objects_weak:
             self._objects = dict(objects)
             return
@@ -439,8 +475,8 @@ class Capture:
         if self._unwound:
             return
         self._unwound = self._closed = True
-        with contextlib.suppress(Exception):
-            triggers.uninstall(self)
+        if self.watch is not None:
+            self.watch.end()
         with contextlib.suppress(Exception):
             self._unwind()
         self.doc.update(status="stopped", stopped=self.stopped)
@@ -531,7 +567,7 @@ class Capture:
         record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
                   "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
                   "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
-        line = json.dumps(record, default=_plain) + "\n"
+        line = json.dumps(record, default=shards.plain) + "\n"
         self._points_file.write(line)
         self._points_file.flush()
         self.ctx.outputs.clear()
@@ -553,8 +589,6 @@ class Capture:
         client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
         whatever the notebook changed. The engines see ``objects``, the last point's objects and ``cap``
         (``workbench/job/engine.py`` says how it returns)."""
-        from workbench.job import engine
-
         if not self._usable():
             return {"by": "off", "seconds": 0.0}
         return engine.serve(self, deadline=deadline, controller=controller, **objects)
@@ -568,10 +602,10 @@ class Capture:
         exc = exc if exc is not None else sys.exc_info()[1]
         if exc is None:
             raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
-        if "error" not in (getattr(self, "_pm", None) or {}).get("triggers", ()):
+        if self.watch is None or "error" not in self.watch.triggers:
             raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
                              "every rank: their threads serve the ranks that did not raise")
-        return triggers.on_exception(self, exc, exc.__traceback__)
+        return triggers.on_exception(self, self.watch, exc, exc.__traceback__)
 
     # -- the shard's own state --------------------------------------------------------------
     def _where(self) -> None:
@@ -588,14 +622,14 @@ class Capture:
 
     def _write_manifest(self) -> None:
         self.doc.update(job=self.job, points=list(self.points), updated_at=time.time())
-        server = getattr(sys.modules.get("torch.distributed.debug"), "_WORKER_SERVER", None)
-        if server is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
-            self.doc["debug_server"] = f"http://{shards.host()}:{server.port}"
+        url = debug_server.worker_url()
+        if url is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
+            self.doc["debug_server"] = url
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
-        released = isinstance(exc, triggers.Released) or triggers.was_released()
+        released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
         if self.stopped is None and not self._closed:
             with contextlib.suppress(Exception):
                 self.fill_from_flight_recorder("at the job's exception")
@@ -612,14 +646,14 @@ class Capture:
                 self._write_manifest()
             except Exception as hook_exc:  # one line, then the job's own exception as it would have been
                 self._fault("recording the job's exception", hook_exc)
-        if getattr(self, "_pm", None) and not self._closed:
+        if self.watch is not None and not self._closed:
             try:
-                triggers.on_exception(self, exc, tb)
+                triggers.on_exception(self, self.watch, exc, tb)
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
             with contextlib.suppress(Exception):
-                sys.__stderr__.write(triggers.released_line(self, exc))
+                sys.__stderr__.write(triggers.released_line(self.rank, self.watch, exc))
                 sys.__stderr__.flush()
             return
         self._hook(kind, exc, tb)
@@ -699,8 +733,8 @@ class Capture:
             self.fill_from_flight_recorder("at close")
         self._closed = self._unwound = True
         try:
-            with contextlib.suppress(Exception):
-                triggers.uninstall(self)
+            if self.watch is not None:
+                self.watch.end()
             self._unwind()
             if self.doc["status"] == "running":
                 self.doc["status"] = "finished"
@@ -722,6 +756,11 @@ class Capture:
         return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
 
 
+def _open_capture() -> Capture | None:
+    """The open capture of this process (what the debug-server handler answers for), or None."""
+    return _CURRENT[0] if _CURRENT else None
+
+
 def _keep_previous(root: Path, rank: int) -> None:
     """This rank's shard of the run before (an elastic restart's earlier attempt, a rerun into the same
     directory) moves to ``<root>/previous/rank<r>``, which opens as shards of its own; the one before
@@ -735,105 +774,6 @@ def _keep_previous(root: Path, rank: int) -> None:
     shutil.rmtree(prev, ignore_errors=True)
     prev.parent.mkdir(parents=True, exist_ok=True)
     os.replace(here, prev)
-
-
-def _handle(req: Any, resp: Any) -> None:
-    """The debug server's call (on its own thread): the open capture's snapshot as JSON."""
-    try:
-        cap = _CURRENT[0] if _CURRENT else None
-        try:
-            whole = req.get_param("shard") in ("1", "true")
-        except Exception:  # no such parameter
-            whole = False
-        body = ({"error": "no open capture in this process"} if cap is None
-                else cap.files() if whole else cap.snapshot())
-        resp.set_content(json.dumps(body, default=_plain).encode(), "application/json")
-        resp.set_status(200 if cap is not None else 404)
-    except Exception as exc:
-        resp.set_content(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), "application/json")
-        resp.set_status(500)
-
-
-_REGISTERED: list[bool] = []
-
-
-def _register_handler() -> None:
-    """Register ``_handle`` with c10d's handler registry, once per process.
-
-    The registry is a C++ static: it drops its Python callables at exit without the GIL, which aborts
-    the interpreter (rc 134) when that drops the last reference. One reference more than the registry
-    holds keeps the function alive past that point (measured: without it, a plain script that registers
-    a handler exits with SIGABRT)."""
-    if _REGISTERED:
-        return
-    _REGISTERED.append(True)
-    try:
-        import ctypes
-
-        from torch._C._distributed_c10d import _register_handler as register
-    except ImportError:  # a torch without the debug server
-        return
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_handle))
-    try:
-        register(HANDLER, _handle)
-    except ValueError:  # registered already (this module imported twice under two names)
-        pass
-
-
-def ask(url: str, timeout: float = 10.0, shard: bool = False) -> dict[str, Any]:
-    """A running (or hung) rank's snapshot through its debug-server worker (``shard.json``'s
-    ``debug_server``, or the frontend's ``rank<r>`` address): latest point and open calls; with
-    ``shard=True`` the rank's whole shard, file by file."""
-    import urllib.request
-
-    query = "?shard=1" if shard else ""
-    req = urllib.request.Request(f"{url.rstrip('/')}/handler/{HANDLER}{query}", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
-def ask_all(path: str | os.PathLike, timeout: float = 10.0) -> dict[int, dict[str, Any]]:
-    """Every rank of a capture directory whose shard names a debug server, asked now: rank -> snapshot
-    (or ``{"error": ...}`` for a rank that does not answer)."""
-    out: dict[int, dict[str, Any]] = {}
-    for d in sorted(Path(path).glob("rank*")):
-        try:
-            doc = json.loads((d / shards.MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        if doc.get("debug_server"):
-            try:
-                out[int(doc["rank"])] = ask(doc["debug_server"], timeout)
-            except Exception as exc:
-                out[int(doc["rank"])] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
-
-
-def fetch(urls: list[str], out: str | os.PathLike, timeout: float = 30.0) -> tuple[Path, list[str]]:
-    """Every rank's shard through its debug-server worker, written under ``out`` as a directory of shards
-    (a job whose shards sit on node-local disks, read while it runs or hangs). Returns the directory and a
-    line per worker that did not answer."""
-    out = Path(out)
-    missed: list[str] = []
-    for url in urls:
-        try:
-            got = ask(url, timeout, shard=True)
-            rank = int(got["rank"])
-        except Exception as exc:
-            missed.append(f"{url}: {' '.join(f'{type(exc).__name__}: {exc}'.split())[:200]}")
-            continue
-        d = shards.rank_dir(out, rank)
-        d.mkdir(parents=True, exist_ok=True)
-        for name, text in got.get("files", {}).items():
-            if name in (shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{rank}.jsonl"):
-                (d / name).write_text(text)
-    return out, missed
-
-
-def _plain(v: Any) -> Any:
-    if hasattr(v, "tolist"):
-        return v.tolist()
-    return str(v)
 
 
 def _versions() -> dict[str, str]:

@@ -44,14 +44,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from workbench.job import engine
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {}  # role: "raised" | "waiting" while this process serves; "served" after
 ABORT_WAIT_S = 5.0  # how long a waiting rank gives the abort of its communicators before it serves without
 END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
 
@@ -63,6 +62,46 @@ class Released(BaseException):
     ``except Exception`` does not take it for one of its errors."""
 
 
+@dataclass
+class Watch:
+    """A capture's post-mortem watch (``Capture.watch``): what triggers it, its windows, its thread, and where this
+    rank stands in the post mortem."""
+
+    triggers: tuple[str, ...]  # "error", "deadlock"
+    deadline: float  # how long the ranks serve
+    hang_after: float  # how long a call waits before the ledgers may call it stuck
+    device: Any = None  # the main thread's CUDA device at install (a point records it again as it goes)
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    role: str | None = None  # "raised" | "waiting" while this rank serves; "served" after
+    released: dict[str, Any] | None = None  # what ``_release`` freed: rank, call, held, groups, abort_s
+    device_held: str | None = None  # why the abort of its communicators failed (its device stays held)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the role: its thread and its main thread
+
+    def end(self) -> None:
+        """Stop the watcher thread (at its next poll)."""
+        self.stop.set()
+
+
+class Watched(engine.Host, Protocol):
+    """What the watch reads of its capture (``shard.Capture``) beyond what an attach reads."""
+
+    watch: Watch | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def ledger_path(self) -> str | None: ...  # this rank's ledger file, None without a ledger
+
+    @property
+    def job_excepthook(self) -> Any: ...  # the excepthook the capture took over (the job's failure as it was)
+
+    def open_calls(self) -> list[dict[str, Any]]: ...
+
+    def watch_flight_recorder(self, still_for: float) -> int: ...
+
+
 def modes(attach: Any) -> tuple[str, ...]:
     """``capture(attach=...)`` as the set of triggers; one clear line for anything else."""
     if attach in (None, False, "", "off"):
@@ -72,20 +111,19 @@ def modes(attach: Any) -> tuple[str, ...]:
     return MODES[attach]
 
 
-def install(cap: Any, triggers: tuple[str, ...], deadline: float, hang_after: float,
-            poll: float | None = None) -> None:
-    """Start this rank's watcher thread (once per capture). It asks the store one key every ``poll`` seconds:
-    0.5 s, longer from 128 ranks on (every rank asks the one store: 2 requests a second per rank at 0.5 s)."""
+def install(cap: Watched, triggers: tuple[str, ...], deadline: float, hang_after: float,
+            poll: float | None = None) -> Watch | None:
+    """Start this rank's watcher thread (once per capture); returns its ``Watch`` for the capture to hold (None
+    without triggers). It asks the store one key every ``poll`` seconds: 0.5 s, longer from 128 ranks on (every
+    rank asks the one store: 2 requests a second per rank at 0.5 s)."""
     if not triggers:
-        return
+        return None
     poll = poll if poll is not None else max(0.5, cap.world_size / 256)
-    cap._pm = {"triggers": triggers, "deadline": float(deadline), "hang_after": float(hang_after),
-               "device": _main_device()}
-    stop = threading.Event()
-    cap._pm["stop"] = stop
-    t = threading.Thread(target=_watch, args=(cap, stop, poll), name="workbench-postmortem", daemon=True)
-    cap._pm["thread"] = t
-    t.start()
+    watch = Watch(triggers, float(deadline), float(hang_after), device=_main_device())
+    watch.thread = threading.Thread(target=_watch, args=(cap, watch, poll), name="workbench-postmortem",
+                                    daemon=True)
+    watch.thread.start()
+    return watch
 
 
 def _main_device() -> Any:
@@ -96,13 +134,7 @@ def _main_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def uninstall(cap: Any) -> None:
-    pm = getattr(cap, "_pm", None)
-    if pm and pm.get("stop") is not None:
-        pm["stop"].set()
-
-
-def _key(cap: Any) -> str:
+def _key(cap: engine.Host) -> str:
     return f"{engine.store_prefix(cap)}/post-mortem"
 
 
@@ -121,28 +153,27 @@ def _get(store: Any, key: str) -> Any:
 
 
 # -- the rank that raised ------------------------------------------------------------------------
-def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None:
+def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any) -> dict[str, Any] | None:
     """Serve this rank (and have every rank serve) for ``exc``; returns how it ended, None when it did not
     serve (post mortem off, already served in this job, a KeyboardInterrupt or SystemExit)."""
-    pm = getattr(cap, "_pm", None)
-    if not pm or "error" not in pm["triggers"] or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    if watch is None or "error" not in watch.triggers or isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return None
-    with _LOCK:
-        if _STATE.get("role"):  # this process serves already (its thread, for another rank's error) or did
-            busy = _STATE.get("role") != "served"
+    with watch.lock:
+        if watch.role:  # this rank serves already (its thread, for another rank's error) or did
+            busy = watch.role != "served"
         else:
             busy = None
-            _STATE["role"] = "raised"
+            watch.role = "raised"
     if busy is not None:
         if busy:  # wait for that attach to end, then fail as the job would have
-            while _STATE.get("role") != "served":
+            while watch.role != "served":
                 time.sleep(0.1)
         return None
     store = engine.job_store()  # where another rank raised first, this one serves too, as a rank that raised
     if store is None and cap.world_size > 1:  # no process group (not yet, or destroyed): no way to the others
         sys.__stderr__.write("workbench: no post-mortem attach: the job's process group is not initialized, so "
                              "the other ranks cannot be told\n")
-        _STATE["role"] = "served"
+        watch.role = "served"
         return None
     key = _key(cap)
     error = _error(exc, tb)
@@ -158,15 +189,15 @@ def on_exception(cap: Any, exc: BaseException, tb: Any) -> dict[str, Any] | None
             store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             if store.add(f"{key}/claim", 1) == 1:
                 store.set(f"{key}/go", json.dumps(trigger))
-    return _serve(cap, objects, trigger if store is None else None, on_stuck=lambda: _fail_now(cap, exc, tb))
+    return _serve(cap, watch, objects, trigger if store is None else None, on_stuck=lambda: _fail_now(cap, exc, tb))
 
 
-def _fail_now(cap: Any, exc: BaseException, tb: Any) -> None:
+def _fail_now(cap: Watched, exc: BaseException, tb: Any) -> None:
     """A notebook's cell holds the raising rank past the deadline inside a call it cannot leave: the rank fails
     now, as it would have without the workbench (its traceback, exit status 1)."""
     with contextlib.suppress(BaseException):
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not the engine's streams to the notebook
-        hook = getattr(cap, "_hook", None) or sys.__excepthook__
+        hook = cap.job_excepthook or sys.__excepthook__
         hook(type(exc), exc, tb)
         sys.__stderr__.flush()
     os._exit(1)
@@ -223,7 +254,7 @@ def _where(frame: Any, line: int | None = None) -> str:
     return f"{name}:{line or frame.f_lineno} in {code.co_name}"
 
 
-def _open_calls(cap: Any) -> list[dict[str, Any]]:
+def _open_calls(cap: Watched) -> list[dict[str, Any]]:
     with contextlib.suppress(Exception):
         return cap.open_calls()
     return []
@@ -238,23 +269,21 @@ def _main_frame() -> Any:
     return f
 
 
-def _watch(cap: Any, stop: threading.Event, poll: float) -> None:
+def _watch(cap: Watched, watch: Watch, poll: float) -> None:
     try:
-        _watch_loop(cap, stop, poll)
+        _watch_loop(cap, watch, poll)
     except Exception as exc:  # one line, never a thread's traceback in the job's log
         with contextlib.suppress(Exception):
             sys.__stderr__.write(f"workbench: rank {cap.rank}'s post-mortem watcher stopped: {exc!r}\n")
 
 
-def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
-    pm = cap._pm
+def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
     key = _key(cap)
-    tail = ledger_reader(getattr(getattr(cap, "_ledger", None), "path", None)) if "deadlock" in pm["triggers"] \
-        else None
+    tail = ledger_reader(cap.ledger_path) if "deadlock" in watch.triggers else None
     published = None
     store = None
-    while not stop.wait(poll):
-        if getattr(cap, "_closed", False):
+    while not watch.stop.wait(poll):
+        if cap.closed:
             return
         if store is None:
             with contextlib.suppress(Exception):
@@ -263,10 +292,10 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
                 continue
         if _has(store, f"{key}/go"):
             trigger = _get(store, f"{key}/go") or {}
-            with _LOCK:
-                if _STATE.get("role"):
-                    return  # this process raised (its main thread serves) or served already
-                _STATE["role"] = "waiting"
+            with watch.lock:
+                if watch.role:
+                    return  # this rank raised (its main thread serves) or served already
+                watch.role = "waiting"
             frame = _main_frame()
             objects = dict(frame.f_locals) if frame is not None else {}
             objects["frame"] = frame
@@ -275,19 +304,19 @@ def _watch_loop(cap: Any, stop: threading.Event, poll: float) -> None:
             with contextlib.suppress(Exception):
                 store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             del frame
-            _release(cap, me)  # its part of the account is taken: free its stream so its device reads
-            _off_the_stuck_stream(cap)
-            served = _serve(cap, objects, None, trigger=trigger)
+            _release(cap, watch, me)  # its part of the account is taken: free its stream so its device reads
+            _off_the_stuck_stream(cap, watch)
+            served = _serve(cap, watch, objects, None, trigger=trigger)
             if trigger.get("reason") == "deadlock" and served.get("by") in ("client", "deadline"):
-                _end_after_deadlock(cap, trigger, store, key)
+                _end_after_deadlock(cap, watch, trigger, store, key)
             return
         if tail is None:
             continue
         with contextlib.suppress(Exception):  # a call only Flight Recorder saw (DDP's reducer) may be the one
-            cap.watch_flight_recorder(min(1.0, pm["hang_after"] / 2))
+            cap.watch_flight_recorder(min(1.0, watch.hang_after / 2))
         now = time.time()
         calls = open_calls(tail)
-        old = [c for c in calls if now - float(c.get("t") or now) > pm["hang_after"]]
+        old = [c for c in calls if now - float(c.get("t") or now) > watch.hang_after]
         mine = json.dumps(old[:4], default=str) if old else "[]"
         if mine != published:
             with contextlib.suppress(Exception):
@@ -310,7 +339,7 @@ def _nccl() -> bool:
         return False
 
 
-def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
+def _release(cap: Watched, watch: Watch, me: dict[str, Any]) -> dict[str, Any] | None:
     """On NCCL, free this waiting rank: its main thread is held behind kernels that wait for a collective that
     can never complete (so is its GPU: nothing the notebook runs there would return). The main thread is told
     to stop at its next line of Python (``Released``), then the job's communicators are aborted, as the live
@@ -325,8 +354,8 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
 
     t0 = time.perf_counter()
     calls = me.get("open_calls") or []
-    _STATE["released"] = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
-                          else None, "held": _hold_main_thread()}
+    watch.released = {"rank": cap.rank, "call": f"{calls[0].get('op')} #{calls[0].get('seq')}" if calls
+                      else None, "held": _hold_main_thread(watch)}
     control.mark()
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -347,16 +376,16 @@ def _release(cap: Any, me: dict[str, Any]) -> dict[str, Any] | None:
     if not done.wait(ABORT_WAIT_S) or "exc" in box:
         why = (f"{type(box['exc']).__name__}: {box['exc']}" if "exc" in box
                else f"the abort did not return in {ABORT_WAIT_S:g} s")
-        cap._pm["device_held"] = why  # its probe answers with its last point's rows, without asking the device
+        watch.device_held = why  # its probe answers with its last point's rows, without asking the device
         with contextlib.suppress(Exception):
             sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not free its communicators "
                                  f"({why}); its device stays held\n")
-        return _STATE["released"]
-    _STATE["released"].update(groups=box["n"], abort_s=time.perf_counter() - t0)
-    return _STATE["released"]
+        return watch.released
+    watch.released.update(groups=box["n"], abort_s=time.perf_counter() - t0)
+    return watch.released
 
 
-def _hold_main_thread() -> bool:
+def _hold_main_thread(watch: Watch) -> bool:
     """Stop the main thread at its next line of Python once the abort frees it (Python 3.12's ``sys.monitoring``;
     an asynchronous exception could land inside the excepthook of an error the abort raised): it waits there
     until the attach is over, then raises ``Released``, so no more of the job's code runs on a rank whose
@@ -377,7 +406,7 @@ def _hold_main_thread() -> bool:
         if code.co_filename.startswith(_WORKBENCH):
             return None
         mon.set_events(tool, 0)
-        while _STATE.get("role") != "served":
+        while watch.role != "served":
             time.sleep(0.05)
         with contextlib.suppress(Exception):
             mon.register_callback(tool, mon.events.LINE, None)
@@ -389,21 +418,21 @@ def _hold_main_thread() -> bool:
     return True
 
 
-def was_released() -> bool:
+def was_released(watch: Watch | None) -> bool:
     """Whether the post mortem aborted this rank's communicators (its main thread's next error is ours)."""
-    return bool(_STATE.get("released"))
+    return watch is not None and bool(watch.released)
 
 
-def released_line(cap: Any, exc: BaseException) -> str:
+def released_line(rank: int, watch: Watch | None, exc: BaseException) -> str:
     """What a released rank says when it ends (its excepthook), one line."""
-    got = _STATE.get("released") or {}
+    got = (watch.released if watch is not None else None) or {}
     call = f" from {got['call']}" if got.get("call") else ""
     after = "" if isinstance(exc, Released) else f" ({type(exc).__name__} on the aborted communicators)"
-    return (f"workbench: rank {getattr(cap, 'rank', '?')} was released{call} by the post mortem (its "
+    return (f"workbench: rank {rank} was released{call} by the post mortem (its "
             f"communicators aborted once the account was taken){after}; it ends here with exit status 1\n")
 
 
-def _end_after_deadlock(cap: Any, trigger: dict[str, Any], store: Any, key: str) -> None:
+def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], store: Any, key: str) -> None:
     """After a deadlock's attach (the notebook resumed, or the deadline), the job ends now rather than at its
     group's timeout: once rank 0 has closed the attach (no rank leaves while another still serves: the launcher
     would end it), a released main thread ends the rank itself (its excepthook); one still stuck in its call
@@ -413,7 +442,7 @@ def _end_after_deadlock(cap: Any, trigger: dict[str, Any], store: Any, key: str)
             import datetime
 
             store.wait([f"{key}/closed"], datetime.timedelta(seconds=60))
-    end = time.monotonic() + (END_WAIT_S if _STATE.get("released") else 0.0)
+    end = time.monotonic() + (END_WAIT_S if watch.released else 0.0)
     while time.monotonic() < end:
         time.sleep(0.05)
     line = (f"workbench: rank {cap.rank} ends now (exit status 1): the ledgers proved a deadlock "
@@ -426,17 +455,17 @@ def _end_after_deadlock(cap: Any, trigger: dict[str, Any], store: Any, key: str)
     os._exit(1)
 
 
-def _off_the_stuck_stream(cap: Any) -> None:
+def _off_the_stuck_stream(cap: Watched, watch: Watch) -> None:
     """Serve on the main thread's GPU with a stream of this thread's own. On NCCL a rank that waits in a
     collective has its default stream queued behind kernels that wait for that collective, so whatever the
     notebook runs there (the probe's copies, a ``.cpu()``) would wait for ever; and CUDA's current device and
     PyTorch's current stream are per thread (a new thread starts on device 0, default stream)."""
     torch = sys.modules.get("torch")
-    if cap._pm.get("device_held"):  # a CUDA call here could wait behind the abort that never returned
+    if watch.device_held:  # a CUDA call here could wait behind the abort that never returned
         return
-    dev = getattr(getattr(cap, "ctx", None), "device", None)
+    dev = cap.device
     if getattr(dev, "type", "") != "cuda":
-        dev = cap._pm.get("device")
+        dev = watch.device
     if torch is None or dev is None or not torch.cuda.is_available():
         return
     try:
@@ -527,11 +556,10 @@ def _cycle(waits: dict[int, list[int]]) -> list[int]:
 
 
 # -- serving -----------------------------------------------------------------------------------------
-def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
+def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str, Any] | None,
            trigger: dict[str, Any] | None = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank's part: the attach of the whole job (``engine.attach``), rank 0 writing the post-mortem's
     account into ``engine.json``. A rank that raised waits (store) until rank 0 closed it, then returns."""
-    pm = cap._pm
     store = engine.job_store()
     key = _key(cap)
 
@@ -554,7 +582,7 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
                                 "line": _line(go, ranks)}}
 
     try:
-        result = engine.attach(cap, "post-mortem", key, "pm", deadline=pm["deadline"], objects=objects,
+        result = engine.attach(cap, "post-mortem", key, "pm", deadline=watch.deadline, objects=objects,
                                doc=account, on_stuck=on_stuck)
         # no rank goes on (fails, is released, ends) before rank 0 closed the attach: the launcher would end the rest
         if store is not None and cap.rank != 0:
@@ -564,10 +592,10 @@ def _serve(cap: Any, objects: dict[str, Any], alone: dict[str, Any] | None,
                 store.wait([f"{key}/closed"], datetime.timedelta(seconds=30))
         return result
     finally:
-        _STATE["role"] = "served"
+        watch.role = "served"
 
 
-def _dead(cap: Any, rank: int) -> dict[str, Any] | None:
+def _dead(cap: engine.Host, rank: int) -> dict[str, Any] | None:
     """A rank whose shard ends without a close and whose process is gone (``shards.gone``): it will never answer."""
     from workbench.postmortem import shards
 

@@ -55,6 +55,14 @@ def is_shard_dir(path: str | os.PathLike) -> bool:
     return any((d / MANIFEST).is_file() for d in p.glob("rank*"))
 
 
+def plain(v: Any) -> Any:
+    """A value a shard's JSON cannot hold as it is (``json.dumps``'s ``default``): a tensor's or array's list,
+    anything else its ``str``."""
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
     """Write a small JSON file by rename: a reader never sees half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

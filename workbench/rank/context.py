@@ -84,6 +84,22 @@ _RANK: dict[str, Any] = state.RANK  # the same dict: low modules read it from ra
 _SESSIONS: dict[str, RankContext] = {}
 
 
+def set_rank(rank: int, world_size: int, backend: str, device: Any, timeout_s: float) -> None:
+    """Where this process's rank sits (what ``%%px`` cells' ``wbr.here()`` and the ledger read): set by
+    ``init_rank`` for a live engine, and by a job's breakpoint where no live group set it."""
+    _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
+
+
+def rank_is_set() -> bool:
+    """Whether a rank was set in this process (a live engine's ``init_rank``, or a breakpoint in progress)."""
+    return bool(_RANK)
+
+
+def clear_rank() -> None:
+    """Forget the rank ``set_rank`` set (a job's breakpoint, once it returns)."""
+    _RANK.clear()
+
+
 def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float, addr: str = "127.0.0.1",
               local_index: int | None = None) -> dict[str, Any]:
     """Join the process group over a TCP store at ``addr`` (loopback unless the ranks span hosts) and pin
@@ -119,7 +135,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         **kw,
     )
     control.remember_group_sockets(before, port)
-    _RANK.update(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
+    set_rank(rank, world_size, backend, device, timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
             "stacks_file": stacks.install(), "control": where, "kernels": kernel_knobs()}
 
