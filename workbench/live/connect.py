@@ -27,7 +27,7 @@ from typing import Any
 
 from workbench.errors import ClusterError
 from workbench.live.cluster import Cluster
-from workbench.live.registry import WAIT_S, expected_engines, load, peek, reap, stop_cluster
+from workbench.live.registry import WAIT_S, expected_engines, ipyparallel, load, peek, reap, stop_cluster
 
 
 class AttachedCluster(Cluster):
@@ -71,7 +71,7 @@ class AttachedCluster(Cluster):
         return self
 
     def _connect(self) -> None:
-        import ipyparallel as ipp
+        ipp = ipyparallel()
 
         expected = None
         try:

@@ -28,6 +28,33 @@ UP_TIMEOUT_S = 120.0  # engines registering after `workbench up` (a loaded 2-cor
 WARM_WAIT_S = 60.0  # how long `up` waits for the ranks' imports (FSDP, transformers: ~5 s on 2 cores)
 
 
+def ipyparallel() -> Any:
+    """``import ipyparallel``, with one scan of the installed packages' entry points instead of four.
+
+    Its two ``Launcher`` traits list the installed launchers in their help text, which traitlets reads twice per
+    trait while ipyparallel's ``Cluster`` class is defined: four scans of every installed distribution (~18 ms each
+    on the 2-core box, 236 packages) on every client start. While the package is first imported, one snapshot of
+    the entry points answers them; ipyparallel's own function is put back afterwards, so later lookups (a
+    launcher named by the user) read the installed packages as before."""
+    import sys
+
+    if "ipyparallel" in sys.modules:
+        return sys.modules["ipyparallel"]
+    from importlib import metadata
+
+    scan = metadata.entry_points
+    snapshot = scan()
+    metadata.entry_points = lambda **select: snapshot.select(**select) if select else snapshot
+    try:
+        import ipyparallel as ipp
+    finally:
+        metadata.entry_points = scan
+        traits = sys.modules.get("ipyparallel.traitlets")
+        if traits is not None and getattr(traits, "entry_points", scan) is not scan:
+            traits.entry_points = scan
+    return ipp
+
+
 def ipython_dir() -> str:
     """``$IPYTHONDIR``, else ``~/.ipython``; when that cannot be written, one fixed per-user directory in the
     temp dir. (IPython's own fallback is a fresh temp dir per process: ``up`` then recorded a cluster that
@@ -79,7 +106,7 @@ def _controller_gone(ipc: Any) -> int | None:
 
 def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
     """The running ``ipp.Cluster`` recorded in a profile; one clear line when there is none."""
-    import ipyparallel as ipp
+    ipp = ipyparallel()
 
     profile, cluster_id = split_key(profile, cluster_id)
     pdir = profile_dir(profile)
@@ -230,7 +257,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
 
     ``ipp.Cluster(shutdown_atexit=False)`` writes the cluster file and starts its processes
     in their own sessions, so they outlive this process until ``down()``."""
-    import ipyparallel as ipp
+    ipp = ipyparallel()
     from IPython.core.profiledir import ProfileDir
 
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
