@@ -9,7 +9,7 @@ embeddings) is built on meta in bf16, ``fully_shard``-ed per layer and whole (FS
 ``to_empty`` and initialised from a seed; then ``--steps`` training steps (AdamW) of ``--batch`` x ``--seq``
 tokens a rank, with one point a step: ``cap.point(f"step{i}", model=model, logits=out.logits)``. Per mode the
 job's own step (forward, backward, optimizer, synchronised) is timed apart from the point after it; the figure is
-the median of steps 2-5 (``--steps 6``). Modes: ``off`` (capture disabled), ``defaults`` (``wj.capture(dir)``:
+the median of steps 2 to the last. Modes: ``off`` (capture disabled), ``defaults`` (``wj.capture(dir)``:
 the calls ledger completed by Flight Recorder, poison of ``to_empty`` only), ``full`` (``ledger="full"``),
 ``poison_all`` (``poison="all"``), ``full_all`` (both: the defaults before issue 46); compiled (each decoder
 layer ``.compile()``-d, torchtitan's way with FSDP2; ``--compile-backend``, default ``inductor`` on GPU,
@@ -31,6 +31,8 @@ import time
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=1024, tie_word_embeddings=True),
+    "tiny-16": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),  # the 1B's tree
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                          rope_theta=500000.0, max_position_embeddings=131072),
@@ -82,7 +84,11 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     step_s, point_s, point_b, rows = [], [], [], []
+    warm_s = None
+    prof = _profiler(args, rank)
     for i in range(args.steps):
+        if prof and i == 2:
+            prof["step"].enable()
         ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
         sync()
         t0 = time.perf_counter()
@@ -92,24 +98,73 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
         opt.zero_grad(set_to_none=True)
         sync()
         step_s.append(time.perf_counter() - t0)
+        if prof and i >= 2:
+            prof["step"].disable()
+            prof["point"].enable()
         t1 = time.perf_counter()
         info = cap.point(f"step{i}", model=model, logits=out.logits)
         sync()
         point_s.append(time.perf_counter() - t1)
+        if i == 0:
+            warm_s = _await_warm()
+        if prof and i >= 2:
+            prof["point"].disable()
+            if i + 1 < args.steps:
+                prof["step"].enable()
         if info:
             point_b.append(info["bytes"])
             rows.append(info["rows"])
         del out
     fr = getattr(cap, "_fr", None)  # Flight Recorder's complement: rows it filled, times it read the record
-    fr_stats = {"rows": fr.rows, "dumps": fr.dumps} if fr is not None else None
+    calls = getattr(cap, "_calls", None)  # the calls ledger: calls it passed to Flight Recorder's record
+    fr_stats = {"rows": fr.rows, "dumps": fr.dumps, "passed": calls.passed if calls is not None else None} \
+        if fr is not None else None
     cap.close()
+    if prof:
+        _dump_profile(prof, args, name + ("-compiled" if compile_backend else ""))
     del model, opt
-    window = slice(2, 6) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
+    window = slice(2, None) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
     return {"step_ms": 1e3 * statistics.median(step_s[window]), "step_ms_first": 1e3 * step_s[0],
             "point_ms": 1e3 * statistics.median(point_s[window]) if point_b else None,
             "point_ms_first": 1e3 * point_s[0] if point_b else None,
             "point_bytes": statistics.median(point_b) if point_b else None, "rows": rows[0] if rows else None,
+            "warm_s": warm_s,
             "flight_recorder": fr_stats}
+
+
+def _await_warm() -> float | None:
+    """The fused probe's kernel builds on a thread of its own from the first point on (points take the plain path
+    meanwhile: ~0.26 s each at this shape); the measured steps come after it, the steady state a job left on runs
+    in. Returns how long the build took (seconds), None where none ran (CPU)."""
+    from workbench.rank import probe_fused
+
+    t = probe_fused._WARM.get("thread")
+    if t is not None:
+        t.join()
+    result = probe_fused._WARM.get("result") or {}
+    return result.get("build_s")
+
+
+def _profiler(args, rank: int) -> dict | None:
+    """cProfile of steps 2.. (the job's own step) and of their points, rank 0 only, with ``--profile DIR``."""
+    if not args.profile or rank != 0:
+        return None
+    import cProfile
+
+    return {"step": cProfile.Profile(), "point": cProfile.Profile()}
+
+
+def _dump_profile(prof: dict, args, name: str) -> None:
+    import io
+    import pstats
+
+    os.makedirs(args.profile, exist_ok=True)
+    for part, p in prof.items():
+        buf = io.StringIO()
+        pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(35)
+        pstats.Stats(p, stream=buf).sort_stats("cumulative").print_stats(45)
+        with open(os.path.join(args.profile, f"{name}-{part}.txt"), "w") as f:
+            f.write(buf.getvalue())
 
 
 def job(args) -> None:
@@ -121,6 +176,10 @@ def job(args) -> None:
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    if args.flight_recorder:  # as a capture made before the job's first group turns it on (wj.capture at the top)
+        from workbench.rank.ledger_fr import switch_on
+
+        switch_on()
     dist.init_process_group("nccl" if gpu else "gloo", **({"device_id": device} if gpu else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
     config = LlamaConfig(attn_implementation="sdpa", **SHAPES[args.shape])
@@ -160,7 +219,7 @@ def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, ba
     doc = {
         "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": "median of steps 2-5",
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": f"median of steps 2-{args.steps - 1}",
         "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
         "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
                                                                 "TORCH_NCCL_TRACE_BUFFER_SIZE")},
@@ -169,6 +228,7 @@ def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, ba
         "point_ms": {k: _r(v["point_ms"]) for k, v in eager.items()},
         "point_ms_first": {k: _r(v["point_ms_first"]) for k, v in eager.items()},
         "point_bytes": {k: v["point_bytes"] for k, v in eager.items()},
+        "probe_build_s": {k: _r(v["warm_s"]) for k, v in eager.items()},
         "compiled_point_ms": {k: _r(v["point_ms"]) for k, v in compiled.items()},
         "compiled_unique_graphs": {k: v.get("unique_graphs") for k, v in compiled.items()},
         "flight_recorder_rows": {k: v["flight_recorder"] for k, v in eager.items() if v["flight_recorder"]},
@@ -215,6 +275,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="CPU only: how many ranks torchrun starts")
     ap.add_argument("--out", default=None, help="rank 0 writes the figures here (JSON)")
     ap.add_argument("--runs", default=None, help="the capture directories (default: one in the temp dir, per job)")
+    ap.add_argument("--flight-recorder", action="store_true",
+                    help="Flight Recorder on for the job's groups, as a capture made before them turns it on")
+    ap.add_argument("--profile", default=None, help="rank 0 writes cProfile tables of steps 2.. and their points here")
     args = ap.parse_args()
     if args.seq is None:
         args.seq = 128 if args.shape == "tiny" else 512

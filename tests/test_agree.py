@@ -118,6 +118,12 @@ def test_hsdp_replicas_diverging_at_init_read_as_replicas_parting(four):
     t = four["hsdp"].bug.tensors
     row = t[(t["rank"] == 3) & (t["name"] == "model.0.weight")].iloc[0]
     assert (row["agree"], row["replica"]) == ("1,3", "1")
+    from workbench import viz  # the job's capture draws the mesh too: ranks by coordinate, the replica that parted
+
+    fig = viz.status_matrix(t[t["step"] == "materialize"].drop(columns=["step", "step_index"]))
+    assert list(fig.data[0].y) == [f"replicate {r // 2} · shard {r % 2} (rank {r})" for r in range(4)]
+    assert "replica group parted: `replicate` 1 (ranks 2,3) differs from `replicate` 0 (ranks 0,1)" in \
+        fig.data[0].text[3][0]
 
 
 @pytest.mark.parametrize("fix", ["hsdp-seed-per-shard", "hsdp-broadcast"])
@@ -236,3 +242,32 @@ def test_outputs_of_forwards_fed_the_same_inputs_are_expected_to_agree(cluster):
     d = s.diagnose()
     assert d.mechanism == "outputs-only" and "output `y` on rank 1: differs from rank 0" in d.sentence, d.sentence
     assert "the cause is outside what was probed" in d.sentence
+
+
+def _hsdp(mesh: list[list[int]], fps: dict[int, str]) -> pd.DataFrame:
+    """One weight on a 2 x 2 (replicate, shard) mesh laid out as ``mesh``: the rows a probe of HSDP gives."""
+    coord = {r: (i, j) for i, row in enumerate(mesh) for j, r in enumerate(row)}
+    agree = {r: ",".join(str(x) for x in sorted(mesh[i][coord[r][1]] for i in range(2))) for r in coord}
+    return _rows(agree, fps, agree_by="mesh dim `replicate`").assign(
+        replica=[str(coord[r][0]) for r in sorted(fps)],
+        mesh_coord=[f"replicate={coord[r][0]}, shard={coord[r][1]}" for r in sorted(fps)],
+        placement="replicate=Replicate(), shard=Shard(dim=0) on mesh 2x2", shape="2", head=[[0.0]] * 4)
+
+
+def test_the_status_matrix_follows_the_mesh_and_says_which_replica_parted():
+    from workbench import viz
+
+    # ranks laid out column-major: replica 0 is ranks 0,2, replica 1 ranks 1,3; replica 1's shards differ
+    t = _hsdp([[0, 2], [1, 3]], {0: "a", 2: "b", 1: "c", 3: "d"})
+    fig = viz.status_matrix(t)
+    assert list(fig.data[0].y) == ["replicate 0 · shard 0 (rank 0)", "replicate 0 · shard 1 (rank 2)",
+                                   "replicate 1 · shard 0 (rank 1)", "replicate 1 · shard 1 (rank 3)"]
+    hover = {y: row[0] for y, row in zip(fig.data[0].y, fig.data[0].text)}
+    said = "replica group parted: `replicate` 1 (ranks 1,3) differs from `replicate` 0 (ranks 0,2)"
+    assert all(said in h for h in hover.values()), hover
+    # the replicas agree: no replica parted, and the shards (which differ by design) read ok
+    same = viz.status_matrix(_hsdp([[0, 2], [1, 3]], {0: "a", 2: "b", 1: "a", 3: "b"}))
+    assert not any("parted" in h[0] for h in same.data[0].text)
+    assert findings.status(_hsdp([[0, 2], [1, 3]], {0: "a", 2: "b", 1: "a", 3: "b"}))["status"].eq("ok").all()
+    # without a mesh (or a recording from before the column) the rows stay ranks
+    assert list(viz.status_matrix(t.drop(columns=["mesh_coord"])).data[0].y) == [f"rank {r}" for r in range(4)]

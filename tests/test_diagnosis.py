@@ -246,6 +246,10 @@ EXPECT = {  # scenario -> (mechanism, words the sentence must hold)
                                                        "receives per the spec cached at sync 1: bfloat16 [8]",
                                                        "broadcast #145 float32 [8] 32 B",
                                                        "the owner sends its current float32 [8]"]),
+    # 2 ranks: a 2 x 1 mesh, two replicas of one shard; each rank seeded its fill with its global rank
+    "hsdp-replicas-diverge-at-init": ("replicas-parted", [
+        "differ between the replicas (mesh dim `replicate`: rank 0 vs 1) from step `materialize`",
+        "output `logits` on rank 1: departs from the reference"]),
 }
 # Tempting non-fixes: their runs must not read clean. `check-streamed-names` alone is insurance that
 # fails loudly on the permutation, yet cannot stop the stage-2 walk that parts earlier.

@@ -164,6 +164,30 @@ def test_stale_cache_every_non_owner_stage_receives_into_the_stale_spec(live):
     clean(run(live, "stale-conversion-cache", "rebuild-tasks-per-sync"))
 
 
+def test_hsdp_replicas_seeded_by_rank_part_along_the_replicate_dim(live):
+    from workbench import viz
+    from workbench.analysis.rankgroups import ranks_words
+
+    n = live.world_size
+    half = n // 2  # the mesh is 2 x N/2: replica 0 is ranks 0..half-1
+    s = run(live, "hsdp-replicas-diverge-at-init")
+    d = s.diagnose()
+    assert d.mechanism == "replicas-parted" and d.step == "materialize" and d.ranks == list(range(half, n)), \
+        d.sentence
+    sides = f"{ranks_words(range(half))} vs {','.join(map(str, range(half, n)))}"
+    assert d.sentence.startswith("`embed_tokens.weight`, ") and \
+        f"differ between the replicas (mesh dim `replicate`: {sides}) from step `materialize`" in d.sentence, d.sentence
+    assert f"output `logits` on {ranks_words(range(half, n))}: departs from the reference" in d.sentence, d.sentence
+    # the view: ranks by mesh coordinate, and which replica parted
+    t = next(f for f in s.frames if f.step == "materialize").tensors
+    fig = viz.status_matrix(t)
+    assert list(fig.data[0].y)[:2] == ["replicate 0 · shard 0 (rank 0)", "replicate 0 · shard 1 (rank 1)"]
+    assert f"replica group parted: `replicate` 1 ({ranks_words(range(half, n))}) differs from `replicate` 0" \
+        in fig.data[0].text[-1][0]
+    clean(run(live, "hsdp-replicas-diverge-at-init", "seed-per-shard"))
+    clean(run(live, "hsdp-replicas-diverge-at-init", "broadcast-along-replicate"))
+
+
 def test_every_catalogue_scenario_is_covered_here():
     import sys
 
@@ -174,7 +198,8 @@ def test_every_catalogue_scenario_is_covered_here():
     keys = {"fsdp1-rotary-meta-init": "fsdp1", "fsdp2-nonpersistent-buffer-sync": "fsdp2",
             "to-empty-clobbers-buffers": "to_empty", "router-bias-bf16": "router_bias",
             "weight-sync-rank0-metadata": "rank0_metadata", "eval-loop-uneven-batches": "eval_loop",
-            "weight-sync-order-desync": "order_desync", "stale-conversion-cache": "stale_cache"}
+            "weight-sync-order-desync": "order_desync", "stale-conversion-cache": "stale_cache",
+            "hsdp-replicas-diverge-at-init": "hsdp"}
     assert set(names()) == set(keys)  # a new scenario needs its 4/8-rank test here
     assert all(f"test_{k}" in tests for k in keys.values())
     for name in names():

@@ -143,7 +143,41 @@ def _interpreted() -> None:
     tied = tied_model()
     tied_rows(tied)  # the packed path: ties known when its plan is built
     tied_rows(tied)  # ... and from the cached plan
+    dtensor_rows()
     print("interpreted rows identical")
+
+
+def dtensor_rows() -> None:
+    """An FSDP2 model (its parameters DTensors, its tied head one of them) takes the packed path and reads as the
+    general path reads it, byte for byte: local shapes, statistics, the layout, the shares; and its held pairs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        m = tied_model()
+        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        assert type(m[0].weight).__name__ == "DTensor"
+        ties: dict = {}
+        same: dict = {}
+        general = probe.probe_tensors(probe.named_tensors(m, "", ties), 1, None, None, same)
+        probe._mark_shares(general, ties, same)
+        held: list = []
+        packed = probe.probe_module(m, rank=1, held=held)
+        assert probe._PLANS.get(m) is not None and probe._PLANS[m][1] is not None, "the packed path refused DTensors"
+        assert pickle.dumps(packed) == pickle.dumps(general), (packed[0], general[0])
+        assert packed[0]["placement"].endswith(" on mesh 1") and packed[0]["global_shape"] == "16x8"
+        assert [n for n, _ in held] == [n for n, _, _ in probe.named_tensors(m)]
+        stamp = probe.plan_stamp({"model": m, "other": 3})
+        assert pickle.dumps(probe.probe_module(m, rank=1)) == pickle.dumps(general)  # from the cached plan
+        assert probe.plan_stamp({"model": m}) == stamp  # the same plan vouches: agree's walk is reused
+        m.register_buffer("extra", torch.zeros(4))
+        probe.probe_module(m, rank=1)
+        assert probe.plan_stamp({"model": m}) not in (stamp, None)  # a new tree: a new plan, a new stamp
+        assert probe.plan_stamp({"model": m, "plain": nn.Linear(2, 2)}) is None  # a module without a plan
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fused_rows_through_the_interpreter_are_the_references_bytes():

@@ -1,4 +1,4 @@
-"""The exercises at the end of notebooks 01-08: each grader, on live ranks, against what it must tell apart.
+"""The exercises at the end of notebooks 01-08 and 11: each grader, on live ranks, against what it must tell apart.
 
 For every exercise the reference solution is graded *fixed*, the bug path (the slot holding the step it
 replaces, or nothing) *not fixed*, and the known non-fix what it is (*fixed the symptom only* where the

@@ -197,3 +197,66 @@ def group_values(rows: pd.DataFrame, max_lines: int | None = None) -> list[dict]
                      "rows": [e["row"] for e in rest], "labels": [e["label"] for e in rest], "how": "mixed"})
         out = keep
     return out
+
+
+# -- meshes: where each rank sits, and which replica of a tensor parted ---------------------------------------
+def mesh_coords(tensors: pd.DataFrame) -> dict[int, tuple[tuple[str, int], ...]]:
+    """rank -> its coordinate on the run's device mesh, ``(("replicate", 1), ("shard", 0))``, read from the
+    ``mesh_coord`` column a DTensor's row carries (the mesh of most dimensions when a run holds several). Empty
+    when the run has no mesh of two or more dimensions (a 1-D mesh's coordinate is the rank itself), or when a
+    rank's coordinate is unknown (a recording made before the column existed)."""
+    if "mesh_coord" not in tensors or "rank" not in tensors:
+        return {}
+    best: dict[int, tuple[tuple[str, int], ...]] = {}
+    for rank, text in zip(tensors["rank"], tensors["mesh_coord"]):
+        if not isinstance(text, str) or not text:
+            continue
+        try:
+            coord = tuple((d.strip(), int(c)) for d, c in (part.rsplit("=", 1) for part in text.split(",")))
+        except ValueError:
+            continue
+        r = int(rank)
+        if len(coord) > len(best.get(r, ())):
+            best[r] = coord
+    ranks = {int(r) for r in tensors["rank"]}
+    dims = {tuple(d for d, _ in c) for c in best.values()}
+    if set(best) != ranks or len(dims) != 1 or len(next(iter(dims))) < 2:
+        return {}
+    return best
+
+
+def coord_label(coord: tuple[tuple[str, int], ...]) -> str:
+    """``replicate 0 · shard 1``."""
+    return " · ".join(f"{d} {c}" for d, c in coord)
+
+
+def replica_parting(tensors: pd.DataFrame) -> dict[str, str]:
+    """tensor name -> which replica group parted, for a tensor replicated along mesh dims whose replicas hold
+    different bytes: ``"replica group parted: `replicate` 1 (ranks 2,3) differs from `replicate` 0 (ranks 0,1)"``.
+
+    One step's rows with ``status`` (:func:`with_status`) and the ``agree_by`` / ``replica`` columns
+    (``rank/agree.py``); a replica is the set of ranks with one value of ``replica``, and a replica parted when
+    its ranks' rows read ``differs`` (compared with the lowest rank of their agree group)."""
+    need = ("status", "agree_by", "replica", "name", "rank")
+    if any(c not in tensors for c in need):
+        return {}
+    out: dict[str, str] = {}
+    rows = tensors[tensors["agree_by"].map(lambda b: isinstance(b, str) and b.startswith("mesh dim"))]
+    for name, g in rows.groupby("name", sort=False):
+        if not (g["status"] == "differs").any():
+            continue
+        by = str(g["agree_by"].iloc[0])
+        dims = by.split(" ", 2)[2] if by.count(" ") >= 2 else by  # "`replicate`" or "`a`, `b`"
+        reps: dict[str, list[int]] = {}
+        for r, rep in zip(g["rank"], g["replica"]):
+            if isinstance(rep, str) and rep:
+                reps.setdefault(rep, []).append(int(r))
+        parted = sorted({str(rep) for rep, st in zip(g["replica"], g["status"]) if st == "differs"})
+        held = [rep for rep in reps if rep not in parted]
+        if not parted or not held:
+            continue
+        first = min(held, key=lambda rep: min(reps[rep]))
+        said = {rep: f"{dims} {rep} ({ranks_words(ranks)})" for rep, ranks in reps.items()}
+        out[str(name)] = (f"replica group parted: {', '.join(said[p] for p in parted)} "
+                          f"differ{'s' if len(parted) == 1 else ''} from {said[first]}")
+    return out

@@ -256,6 +256,7 @@ class Capture:
         self._stack = contextlib.ExitStack()  # every install step's undo, last first (close, a fault, a failed start)
         self._ledger: Any = None
         self._fr: Any = None  # Flight Recorder's complement of the calls ledger (rank/ledger_fr.py)
+        self._calls: Any = None  # the calls ledger (rank/ledger_calls.py), where ledger="calls"
         self._fr_lock = threading.Lock()
         self._fr_still: tuple[Any, float] = ((), 0.0)  # the groups' counts a hang's read last saw, and since when
         self._poison_mode: Any = None
@@ -330,9 +331,11 @@ class Capture:
                 calls = CallLedger(self._ledger)
                 stack.callback(calls.uninstall)
                 calls.install()
-                from workbench.rank.ledger_fr import Complement, switch_on
+                from workbench.rank.ledger_fr import Complement, records, switch_on
 
                 switch_on()  # where no process group exists yet and the job set no buffer size of its own
+                calls.flight_recorder = records()  # NCCL's hot calls then pass to its record (ledger_calls.FR_OPS)
+                self._calls = calls
                 self._fr = Complement(self._ledger)
                 self.doc["flight_recorder"] = True
             else:
@@ -550,6 +553,10 @@ class Capture:
             if self._ledger is not None:
                 self._ledger.session = self.job
         self.fill_from_flight_recorder(f"before point `{name}`")
+        if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
+            from workbench.rank import probe_fused
+
+            probe_fused.warm_async(plain_meanwhile=True)  # the fused kernel builds aside; until then, the plain path
         self._where()
         objects = dict(objects)
         for key, value in list(objects.items()):
@@ -702,6 +709,8 @@ class Capture:
             if self.strict:
                 raise
             self._fr = None
+            if self._calls is not None:  # the calls it was to fill are recorded here again from now on
+                self._calls.flight_recorder = False
             guest.say(f"workbench: rank {self.rank}: Flight Recorder's record is no longer read: {guest.cause(exc)}; "
                       "the calls ledger goes on without it")
             return 0
@@ -731,6 +740,12 @@ class Capture:
             return
         with contextlib.suppress(Exception):
             self.fill_from_flight_recorder("at close")
+        # The fused probe's kernel still building when a short job ends is not left mid-build at interpreter exit;
+        # bounded, since a build queued behind a stuck collective never ends.
+        with contextlib.suppress(Exception):
+            from workbench.rank import probe_fused
+
+            probe_fused.settle_warm(WARM_AT_CLOSE_S)
         self._closed = self._unwound = True
         try:
             if self.watch is not None:
@@ -754,6 +769,9 @@ class Capture:
 
     def __repr__(self) -> str:
         return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
+
+
+WARM_AT_CLOSE_S = 20.0
 
 
 def _open_capture() -> Capture | None:

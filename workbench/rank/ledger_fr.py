@@ -54,6 +54,17 @@ def switch_on() -> bool:
     return True
 
 
+def records() -> bool:
+    """Whether the process groups made from now on keep a Flight Recorder buffer (its size set above zero)."""
+    for k in ENVS:
+        try:
+            if int(os.environ.get(k) or 0) > 0:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def dump(stacks: bool = True) -> list[dict[str, Any]]:
     """Every entry Flight Recorder holds in this process: its gloo buffer and, on versions that keep NCCL's apart
     (torch 2.11), NCCL's (the pickle dump: the json one carries no frames)."""
@@ -97,10 +108,24 @@ def op_name(profiling: str) -> str:
 def frames(entry: dict[str, Any]) -> tuple[str, str, list[str], str]:
     """(caller, user frame, short stack, library frame) from an entry's frames (innermost first), by the ledger's
     own rules (``ledger._frames``)."""
+    raw = entry.get("frames") or []
+    key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in raw)
+    hit = _FRAMES.get(key)
+    if hit is None:
+        if len(_FRAMES) > 4096:
+            _FRAMES.clear()
+        hit = _FRAMES[key] = _frames(raw)
+    return hit[0], hit[1], list(hit[2]), hit[3]
+
+
+_FRAMES: dict[tuple, tuple[str, str, list[str], str]] = {}  # a training step issues its calls from a few places
+
+
+def _frames(raw: list[dict[str, Any]]) -> tuple[str, str, list[str], str]:
     caller = user = lib = ""
     stack: list[str] = []
     ran_module = False
-    for f in entry.get("frames") or []:
+    for f in raw:
         fn = str(f.get("filename", ""))
         if fn.startswith(_ledger._PLUMBING):
             continue

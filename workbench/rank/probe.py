@@ -18,6 +18,7 @@ changes it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import time
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.rank import mesh_facts
 from workbench.rank import probe_cpu as _pc
 from workbench.rank import probe_fused as _pf
 from workbench.rank.columns import COLUMNS, WINDOW, WINDOW_OFFSETS
@@ -117,6 +119,9 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor as it is."""
     if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+        held = getattr(t, "_local_tensor", None)  # a DTensor's own shard: ``to_local`` is an autograd call (25 us)
+        if isinstance(held, torch.Tensor):
+            return held.detach()
         to_local = getattr(t, "to_local", None)
         if callable(to_local):
             t = to_local()
@@ -303,15 +308,24 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
 
 def _layout(t: Any) -> dict[str, str]:
     """A DTensor's whole shape and placements (``Shard(dim=0)``, ``Replicate()``, one per mesh dimension, with
-    the mesh's shape): what its rows' local ``shape`` is a piece of."""
+    the mesh's shape): what its rows' local ``shape`` is a piece of; and this rank's coordinate on that mesh."""
     try:
         mesh = t.device_mesh
-        dims = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-        return {"global_shape": "x".join(map(str, t.shape)) or "()",
-                "placement": ", ".join(f"{d}={p}" for d, p in zip(dims, t.placements))
-                             + f" on mesh {'x'.join(map(str, mesh.shape))}"}
+        key = (id(mesh), tuple(t.placements))
+        hit = _PLACEMENTS.get(key)
+        if hit is None or hit[0] is not mesh:
+            facts = mesh_facts.of(mesh)
+            placed = (", ".join(f"{d}={p}" for d, p in zip(facts.names, t.placements))
+                      + f" on mesh {'x'.join(map(str, facts.shape))}")
+            # where this rank sits on that mesh (``replicate=1, shard=0``): what the views order ranks by
+            coord = ", ".join(f"{d}={c}" for d, c in zip(facts.names, facts.coord)) if facts.coord is not None else ""
+            hit = _PLACEMENTS[key] = (mesh, placed, coord)
+        return {"global_shape": "x".join(map(str, t.shape)) or "()", "placement": hit[1], "mesh_coord": hit[2]}
     except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
         return {}
+
+
+_PLACEMENTS: dict[tuple, tuple[Any, str]] = {}  # (mesh, placements) -> the placement column: asked per tensor
 
 
 _STAT_COLUMNS = COLUMNS[COLUMNS.index("nan"):]
@@ -405,7 +419,7 @@ def probe_module(module: nn.Module, rank: int, prefix: str = "", memo: dict | No
     A row whose tensor the module also holds under other names (a tied parameter, two names for one memory)
     says so in ``shares`` (those names, comma-joined); rows of tensors held once carry no such key."""
     if not _HOST_READ and ("cpu" in _pf.FUSED_DEVICES or torch.cuda.is_initialized()):
-        rows = _packed(module, rank, prefix)
+        rows = _packed(module, rank, prefix, held)
         if rows is not None:
             return rows
     ties: dict[str, list[str]] = {}
@@ -440,7 +454,8 @@ def _mark_shares(rows: list[dict[str, Any]], ties: dict[str, list[str]],
         rows[i]["shares"] = v
 
 
-def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] | None:
+def _packed(module: nn.Module, rank: int, prefix: str,
+            held: list[tuple[str, torch.Tensor]] | None = None) -> list[dict[str, Any]] | None:
     """The module's rows through its cached plan, or None where the general path must run.
 
     The cache key is what the rows' fixed columns and the descriptor table depend on: the module tree's
@@ -461,10 +476,13 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
         stamp(("launched", time.perf_counter()))
     try:
         sig, tensors = _walk(module)
+        local = tensors
         if not _PLAIN_TYPES.issuperset(map(type, tensors)):
-            return None  # a DTensor or another subclass: the general path knows them
-        key = (prefix, sig, list(map(id, tensors)), list(map(torch.Tensor.data_ptr, tensors)),
-               list(map(_shape, tensors)), list(map(_dtype, tensors)), list(map(torch.Tensor.is_contiguous, tensors)))
+            local = _shards(tensors)
+            if local is None:
+                return None  # a subclass other than DTensor: the general path knows it
+        key = (prefix, sig, list(map(id, tensors)), list(map(torch.Tensor.data_ptr, local)),
+               list(map(_shape, local)), list(map(_dtype, local)), list(map(torch.Tensor.is_contiguous, local)))
     except RuntimeError:  # a tensor without storage (data_ptr refused): the general path
         return None
     if cached is None or cached[0] != key:
@@ -486,14 +504,33 @@ def _packed(module: nn.Module, rank: int, prefix: str) -> list[dict[str, Any]] |
     cols = plan.columns(stamp)
     for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
         deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
+    for i, layout in entry[5].items():  # a DTensor's row ends with its layout (then its shares), as on the general path
+        rows[i].update(layout)
     for i, v in entry[4].items():  # shared tensors (ties), known when the plan was built: none in most models
         rows[i]["shares"] = v
+    if held is not None:  # the module's (name, tensor) pairs, as named_tensors gives them, for the annotations
+        held.extend(zip(entry[6], map(weakref.ref.__call__, entry[7])))
     if stamp:
         stamp(("rows filled", time.perf_counter()))
     return rows
 
 
+_SERIAL = itertools.count(1)  # plans' serial numbers (``plan_stamp``)
 _PHASES: list | None = None  # benchmarks set a list: (phase, perf_counter) stamps of the packed path
+
+
+def plan_stamp(objects: Mapping[str, Any]) -> tuple | None:
+    """A key the same only while each module among ``objects`` keeps the tree and tensors its cached plan was
+    built for (each plan has a serial number of its own); None where a module has no plan (the general path:
+    nothing vouches for it)."""
+    out = []
+    for name, obj in objects.items():
+        if isinstance(obj, nn.Module):
+            cached = _PLANS.get(obj)
+            if cached is None or cached[1] is None:
+                return None
+            out.append((name, id(obj), cached[1][8]))
+    return tuple(out)
 
 
 def _alive(refs: list, ptrs: list[int]) -> bool:
@@ -513,12 +550,32 @@ def _build_plan(module: nn.Module, prefix: str) -> tuple | None:
         return None
     static = [(name, kind, _dtype_name(t.dtype), _device_name(t.device), "x".join(map(str, t.shape)) or "()",
                t.numel()) for name, kind, t in items]
-    refs = [weakref.ref(t) for _, _, t in named]
+    locs = [t for _, _, t in items]
+    refs = [weakref.ref(t if type(t) in _PLAIN_TYPES else t._local_tensor) for _, _, t in named]
     same: dict[tuple, list[str]] = {}
     for name, _, t in items:
         same.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), []).append(name)
     shares = _shares([n for n, _, _ in items], ties, same)  # the cache key holds every tensor's identity and address
-    return _pf.Plan([t for _, _, t in items]), static, refs, [t.data_ptr() for _, _, t in named], shares
+    layouts = {i: _layout(t) for i, (_, _, t) in enumerate(named) if type(t) not in _PLAIN_TYPES}
+    whole = [weakref.ref(t) for _, _, t in named]
+    return (_pf.Plan(locs), static, refs, [t.data_ptr() for t in locs], shares, layouts, [n for n, _, _ in named],
+            whole, next(_SERIAL))
+
+
+def _shards(tensors: list) -> list | None:
+    """Each DTensor's local shard in its place (FSDP2's and TP's parameters), plain tensors as they are; None where
+    another subclass is among them."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for t in tensors:
+        if type(t) in _PLAIN_TYPES:
+            out.append(t)
+        elif isinstance(t, DTensor):
+            out.append(t._local_tensor)
+        else:
+            return None
+    return out
 
 
 def _walk(module: nn.Module) -> tuple[list, list[torch.Tensor]]:

@@ -49,6 +49,12 @@ def fused_enabled() -> bool:
     """Whether CUDA tensors can take the fused Triton pass (env WORKBENCH_PROBE_FUSED=0 turns it off)."""
     if os.environ.get("WORKBENCH_PROBE_FUSED", "1") == "0":
         return False
+    if _WARM.get("plain_meanwhile"):
+        t = _WARM.get("thread")
+        if t is not None and t is not threading.current_thread():
+            if t.is_alive():
+                return False  # a job's point while the kernel builds: the plain path, no wait (same values)
+            _WARM.pop("thread", None)
     if "ok" not in _TRITON:
         try:
             from workbench.rank import _probe_triton  # imports triton: only where CUDA tensors are probed
@@ -207,12 +213,17 @@ def warm(device: torch.device | str | int | None = None) -> dict[str, Any]:
     return {"warm": True, "device": str(dev), "import_s": t1 - t0, "build_s": time.perf_counter() - t1}
 
 
-def warm_async(device: torch.device | str | int | None = None) -> threading.Thread | None:
+def warm_async(device: torch.device | str | int | None = None,
+               plain_meanwhile: bool = False) -> threading.Thread | None:
     """``warm`` on a daemon thread (once per process), started when a CUDA rank joins its group: the build
     overlaps the group's formation and the first steps, and a probe that comes sooner waits only for the
-    rest of it (``await_warm``). WORKBENCH_PROBE_WARM=0 turns it off."""
+    rest of it (``await_warm``). ``plain_meanwhile`` (a job's capture, at its first point): a probe that comes
+    sooner takes the plain torch path instead of waiting (a cold Triton cache builds for ~9 s on an H200; the
+    job's first point is not to wait for it). WORKBENCH_PROBE_WARM=0 turns it off."""
     if os.environ.get("WORKBENCH_PROBE_WARM", "1") == "0" or "thread" in _WARM or "result" in _WARM:
         return _WARM.get("thread")
+    if plain_meanwhile:
+        _WARM["plain_meanwhile"] = True
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
 
@@ -226,6 +237,15 @@ def warm_async(device: torch.device | str | int | None = None) -> threading.Thre
     _WARM["thread"] = t
     t.start()
     return t
+
+
+def settle_warm(limit: float) -> bool:
+    """Wait up to ``limit`` seconds for a job's warm-up still building (``plain_meanwhile``); whether none runs now."""
+    t = _WARM.get("thread")
+    if t is None or not _WARM.get("plain_meanwhile") or t is threading.current_thread():
+        return True
+    t.join(limit)
+    return not t.is_alive()
 
 
 def await_warm() -> None:

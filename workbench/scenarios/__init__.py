@@ -20,6 +20,7 @@ CATALOGUE: dict[str, str] = {
     "eval-loop-uneven-batches": "workbench.scenarios.eval_loop_uneven_batches",
     "fsdp1-rotary-meta-init": "workbench.scenarios.fsdp1_rotary_meta_init",
     "fsdp2-nonpersistent-buffer-sync": "workbench.scenarios.fsdp2_nonpersistent_buffer_sync",
+    "hsdp-replicas-diverge-at-init": "workbench.scenarios.hsdp_replicas_diverge_at_init",
     "router-bias-bf16": "workbench.scenarios.router_bias_bf16",
     "stale-conversion-cache": "workbench.scenarios.stale_conversion_cache",
     "to-empty-clobbers-buffers": "workbench.scenarios.to_empty_clobbers_buffers",

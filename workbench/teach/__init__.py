@@ -1,6 +1,6 @@
 """Teaching: the "break it, fix it" exercise at the end of each incident notebook, graded on live ranks.
 
-Each of notebooks 01-08 ends with a variant of its incident (``exercises.py`` says what changed), a
+Each of notebooks 01-08 and 11 ends with a variant of its incident (``exercises.py`` says what changed), a
 cell where the learner writes a fix as a step function, and a grading cell::
 
     ex = wb.teach.exercise("01")

@@ -1,6 +1,6 @@
-"""The eight exercises: which incident, what the variant changes, where the learner's step goes, the hints.
+"""The exercises: which incident, what the variant changes, where the learner's step goes, the hints.
 
-Client side and light (no torch, no pandas at import): a declaration per notebook 01-08. Each exercise
+Client side and light (no torch, no pandas at import): a declaration per notebook 01-08 and 11. Each exercise
 is the incident's catalogue scenario with one thing changed that the notebook did not show (a step
 swapped for one in ``teach/steps.py`` or a parameter), and a *slot*: the learner's step runs after a
 named step, or in place of one. ``teach/solutions.py`` holds the reference solution and a known
@@ -191,6 +191,24 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
          "after the sync repairs the worker, not the broadcast."],
         solutions.ref_08, solutions.nonfix_08, ("after", "sync_2"), SYMPTOM_ONLY,
         params={"bias_dtype_sync1": "float32", "bias_dtype_sync2": "float16"}, symptom="names-right"),
+    Exercise(
+        "11", "the seed is the global RNG's", "hsdp-replicas-diverge-at-init",
+        "`build` seeds the global RNG per rank (`torch.manual_seed(seed * 1000 + rank)`, for dropout); "
+        "`materialize` draws every local shard from it.",
+        ("replace", "materialize"),
+        ["Run the bug path and read the diagnosis: which ranks' copies of a shard disagree, and along which mesh "
+         "dim? `wb.viz.status_matrix` of the `materialize` frame orders the ranks by their mesh coordinates.",
+         "Every replica of a shard must draw the same numbers; the global RNG was seeded per rank before "
+         "`materialize` ran. Making the replicas agree is not enough: the logits are checked against the model the "
+         "seeds intend (one seed per shard coordinate).",
+         "In place of `materialize`: `ctx.model.to_empty(device=ctx.device)`, "
+         "`workbench.lab.buffers.recompute_rope(ctx.model)`, then `torch.manual_seed(shard_seed(ctx, "
+         "ctx.mesh.get_local_rank('shard')))` and fill `local_shards(ctx.model)` with `torch.randn(t.shape) * "
+         "ctx.params['std']` (both from `workbench.scenarios.hsdp_replicas_diverge_at_init`). Averaging the "
+         "replicas makes them agree on weights nobody meant."],
+        solutions.ref_11, solutions.nonfix_11, None, SYMPTOM_ONLY,
+        swap={"build": steps.build_seeded_per_rank, "materialize": steps.materialize_global_rng},
+        symptom="replicas-agree"),
 ]}
 
 

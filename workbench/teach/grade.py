@@ -104,6 +104,11 @@ def _names_right(s: Any) -> bool:
     return len(out) > 0 and all(float(h[0]) == 0 for h in out["head"])
 
 
+def _replicas_agree(s: Any) -> bool:
+    last = _last_tensors(s)
+    return len(last) > 0 and not (findings.status(last)["status"] == "differs").any()
+
+
 SYMPTOMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "inv_freq": (_inv_freq_ok, "`inv_freq` is right and the same on every rank"),
     "finite-logits": (_finite_logits, "the logits are finite on every rank"),
@@ -112,6 +117,7 @@ SYMPTOMS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "own-names": (_own_names, "no worker loads bytes under a name it does not host"),
     "routing-sets": (_routing_sets, "the worker picks the trainer's experts for every token"),
     "names-right": (_names_right, "every name on the worker holds the trainer's bytes"),
+    "replicas-agree": (_replicas_agree, "the replicas of every shard agree"),
 }
 
 

@@ -226,3 +226,35 @@ def nonfix_08(ctx) -> None:
     with torch.no_grad():
         for name, bias in cv.router_biases(ctx.trainer):
             mine[name].data = bias.detach().clone().to(mine[name].device)
+
+
+# -- 11 --------------------------------------------------------------------------------------------
+def ref_11(ctx) -> None:
+    """to_empty and the rope buffers, then every local shard drawn after re-seeding with its shard's coordinate."""
+    import torch
+
+    from workbench.lab.buffers import recompute_rope
+    from workbench.scenarios.hsdp_replicas_diverge_at_init import local_shards, shard_seed
+
+    ctx.model.to_empty(device=ctx.device)
+    recompute_rope(ctx.model)
+    torch.manual_seed(shard_seed(ctx, ctx.mesh.get_local_rank("shard")))  # the same on every replica of it
+    with torch.no_grad():
+        for t in local_shards(ctx.model):
+            t.copy_(torch.randn(t.shape) * ctx.params["std"])
+
+
+def nonfix_11(ctx) -> None:
+    """The variant's fill, then the replicas averaged along `replicate`: they agree, on weights nobody meant."""
+    import torch
+    import torch.distributed as dist
+
+    from workbench.scenarios.hsdp_replicas_diverge_at_init import local_shards
+    from workbench.teach.steps import materialize_global_rng
+
+    materialize_global_rng(ctx)
+    group = ctx.mesh.get_group("replicate")
+    with torch.no_grad():
+        for t in local_shards(ctx.model):
+            dist.all_reduce(t, group=group)
+            t.div_(dist.get_world_size(group))

@@ -85,5 +85,32 @@ def build_three_dtypes(ctx) -> None:
     ctx.note(f"router biases: {first} fp32, {second} fp16; everything else bf16")
 
 
+# -- 11: the per-rank seed is the global RNG's, set in `build` (for dropout), and the init draws from it -------
+def build_seeded_per_rank(ctx) -> None:
+    """The tiny Qwen3 on meta; then the global RNG seeded per rank, as data-parallel code does for dropout."""
+    import torch
+
+    from workbench.scenarios.hsdp_replicas_diverge_at_init import build
+
+    build(ctx)
+    seed = ctx.params["seed"] * 1000 + ctx.rank
+    torch.manual_seed(seed)
+    ctx.note(f"torch.manual_seed({seed}): this rank's own dropout and data order")
+
+
+def materialize_global_rng(ctx) -> None:
+    """to_empty, the rope buffers, then every local shard from the global RNG (seeded per rank in `build`)."""
+    import torch
+
+    from workbench.lab.buffers import recompute_rope
+    from workbench.scenarios.hsdp_replicas_diverge_at_init import local_shards
+
+    ctx.model.to_empty(device=ctx.device)
+    recompute_rope(ctx.model)
+    with torch.no_grad():
+        for t in local_shards(ctx.model):
+            t.copy_(torch.randn(t.shape) * ctx.params["std"])
+
+
 def nothing(ctx) -> None:
     """The bug path's slot when the learner's step is added after a step: it does nothing."""

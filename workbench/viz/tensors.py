@@ -59,21 +59,36 @@ def _grouping(n_ranks: int, group: bool | None) -> bool:
     return n_ranks > GROUP_ABOVE if group is None else bool(group)
 
 
-def _rank_rows(tensors: pd.DataFrame, group: bool | None, max_rows: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(groups, cells): one group per rank, or ranks folded by :mod:`workbench.analysis.rankgroups`."""
-    merged = rankgroups.with_status(tensors)
+def _rank_rows(tensors: pd.DataFrame, group: bool | None, max_rows: int | None,
+               merged: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(groups, cells): one group per rank, or ranks folded by :mod:`workbench.analysis.rankgroups`.
+
+    On a run with a device mesh of two or more dimensions the rows follow the mesh: ordered by coordinate (the
+    replicas of a shard side by side) and a rank's row labelled with it (``replicate 0 · shard 1 (rank 1)``);
+    its ranks are folded only past ``max_rows`` (``group=None``), or when asked (``group=True``)."""
+    merged = rankgroups.with_status(tensors) if merged is None else merged
     ranks = sorted({int(r) for r in merged["rank"]})
-    if _grouping(len(ranks), group):
+    coords = rankgroups.mesh_coords(merged)
+    fold = _grouping(len(ranks), group) if not coords or group is not None else \
+        max_rows is not None and len(ranks) > max_rows
+    if fold:
         groups = rankgroups.group_identical_ranks(tensors, max_rows=max_rows, merged=merged)
     else:
         groups = pd.DataFrame([{"group": i, "label": f"rank {r}", "ranks": [r], "first": r, "size": 1,
                                 "how": "identical"} for i, r in enumerate(ranks)], columns=rankgroups.GROUP_COLUMNS)
+    if coords:
+        groups = groups.assign(label=[f"{rankgroups.coord_label(coords[int(f)])} (rank {int(f)})" if n == 1 else lab
+                                      for f, n, lab in zip(groups["first"], groups["size"], groups["label"])])
+        groups = groups.iloc[sorted(range(len(groups)), key=lambda i: tuple(
+            c for _, c in coords[int(groups["first"].iloc[i])]))].reset_index(drop=True)
     return groups, rankgroups.group_cells(merged, groups)
 
 
 def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool | None = None,
                     max_rows: int | None = MAX_ROWS) -> go.Heatmap:
-    groups, cells = _rank_rows(tensors, group, max_rows)
+    merged = rankgroups.with_status(tensors)
+    groups, cells = _rank_rows(tensors, group, max_rows, merged)
+    parted = rankgroups.replica_parting(merged)  # a tensor whose replicas hold different bytes: which one parted
     names = list(dict.fromkeys(tensors["name"]))
     code = {s: i for i, s in enumerate(STATUSES)}
     at = {(int(c.group), c.name): c for c in cells.itertuples(index=False)}
@@ -91,6 +106,7 @@ def _status_heatmap(tensors: pd.DataFrame, showscale: bool = True, group: bool |
             seen.add(c.status)
             head = ", ".join(fmt(v) for v in list(c.head if c.head is not None else [])[:4])
             extra = "" if how == "identical" else f"<br>{c.contents} distinct content(s)"
+            extra += f"<br>{parted[n]}" if n in parted else ""
             trow.append(f"{label}<br>{n}<br>{c.status}: {c.detail}<br>{c.dtype} {c.shape} {c.kind}<br>"
                         f"head [{head}]{extra}")
         z.append(zrow)
