@@ -123,6 +123,21 @@ def cluster():
     c.stop()
 
 
+MESH_TIMEOUT_S = 20.0  # the 4-rank group's collective timeout: a call released sooner was released by the ledgers
+
+
+@pytest.fixture(scope="session")
+def mesh4():
+    """One 4-rank gloo cluster for the files that need four ranks (``test_meshes`` at 4 ranks, the two-pair user
+    scenarios of ``test_user_scenarios``): a lane that runs both starts four engines once, not twice. Its users
+    take it through ``ready()``, as the 2-rank cluster's do."""
+    import workbench as wb
+
+    c = wb.start(ranks=4, backend="gloo", timeout=MESH_TIMEOUT_S)
+    yield c
+    c.stop()
+
+
 ANOTHER_CPU = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 

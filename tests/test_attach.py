@@ -119,13 +119,44 @@ def test_cli_run_cluster_shows_the_bug_and_leaves_the_engines_up(ext):
 
 def test_an_attached_run_imports_no_torch_on_the_client(ext):
     """The whole `run --cluster` (attach, form the group, steps, diagnosis) without torch in the client:
-    it costs ~1.5 s of import that the ranks, which have it, do not need from us."""
-    code = ("import sys\nfrom workbench import cli\n"
+    it costs ~1.5 s of import that the ranks, which have it, do not need from us. Nor plotly with no
+    --report asked, nor ipyparallel's ``Cluster`` built from the cluster file (its launchers scan every
+    installed package's entry points): the attach reads the file's profile dir and engine count itself."""
+    code = ("import sys\nimport ipyparallel as ipp\nfrom workbench import cli\n"
+            "built = []\nfrom_file = ipp.Cluster.from_file.__func__\n"
+            "ipp.Cluster.from_file = classmethod(lambda c, *a, **k: built.append(a) or from_file(c, *a, **k))\n"
             f"rc = cli.main(['run', {SC!r}, '--fix', {FIX!r}, '--cluster', {ext!r}, '--timeout', '8'])\n"
-            "print('RC', rc, 'TORCH', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+            "print('RC', rc, 'TORCH', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
+            "print('PLOTLY', 'plotly' in sys.modules, 'CLUSTER FILE READ BY IPP', len(built))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert "diagnosis (clean)" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert "RC 0 TORCH []" in out.stdout, out.stdout[-500:]
+    assert "PLOTLY False CLUSTER FILE READ BY IPP 0" in out.stdout, out.stdout[-500:]
+
+
+def test_peek_reads_what_ipyparallel_reads_from_a_running_cluster_file(ext, tmp_path):
+    """The attach's own reading of the cluster file agrees with ipyparallel's; anything it does not know (another
+    launcher, a process gone, a broken file) is left to ipyparallel (None)."""
+    import json
+
+    ipc = registry.load(ext)
+    assert registry.peek(ext) == (ipc.profile_dir, registry.expected_engines(ipc)) == (ext, 2)
+    with open(os.path.join(ext, "security", "cluster-.json")) as f:
+        doc = json.load(f)
+    variants = {
+        "slurm": lambda d: d["engines"].update({"class": "slurm"}),
+        "dead engine": lambda d: next(iter(d["engines"]["sets"].values()))["engines"]["0"].update({"pid": 2**22 + 1}),
+        "no controller": lambda d: d.update({"controller": None}),
+    }
+    for name, change in variants.items():
+        pdir = tmp_path / name.replace(" ", "_")
+        (pdir / "security").mkdir(parents=True)
+        d = json.loads(json.dumps(doc))
+        change(d)
+        (pdir / "security" / "cluster-.json").write_text(json.dumps(d))
+        assert registry.peek(str(pdir)) is None, name
+    (pdir / "security" / "cluster-.json").write_text("{not json")
+    assert registry.peek(str(pdir)) is None
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -171,6 +202,8 @@ def test_up_run_status_down_end_to_end(tmp_path):
     try:
         up = cli("up", "--ranks", "2", "--profile", pdir)
         assert up.returncode == 0, up.stderr[-2000:]
+        # lab/models.py warm_first_calls ran too (or is still queued on a box loaded past WARM_WAIT_S)
+        assert "warm: imports and first calls" in up.stdout or "still warming" in up.stdout, up.stdout
         pids = alive(registry.processes(pdir))
         status = cli("status", "--profile", pdir, timeout=60)
         assert status.returncode == 0 and "running  ranks 2  backend gloo" in status.stdout
@@ -197,6 +230,51 @@ def test_up_run_status_down_end_to_end(tmp_path):
         assert alive(pids) == []
     finally:
         _teardown(pdir)
+
+
+def test_the_first_calls_warm_up_leaves_the_rng_and_the_temp_dir_as_it_found_them(tmp_path, monkeypatch):
+    """`workbench up` runs a throwaway tiny model's from_pretrained and forward on its ranks: a run on warm ranks
+    then draws the same random numbers as on fresh ones, and nothing of the warm-up stays on disk."""
+    import tempfile
+
+    import torch
+
+    from workbench.lab.models import warm_first_calls
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    took = warm_first_calls()
+    assert isinstance(took, float) and took > 0
+    assert torch.equal(torch.rand(4), expected)
+    assert list(tmp_path.glob("wb-*")) == []  # (torch may leave its own inductor cache dir there)
+
+
+def test_a_rerun_writes_the_same_checkpoint_from_memory_and_leaves_the_rng_as_a_build_would(tmp_path, monkeypatch):
+    """A scenario rerun on warm ranks writes its seeded checkpoint into a new work dir: the same bytes as a fresh
+    build, without building the model again, and the torch RNG where the build leaves it."""
+    import torch
+    import transformers
+
+    from workbench.lab import models
+
+    config = models.qwen3_config(num_hidden_layers=1)
+    first = models.save_checkpoint(config, str(tmp_path / "a"), seed=3)
+    after_build = torch.rand(3)
+    built = []
+    from_config = transformers.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(1) or
+                        from_config(*a, **k))
+    torch.manual_seed(99)
+    again = models.save_checkpoint(config, str(tmp_path / "b"), seed=3)
+    assert built == []
+    assert torch.equal(torch.rand(3), after_build)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (first, again) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    models.save_checkpoint(config, str(tmp_path / "c"), seed=4)  # another seed: built
+    assert built == [1]
 
 
 def test_rank_order_is_by_host_then_launcher_index_else_pid():

@@ -80,3 +80,30 @@ def test_auto_backend_on_a_machine_without_a_gpu_driver_imports_no_torch():
             "print(resolve_backend('auto', 2), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert out == ["gloo", "False"]
+
+
+# In a fresh interpreter: how many times importing ipyparallel through the workbench scans every installed
+# distribution, and what it leaves behind.
+IPP_SCANS = """
+import importlib.metadata as md
+scans = []
+scan = md.distributions
+md.distributions = lambda **kw: (scans.append(1), scan(**kw))[1]
+from workbench.live import registry
+ipp = registry.ipyparallel()
+n = len(scans)
+import ipyparallel.traitlets as traits
+from ipyparallel.cluster.cluster import Cluster
+fresh = {e.name.lower() for e in md.entry_points(group="ipyparallel.engine_launchers")}
+helped = Cluster.class_traits()["engine_launcher_class"].help
+print(n, traits.entry_points is md.entry_points, ipp.Client.__module__,
+      sorted(fresh) == sorted(k for k in fresh if f"  - {k}: " in helped), len(fresh) > 3)
+"""
+
+
+def test_importing_ipyparallel_scans_the_installed_packages_once_and_leaves_its_lookup_live():
+    """ipyparallel's launcher traits read their help (every installed package's entry points) twice each while
+    its Cluster class is defined: four scans on every client start. The client's import scans once, and
+    ipyparallel's own lookup is the live one afterwards, its help still listing every installed launcher."""
+    out = subprocess.run([sys.executable, "-c", IPP_SCANS], check=True, capture_output=True, text=True)
+    assert out.stdout.split() == ["1", "True", "ipyparallel.client.client", "True", "True"], out.stdout + out.stderr

@@ -10,7 +10,7 @@ two engine starts and the runs. The diagnosis must name rank groups, not list ra
 from __future__ import annotations
 
 import pytest
-from conftest import ready
+from conftest import MESH_TIMEOUT_S, ready
 
 import workbench as wb
 from workbench.analysis import diagnosis
@@ -25,7 +25,10 @@ WB = {"receiver": "workbench"}  # the weight-sync scenarios' stand-in: vLLM on 4
 
 @pytest.fixture(scope="module", params=SIZES, ids=[f"{n}ranks" for n in SIZES])
 def mesh(request):
-    c = wb.start(ranks=request.param, backend="gloo", timeout=20.0)
+    if request.param == 4:  # the session's 4-rank cluster (conftest), which test_user_scenarios shares
+        yield request.getfixturevalue("mesh4")
+        return
+    c = wb.start(ranks=request.param, backend="gloo", timeout=MESH_TIMEOUT_S)
     yield c
     c.stop()
 

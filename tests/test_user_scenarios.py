@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ready
+from conftest import MESH_TIMEOUT_S, ready
 from torch import nn
 
 import workbench as wb
@@ -212,16 +212,6 @@ both_pairs.step(pair_up)
 @both_pairs.step
 def both_roots(ctx):
     dist.broadcast(torch.full((4,), float(ctx.rank)), src=ctx.rank, group=ctx.pair)  # every rank its own root
-
-
-MESH_TIMEOUT_S = 20.0  # the 4-rank group's collective timeout: a call released sooner was released by the ledgers
-
-
-@pytest.fixture(scope="module")
-def mesh4():
-    c = wb.start(ranks=4, backend="gloo", timeout=MESH_TIMEOUT_S)
-    yield c
-    c.stop()
 
 
 def _timed_run(cluster, scenario):

@@ -135,14 +135,15 @@ def check_output(path: str | None, flag: str, suffix: str = "") -> None:
 
 def distinct_outputs(args: argparse.Namespace) -> None:
     """Two outputs naming one file would keep only the last written (rc 0): refuse before engines start."""
-    from workbench.postmortem.bundle import SUFFIX
-
     seen: dict[str, str] = {}
     for flag, path in (("--json", args.json), ("--bundle", args.bundle), ("--report", args.report)):
         if not path:
             continue
         p = Path(path)
-        p = p.with_suffix(SUFFIX) if flag == "--bundle" and not p.suffix else p  # what bundle.save writes
+        if flag == "--bundle" and not p.suffix:  # what bundle.save writes (imported only when a bundle is asked)
+            from workbench.postmortem.bundle import SUFFIX
+
+            p = p.with_suffix(SUFFIX)
         key = os.path.realpath(p)
         if key in seen:
             raise WorkbenchError(f"{flag} {path}: the same file as {seen[key]}; give each output its own name")
@@ -152,10 +153,12 @@ def distinct_outputs(args: argparse.Namespace) -> None:
 def write_outputs(runs: list[Any], records: list[Any], args: argparse.Namespace) -> list[str]:
     """Write --json, --bundle and --report, each on its own: one that fails does not lose the
     others. Returns one line per output that could not be written."""
+    errors: list[str] = []
+    if not (args.json or args.bundle or args.report):  # no output: the report's plotly stack stays unimported
+        return errors
     from workbench.analysis.frames import jsonable
     from workbench.postmortem import bundle, report
 
-    errors: list[str] = []
     saved = None
     if args.json:
         try:
@@ -411,8 +414,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from workbench.live import registry
 
     doc = registry.up(args.ranks, args.profile, args.cluster_id, backend=args.backend)
-    warm = f"warm: imports {doc['warm_s']:.1f}s" if doc.get("warm_s") is not None else \
-        "still importing: the first run may wait for the ranks' imports"
+    warm = f"warm: imports and first calls {doc['warm_s']:.1f}s" if doc.get("warm_s") is not None else \
+        "still warming: the first run may wait for the ranks' imports"
     print(f"cluster {doc['profile']!r}: {doc['ranks']} ranks ({doc['backend']}) up in {doc['seconds']:.1f}s ({warm}); "
           f"`workbench run SCENARIO --cluster {doc['profile']}` attaches, `workbench down --profile "
           f"{doc['profile']}` stops it")

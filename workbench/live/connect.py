@@ -27,7 +27,7 @@ from typing import Any
 
 from workbench.errors import ClusterError
 from workbench.live.cluster import Cluster
-from workbench.live.registry import WAIT_S, expected_engines, load, reap, stop_cluster
+from workbench.live.registry import WAIT_S, expected_engines, ipyparallel, load, peek, reap, stop_cluster
 
 
 class AttachedCluster(Cluster):
@@ -43,7 +43,8 @@ class AttachedCluster(Cluster):
         self.backend_wish, self.master_wish, self.wait = backend, master_addr, wait
         self._given_client, self._url_file = client, url_file
         self.hosts: dict[int, str] = {}
-        self._ipc = None  # the ipp.Cluster read from the cluster file, when attached by profile
+        self._ipc = None  # the ipp.Cluster read from the cluster file, when attached by profile (read when needed)
+        self._by_profile = False  # attached through a profile's cluster file
         self._reach: dict[str, tuple[float, bool]] = {}  # host -> (when probed, unreachable)
 
     @property
@@ -70,7 +71,7 @@ class AttachedCluster(Cluster):
         return self
 
     def _connect(self) -> None:
-        import ipyparallel as ipp
+        ipp = ipyparallel()
 
         expected = None
         try:
@@ -81,14 +82,22 @@ class AttachedCluster(Cluster):
                     raise ClusterError(f"no connection file {self._url_file}")
                 self._client = ipp.Client(self._url_file, timeout=10)
             else:
-                # Not strict: a controller on another host (a Slurm job's batch host) is no local process.
-                self._ipc = load(self.profile, self.cluster_id, strict=False)
-                expected = expected_engines(self._ipc)
+                # Local processes all running (`up`, `ipcluster start`): the file's two numbers suffice. Else
+                # ipyparallel's own reading; not strict: a controller on another host (a Slurm job's batch host)
+                # is no local process.
+                seen = peek(self.profile, self.cluster_id)
+                self._by_profile = True
+                if seen is None:
+                    self._ipc = load(self.profile, self.cluster_id, strict=False)
+                    pdir, expected, running = self._ipc.profile_dir, expected_engines(self._ipc), \
+                        self._ipc.controller is not None
+                else:
+                    (pdir, expected), running = seen, True
                 try:
-                    self._client = ipp.Client(profile_dir=self._ipc.profile_dir, cluster_id=self.cluster_id,
-                                              timeout=10 if self._ipc.controller is not None else 5)
+                    self._client = ipp.Client(profile_dir=pdir, cluster_id=self.cluster_id,
+                                              timeout=10 if running else 5)
                 except Exception:
-                    if self._ipc.controller is None:
+                    if not running:
                         raise ClusterError(f"the controller of {self.where} does not answer and is no process on "
                                            "this host (a stale cluster file?); `workbench down --profile "
                                            f"{self.profile or 'default'}` clears it") from None
@@ -180,6 +189,11 @@ class AttachedCluster(Cluster):
     def shutdown(self) -> None:
         """End the engines and their controller through ipyparallel (what ``workbench down`` does)."""
         here = socket.gethostname()
+        if self._by_profile and self._ipc is None:
+            try:
+                self._ipc = load(self.profile, self.cluster_id, strict=False)
+            except ClusterError:
+                pass  # its file is gone: through the controller, as for a given client
         if self._ipc is not None and self._ipc.controller is not None and all(h == here for h in self.hosts.values()):
             self.stop()  # all on this host: the recorded pids are ours to end
             stop_cluster(self._ipc, self.pids.values())
@@ -219,7 +233,7 @@ class AttachedCluster(Cluster):
 
     def _way_back(self) -> str:
         how = (f"`workbench down --profile {self.profile or 'default'}` then `workbench up --ranks {self.world_size}"
-               f" --profile {self.profile or 'default'}`, or your ipcluster/Slurm job") if self._ipc is not None \
+               f" --profile {self.profile or 'default'}`, or your ipcluster/Slurm job") if self._by_profile \
             else "the launcher that started it (ipcluster, Slurm, mpiexec)"
         return (f"the workbench did not launch these engines, so it cannot restart them: "
                 f"bring them back with {how}, then wb.connect(...) again")

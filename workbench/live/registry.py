@@ -28,6 +28,33 @@ UP_TIMEOUT_S = 120.0  # engines registering after `workbench up` (a loaded 2-cor
 WARM_WAIT_S = 60.0  # how long `up` waits for the ranks' imports (FSDP, transformers: ~5 s on 2 cores)
 
 
+def ipyparallel() -> Any:
+    """``import ipyparallel``, with one scan of the installed packages' entry points instead of four.
+
+    Its two ``Launcher`` traits list the installed launchers in their help text, which traitlets reads twice per
+    trait while ipyparallel's ``Cluster`` class is defined: four scans of every installed distribution (~18 ms each
+    on the 2-core box, 236 packages) on every client start. While the package is first imported, one snapshot of
+    the entry points answers them; ipyparallel's own function is put back afterwards, so later lookups (a
+    launcher named by the user) read the installed packages as before."""
+    import sys
+
+    if "ipyparallel" in sys.modules:
+        return sys.modules["ipyparallel"]
+    from importlib import metadata
+
+    scan = metadata.entry_points
+    snapshot = scan()
+    metadata.entry_points = lambda **select: snapshot.select(**select) if select else snapshot
+    try:
+        import ipyparallel as ipp
+    finally:
+        metadata.entry_points = scan
+        traits = sys.modules.get("ipyparallel.traitlets")
+        if traits is not None and getattr(traits, "entry_points", scan) is not scan:
+            traits.entry_points = scan
+    return ipp
+
+
 def ipython_dir() -> str:
     """``$IPYTHONDIR``, else ``~/.ipython``; when that cannot be written, one fixed per-user directory in the
     temp dir. (IPython's own fallback is a fresh temp dir per process: ``up`` then recorded a cluster that
@@ -79,7 +106,7 @@ def _controller_gone(ipc: Any) -> int | None:
 
 def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
     """The running ``ipp.Cluster`` recorded in a profile; one clear line when there is none."""
-    import ipyparallel as ipp
+    ipp = ipyparallel()
 
     profile, cluster_id = split_key(profile, cluster_id)
     pdir = profile_dir(profile)
@@ -100,6 +127,36 @@ def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
         raise ClusterError(f"the controller of cluster {name!r} is not running (stale {path}); "
                            f"`workbench down --profile {name}` clears it")
     return ipc
+
+
+_LOCAL = {"controller": ("local", "ipyparallel.cluster.launcher.LocalControllerLauncher"),
+          "engines": ("local", "ipyparallel.cluster.launcher.LocalEngineSetLauncher")}
+
+
+def peek(profile: str | None, cluster_id: str = "") -> tuple[str, int] | None:
+    """The profile directory and engine count of a running cluster of local processes (what ``up`` and
+    ``ipcluster start`` record), read from the cluster file as JSON; None for anything else (another launcher,
+    a process gone, a file that does not parse), which ``load`` then reads as before.
+
+    ``load`` builds ipyparallel's ``Cluster`` and launchers from the file, which scans every installed
+    package's entry points several times (0.3-1 s on the 2-core box): an attach needs only the two numbers."""
+    profile, cluster_id = split_key(profile, cluster_id)
+    pdir = profile_dir(profile)
+    try:
+        with open(os.path.join(pdir, "security", f"cluster-{cluster_id}.json")) as f:
+            d = json.load(f)
+        if d["cluster"].get("class", "ipyparallel.cluster.cluster.Cluster") != "ipyparallel.cluster.cluster.Cluster":
+            return None
+        ctl, eng = d["controller"], d["engines"]
+        if ctl["class"] not in _LOCAL["controller"] or eng["class"] not in _LOCAL["engines"]:
+            return None
+        pids = [ctl["state"]["pid"]] + [e["pid"] for es in eng["sets"].values() for e in es["engines"].values()]
+        n = [len(es["engines"]) for es in eng["sets"].values()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not n or not all(n) or not all(isinstance(p, int) and p > 0 and psutil.pid_exists(p) for p in pids):
+        return None  # as ipyparallel reads it: a process gone changes the count, or means no controller
+    return pdir, sum(n)
 
 
 def expected_engines(ipc: Any) -> int | None:
@@ -200,7 +257,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
 
     ``ipp.Cluster(shutdown_atexit=False)`` writes the cluster file and starts its processes
     in their own sessions, so they outlive this process until ``down()``."""
-    import ipyparallel as ipp
+    ipp = ipyparallel()
     from IPython.core.profiledir import ProfileDir
 
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
@@ -242,16 +299,21 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
         # ... nor FSDP's and transformers' (seconds more): awaited, so the first run right after `up` finds the
         # ranks warm (queued and not awaited, the imports would make that run wait behind them: 9 s against
-        # 1.5 s). Past WARM_WAIT_S the imports stay queued on the engines and `up` says so.
+        # 1.5 s). Then the first calls of a scenario's first steps on a throwaway tiny model (lab/models.py says
+        # which: a first run's load and forward took 2-3x their later times without them). Past WARM_WAIT_S the
+        # rest stays queued on the engines and `up` says so.
         t_warm = time.time()
-        warming = view.apply_async(RankFn("workbench.rank.remote", "warm"))
+        warming = [view.apply_async(RankFn("workbench.rank.remote", "warm")),
+                   view.apply_async(RankFn("workbench.lab.models", "warm_first_calls"))]
         try:
-            warming.get(timeout=WARM_WAIT_S)
+            for ar in warming:
+                ar.get(timeout=max(0.0, t_warm + WARM_WAIT_S - time.time()))
             warm_s: float | None = time.time() - t_warm
-        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on importing
+        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on warming
             if type(exc).__name__ != "TimeoutError":
                 raise
-            leave_queued(client, warming, view.targets)
+            for ar in warming:
+                leave_queued(client, ar, view.targets)
             warm_s = None
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
