@@ -138,9 +138,7 @@ def _await_warm() -> float | None:
     in. Returns how long the build took (seconds), None where none ran (CPU)."""
     from workbench.rank import probe_fused
 
-    t = probe_fused._WARM.get("thread")
-    if t is not None:
-        t.join()
+    probe_fused.await_warm()
     result = probe_fused._WARM.get("result") or {}
     return result.get("build_s")
 

@@ -73,9 +73,8 @@ class CallLedger:
         self._local = threading.local()
         self._patched: list[tuple[Any, str, Any]] = []
         self.flight_recorder = False  # set where Flight Recorder records the groups made from now on (NCCL's)
-        self._recorded: dict[int, bool] = {}  # id(group) -> Flight Recorder records its CUDA calls (NCCL)
+        self._recorded: dict[Any, bool] = {}  # group (None: the default) -> Flight Recorder records its CUDA calls
         self.passed = 0  # calls passed to Flight Recorder's record
-        self._groups: list[Any] = []
 
     def install(self) -> CallLedger:
         for module in (dist, dist.distributed_c10d):
@@ -119,11 +118,10 @@ class CallLedger:
             if not (isinstance(first, torch.Tensor) and first.is_cuda):
                 return False
             group = kwargs.get("group", args[at] if len(args) > at else None)
-            hit = self._recorded.get(id(group))
+            hit = self._recorded.get(group)
             if hit is None:
                 pg = group if group is not None else dist.distributed_c10d._get_default_group()
-                hit = self._recorded[id(group)] = "nccl" in str(dist.get_backend(pg)).lower()
-                self._groups.append(group)  # held: its id is not reused while cached
+                hit = self._recorded[group] = "nccl" in str(dist.get_backend(pg)).lower()
             return hit
         except Exception:
             return False

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from functools import partial
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -325,7 +325,7 @@ def _layout(t: Any) -> dict[str, str]:
         return {}
 
 
-_PLACEMENTS: dict[tuple, tuple[Any, str]] = {}  # (mesh, placements) -> the placement column: asked per tensor
+_PLACEMENTS: dict[tuple, tuple[Any, str, str]] = {}  # (mesh, placements) -> placement, mesh_coord: asked per tensor
 
 
 _STAT_COLUMNS = COLUMNS[COLUMNS.index("nan"):]
@@ -469,9 +469,10 @@ def _packed(module: nn.Module, rank: int, prefix: str,
         return None
     stamp = _PHASES.append if _PHASES is not None else None
     cached = _PLANS.get(module)
-    early = cached is not None and cached[1] is not None and cached[0][0] == prefix and _alive(*cached[1][2:4])
+    early = (cached is not None and cached[1] is not None and cached[0][0] == prefix
+             and _alive(cached[1].refs, cached[1].ptrs))
     if early:
-        cached[1][0].launch()
+        cached[1].plan.launch()
     if stamp:
         stamp(("launched", time.perf_counter()))
     try:
@@ -493,7 +494,7 @@ def _packed(module: nn.Module, rank: int, prefix: str,
     entry = cached[1]
     if entry is None:
         return None
-    plan, static = entry[:2]
+    plan, static = entry.plan, entry.static
     if not early:
         plan.launch()
     # The fixed columns while the kernel runs; the statistics into the same dicts once it is done.
@@ -504,12 +505,12 @@ def _packed(module: nn.Module, rank: int, prefix: str,
     cols = plan.columns(stamp)
     for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
         deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
-    for i, layout in entry[5].items():  # a DTensor's row ends with its layout (then its shares), as on the general path
+    for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)
         rows[i].update(layout)
-    for i, v in entry[4].items():  # shared tensors (ties), known when the plan was built: none in most models
+    for i, v in entry.shares.items():  # shared tensors (ties), known when the plan was built: none in most models
         rows[i]["shares"] = v
     if held is not None:  # the module's (name, tensor) pairs, as named_tensors gives them, for the annotations
-        held.extend(zip(entry[6], map(weakref.ref.__call__, entry[7])))
+        held.extend(zip(entry.names, map(weakref.ref.__call__, entry.whole)))
     if stamp:
         stamp(("rows filled", time.perf_counter()))
     return rows
@@ -529,7 +530,7 @@ def plan_stamp(objects: Mapping[str, Any]) -> tuple | None:
             cached = _PLANS.get(obj)
             if cached is None or cached[1] is None:
                 return None
-            out.append((name, id(obj), cached[1][8]))
+            out.append((name, id(obj), cached[1].serial))
     return tuple(out)
 
 
@@ -542,7 +543,21 @@ def _alive(refs: list, ptrs: list[int]) -> bool:
         return False
 
 
-def _build_plan(module: nn.Module, prefix: str) -> tuple | None:
+class _Entry(NamedTuple):
+    """A module's cached plan and what its rows take from it without a walk."""
+
+    plan: Any  # probe_fused.Plan: the launch
+    static: list[tuple]  # per row: name, kind, dtype, device, shape, numel
+    refs: list  # weak refs to the tensors the plan reads (a DTensor's local shard)
+    ptrs: list[int]  # their addresses when the plan was built (``_alive``)
+    shares: dict[int, str]  # row -> the other names its tensor is held under
+    layouts: dict[int, dict[str, str]]  # row -> a DTensor's layout columns
+    names: list[str]  # the rows' names, as named_tensors gives them
+    whole: list  # weak refs to the tensors as the module holds them (DTensors whole): the annotations' pairs
+    serial: int  # this plan's own number (``plan_stamp``)
+
+
+def _build_plan(module: nn.Module, prefix: str) -> _Entry | None:
     ties: dict[str, list[str]] = {}
     named = named_tensors(module, prefix, ties)
     items = [(name, kind, _local(t)) for name, kind, t in named]
@@ -551,15 +566,15 @@ def _build_plan(module: nn.Module, prefix: str) -> tuple | None:
     static = [(name, kind, _dtype_name(t.dtype), _device_name(t.device), "x".join(map(str, t.shape)) or "()",
                t.numel()) for name, kind, t in items]
     locs = [t for _, _, t in items]
-    refs = [weakref.ref(t if type(t) in _PLAIN_TYPES else t._local_tensor) for _, _, t in named]
+    refs = [weakref.ref(t) for t in _shards([t for _, _, t in named])]  # _packed took these: no other subclass
     same: dict[tuple, list[str]] = {}
     for name, _, t in items:
         same.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), []).append(name)
     shares = _shares([n for n, _, _ in items], ties, same)  # the cache key holds every tensor's identity and address
     layouts = {i: _layout(t) for i, (_, _, t) in enumerate(named) if type(t) not in _PLAIN_TYPES}
     whole = [weakref.ref(t) for _, _, t in named]
-    return (_pf.Plan(locs), static, refs, [t.data_ptr() for t in locs], shares, layouts, [n for n, _, _ in named],
-            whole, next(_SERIAL))
+    return _Entry(_pf.Plan(locs), static, refs, [t.data_ptr() for t in locs], shares, layouts,
+                  [n for n, _, _ in named], whole, next(_SERIAL))
 
 
 def _shards(tensors: list) -> list | None:
