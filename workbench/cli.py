@@ -106,7 +106,7 @@ def print_summary(session: Any, record: Any = None) -> None:
     with pd.option_context("display.width", 200, "display.max_colwidth", 90, "display.max_rows", 40):
         print(f"\n  tensors not ok after '{last.step}' ({last.tensors['name'].nunique()} tensors per rank):")
         print(summary.to_string(index=False) if len(summary) else "  none")
-        out = session.outputs
+        out = session.outputs if record is None else record.outputs  # the record's: no second stacking
         if len(out):
             out = last_step(out)
             print("\n  outputs:")

@@ -21,6 +21,7 @@ _BACKEND_WORDS = re.compile(r"\[[^\]]*gloo[^\]]*\]|connection closed by peer|con
                             r"|aborted by the workbench|\bnccl", re.I)
 OUTPUT_COLUMNS = [*COLUMNS, "ref_max_abs_diff"]
 INT_COLUMNS = ["rank", "numel", "nan", "inf", "poisoned"]
+_INT_SET = frozenset(INT_COLUMNS)
 
 
 _SOURCE_FILE = re.compile(r"\[[^\]]*\.(?:cc|cpp|cu|h)(?::\d+)?\]\s*")  # gloo's "[.../pair.cc:553] "
@@ -88,9 +89,10 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> pd.DataFrame:
         if r.keys() - seen.keys():
             seen.update(dict.fromkeys(r))
     order = list(seen)
-    df = pd.DataFrame({c: [r.get(c) for r in rows] for c in order}, columns=order)
-    ints = {c: "Int64" for c in INT_COLUMNS if c in df.columns}  # counts stay integers; meta rows get <NA>
-    return df.astype(ints) if ints else df
+    # Counts stay integers (meta rows get <NA>): built as Int64 arrays, the same frame as ``astype`` gives from the
+    # object columns, at a third of its cost (a CLI run builds ~16 of these tables after its steps).
+    return pd.DataFrame({c: pd.array([r.get(c) for r in rows], dtype="Int64") if c in _INT_SET
+                         else [r.get(c) for r in rows] for c in order}, columns=order)
 
 
 class Frame:
