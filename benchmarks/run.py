@@ -11,10 +11,17 @@
 - the incident-scale views table (`benchmarks/ranks_scale.py`: 8/16/64 synthetic ranks)
 Timings come from this machine (2 gloo ranks on CPU); the other GPU rows come from the recorded
 GPU suite (fixtures/gpu). Speed targets live here, never in tests.
+
+    python benchmarks/run.py [--repeats N] [--ups K]
+
+``--repeats``: warm reruns and attached runs each figure is the median of (default 5); ``--ups``: fresh
+`workbench up`s whose first run is timed (default 1; the figure is their median). Each row says the load
+average (1 minute) at the start and the end of its measurement: on a shared box it moves every figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import statistics
@@ -25,6 +32,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCENARIO, FIX = "fsdp1-rotary-meta-init", "cast-params-only"
+
+
+def load() -> float:
+    """The 1-minute load average now (what else this box is running)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def loads(before: float, after: float) -> str:
+    return f"load {before:.1f}->{after:.1f}"
 
 
 def timed(cmd: list[str], check: bool = True) -> tuple[float, str]:
@@ -54,6 +73,7 @@ def warm(repeats: int = 5) -> dict[str, float]:
     frames.Frame.build = classmethod(spy)
     from workbench.rank.byname import RankFn
 
+    load0 = load()
     try:
         with wb.start(ranks=2, backend="gloo", timeout=8) as cluster:
             # warm ranks, as `workbench up` leaves them: imports and first calls, then one untimed run (a cold
@@ -81,7 +101,8 @@ def warm(repeats: int = 5) -> dict[str, float]:
         frames.Frame.build = classmethod(build)
     return {"start_s": cluster.start_s, "group_s": cluster.group_s, "warm_s": statistics.median(runs),
             "overhead_s": statistics.median(overheads), "probe_s": statistics.median(probe_s),
-            "floor_s": floor, "trivial_s": trivial}
+            "floor_s": floor, "trivial_s": trivial, "repeats": repeats, "steps": len(overheads),
+            "load": loads(load0, load())}
 
 
 def _timed_n(fn, n: int) -> list[float]:
@@ -93,28 +114,36 @@ def _timed_n(fn, n: int) -> list[float]:
     return out
 
 
-def attached(repeats: int = 5) -> dict[str, float]:
+def attached(repeats: int = 5, ups: int = 1) -> dict[str, float]:
     """`workbench run --cluster P` on warm ranks from `workbench up`: how long `up` takes (it returns once the
     ranks' imports are done), the first run right after it, then the median, min and max of ``repeats`` more; and
     the client's own floor: Python importing what the command imports, with no engine touched, and whether
-    that import pulled in torch."""
+    that import pulled in torch. With ``ups`` > 1, `up` and its first run are taken that many times (a fresh
+    cluster each time; the later runs ride on the first ``up``): the medians are reported."""
     import tempfile
 
     floor_code = ("import sys, workbench.cli, workbench.live.connect, workbench.postmortem.bundle; "
                   f"from workbench import scenarios; scenarios.resolve({SCENARIO!r}); print('torch' in sys.modules)")
-    with tempfile.TemporaryDirectory() as d:
-        pdir = str(Path(d) / "profile_bench")
-        up_s = timed([sys.executable, "-m", "workbench.cli", "up", "--ranks", "2", "--profile", pdir])[0]
-        cmd = [sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--cluster", pdir,
-               "--timeout", "8"]
-        try:
-            first = timed(cmd)[0]
-            runs = [timed(cmd)[0] for _ in range(repeats)]
-        finally:
-            subprocess.run([sys.executable, "-m", "workbench.cli", "down", "--profile", pdir], capture_output=True)
+    ups_s, firsts, runs = [], [], []
+    load0 = load()
+    for i in range(ups):
+        with tempfile.TemporaryDirectory() as d:
+            pdir = str(Path(d) / "profile_bench")
+            ups_s.append(timed([sys.executable, "-m", "workbench.cli", "up", "--ranks", "2", "--profile", pdir])[0])
+            cmd = [sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--cluster", pdir,
+                   "--timeout", "8"]
+            try:
+                firsts.append(timed(cmd)[0])
+                if i == 0:
+                    runs = [timed(cmd)[0] for _ in range(repeats)]
+            finally:
+                subprocess.run([sys.executable, "-m", "workbench.cli", "down", "--profile", pdir],
+                               capture_output=True)
     floor, out = timed([sys.executable, "-c", floor_code])
-    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "first": first, "floor": floor,
-            "torch": out.strip() == "True", "up": up_s}
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs),
+            "first": statistics.median(firsts), "firsts": firsts, "floor": floor,
+            "torch": out.strip() == "True", "up": statistics.median(ups_s), "repeats": repeats,
+            "load": loads(load0, load())}
 
 
 def _phase(text: str, pattern: str) -> float:
@@ -135,35 +164,45 @@ def installed_bytecode() -> bool:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="warm reruns and attached runs per figure (median)")
+    ap.add_argument("--ups", type=int, default=1, help="fresh `workbench up`s whose first run is timed (median)")
+    args = ap.parse_args()
     compiled = installed_bytecode()
+    load0 = load()
     cold_wb, out = timed([sys.executable, "-m", "workbench.cli", "run", SCENARIO, "--fix", FIX, "--timeout", "8"],
                          check=False)
     cold_spawn = float(timed([sys.executable, str(HERE / "spawn_baseline.py"), SCENARIO, FIX])[0])
-    w = warm()
-    att = attached()
+    cold_load = loads(load0, load())
+    w = warm(args.repeats)
+    att = attached(args.repeats, args.ups)
     ms = 1e3
     rest = w["overhead_s"] - w["probe_s"] - w["floor_s"]  # the client's and the engines' own share of a step
     rows = [
         ("cold `workbench run` (fix) / spawn script", f"{cold_wb / cold_spawn:.2f}x", "<= 1.3x",
          cold_wb / cold_spawn <= 1.3 and not out.startswith("FAILED"),
-         f"{cold_wb:.1f} s vs {cold_spawn:.1f} s{'; the cold run FAILED' if out.startswith('FAILED') else ''}"),
+         f"{cold_wb:.1f} s vs {cold_spawn:.1f} s{'; the cold run FAILED' if out.startswith('FAILED') else ''}; "
+         f"{cold_load}"),
         ("  cold run: engines start", f"{_phase(out, r'engines ([0-9.]+)s'):.2f} s", "", None, "controller + engines"),
         ("  cold run: engines import torch", f"{_phase(out, r'imports ([0-9.]+)s'):.2f} s", "", None,
          "first call on the engines"),
         ("  cold run: process group", f"{_phase(out, r'process group ([0-9.]+)s'):.2f} s", "", None,
          "init_process_group and thread settings"),
         ("attached run via --cluster (`workbench up`)", f"{att['median']:.2f} s", "<= 1 s", att["median"] <= 1.0,
-         f"median of 5 ({att['min']:.2f}-{att['max']:.2f} s), {cold_wb / att['median']:.1f}x below cold; first run "
-         f"after up {att['first']:.2f} s; client imports alone {att['floor']:.2f} s"
-         f"{' (torch among them)' if att['torch'] else ' (no torch)'}"),
+         f"median of {att['repeats']} ({att['min']:.2f}-{att['max']:.2f} s), {cold_wb / att['median']:.1f}x below "
+         f"cold; client imports alone {att['floor']:.2f} s{' (torch among them)' if att['torch'] else ' (no torch)'}; "
+         f"{att['load']}"),
         ("first run right after `workbench up`", f"{att['first']:.2f} s", "<= 2 s", att["first"] <= 2.0,
-         f"`up` {att['up']:.1f} s, returning once the ranks' imports are done; the later runs' median "
+         f"median of {len(att['firsts'])} fresh `up`s ({', '.join(f'{x:.2f}' for x in att['firsts'])} s); `up` "
+         f"{att['up']:.1f} s, returning once the ranks' imports are done; the later runs' median "
          f"{att['median']:.2f} s"),
         ("warm rerun on live ranks vs spawn script", f"{cold_spawn / w['warm_s']:.1f}x", ">= 50x",
-         cold_spawn / w["warm_s"] >= 50, f"{w['warm_s']:.3f} s a rerun (median of 5) vs {cold_spawn:.1f} s"),
+         cold_spawn / w["warm_s"] >= 50, f"{w['warm_s']:.3f} s a rerun (median of {w['repeats']}) vs "
+         f"{cold_spawn:.1f} s; {w['load']}"),
         ("per-step overhead (client - slowest rank)", f"{w['overhead_s'] * ms:.1f} ms", "<= 10 ms",
          w["overhead_s"] <= 0.010, f"of which the ranks' probe {w['probe_s'] * ms:.1f} ms and ipyparallel's round "
-         f"trip (its floor below) {w['floor_s'] * ms:.1f} ms; the rest {rest * ms:.1f} ms"),
+         f"trip (its floor below) {w['floor_s'] * ms:.1f} ms; the rest {rest * ms:.1f} ms; median of "
+         f"{w['steps']} steps"),
         ("trivial call on all ranks (2) / apply_sync", f"{w['trivial_s'] / w['floor_s']:.2f}x", "<= 1.2x",
          w["trivial_s"] <= 1.2 * w["floor_s"],
          f"{w['trivial_s'] * ms:.1f} ms vs ipyparallel apply_sync floor {w['floor_s'] * ms:.1f} ms, same run"),
