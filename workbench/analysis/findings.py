@@ -6,7 +6,9 @@ answers. Each detector returns rows ``(step, severity, rank, name, finding)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import namedtuple
+from collections.abc import Callable, Iterator
+from functools import lru_cache
 from typing import Any
 
 import pandas as pd
@@ -16,6 +18,32 @@ from workbench.analysis import floor
 STATUSES = ["ok", "sharded", "apart", "meta", "differs", "dtype", "reference", "inf", "nan", "poison", "missing"]
 APART = "differs, not expected to agree"  # a neutral status: a difference no expectation asked to be absent
 FINDING_COLUMNS = ["step", "severity", "rank", "name", "detector", "finding"]
+
+
+# The columns ``status`` reads of a row: the rows it walks carry only these (a tensors table has ~25).
+_STATUS_COLUMNS = ("rank", "name", "dtype", "numel", "is_meta", "fingerprint", "sharded", "poisoned", "written", "nan",
+                   "inf", "ref_diff", "agree", "agree_by")
+
+
+@lru_cache(maxsize=64)
+def _row_type(fields: tuple[str, ...]) -> type:
+    return namedtuple("Pandas", fields, rename=True)
+
+
+def _rows(df: pd.DataFrame, columns: tuple[str, ...]) -> Iterator[Any]:
+    """``df[columns].itertuples(index=False)`` (those of ``columns`` it has), the same values: a string column is
+    read in one conversion instead of one pyarrow scalar an element (that made ``status`` the slowest part of a
+    run's diagnosis: ~1 ms a row); every other column as ``itertuples`` reads it."""
+    cols = [c for c in columns if c in df.columns]
+    arrays: list[Any] = []
+    for c in cols:
+        values = df[c]
+        arr = values.array
+        if isinstance(values.dtype, pd.StringDtype) and type(arr).__name__ == "ArrowStringArray":
+            arrays.append(arr.to_numpy(dtype=object, na_value=values.dtype.na_value))
+        else:
+            arrays.append(values)
+    return map(_row_type(tuple(cols))._make, zip(*arrays))
 
 
 def _rank0(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
@@ -37,7 +65,7 @@ def status(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFrame:
     # one dict lookup per row (a .loc per row took ~1 s at 64 ranks x 60 tensors)
     ref_rows = dict(zip(ref.index, ref[["dtype", "numel", "is_meta", "fingerprint"]].to_dict("records")))
     out = []
-    for row in tensors.itertuples(index=False):
+    for row in _rows(tensors, _STATUS_COLUMNS):
         st, detail = "ok", ""
         r0 = ref_rows.get(row.name)
         own = _own_health(row)
@@ -94,10 +122,10 @@ def _status_learned(tensors: pd.DataFrame, reference_rank: int = 0) -> pd.DataFr
     lowest rank of its group that holds it; a row of no group that differs from the reference rank is
     ``apart`` (neutral: "differs, not expected to agree"), never ``differs``."""
     cols = ["dtype", "numel", "is_meta", "fingerprint"]
-    held = {(int(r), n): v for r, n, *v in tensors[["rank", "name", *cols]].itertuples(index=False)}
+    held = {(int(r), n): v for r, n, *v in _rows(tensors, ("rank", "name", *cols))}
     world = tensors["rank"].nunique()
     out = []
-    for row in tensors.itertuples(index=False):
+    for row in _rows(tensors, _STATUS_COLUMNS):
         st, detail = "ok", ""
         group = agree_ranks(getattr(row, "agree", None))
         by = getattr(row, "agree_by", None)
