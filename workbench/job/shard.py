@@ -263,10 +263,13 @@ class Capture:
         self._fr_lock = threading.Lock()
         self._fr_still: tuple[Any, float] = ((), 0.0)  # the groups' counts a hang's read last saw, and since when
         self._writer: writer.Writer | None = None  # finishes each point on its own thread (a GPU job: writer.py)
+        self._gc = writer.GcHold()
         self._writer_chosen = False
         self._poison_mode: Any = None
         self._hook = sys.excepthook
-        self._latest: dict[str, Any] | None = None
+        # the last point: its record until written, then its line (one string: its thousands of rows die by refcount
+        # instead of ageing into the job's oldest GC generation, which would make full collections come sooner)
+        self._latest: dict[str, Any] | str | None = None
         self._objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
         self._objects_weak = True
         self.serving: engine.Serving | None = None  # the attach in progress, while this rank serves
@@ -399,7 +402,8 @@ class Capture:
     @property
     def latest(self) -> dict[str, Any] | None:
         """The last point's record (its rows), or None before the first."""
-        return self._latest
+        latest = self._latest
+        return json.loads(latest) if isinstance(latest, str) else latest
 
     @property
     def device_held(self) -> str | None:
@@ -541,13 +545,20 @@ class Capture:
         """
         if not self._usable():
             return None
+        self._gc.hold()  # released once the point is written (on the writer, when it writes)
+        handed = False
         try:
-            return self._point(name, same_on, objects)
+            info = self._point(name, same_on, objects)
+            handed = info.pop("_handed", False)
+            return info
         except Exception as exc:
             if self.strict:
                 raise
             self._fault(f"at point `{name}`", exc)
             return None
+        finally:
+            if not handed:
+                self._gc.release()
 
     def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
         import torch
@@ -567,13 +578,13 @@ class Capture:
         self._where()
         self._choose_writer()
         when = f"before point `{name}`"
-        if self._fr is not None and self._ledger is not None:  # the calls on the way here, read now or later
+        read_fr = False  # the calls on the way here: read now, or by the writer once the point is handed over
+        if self._fr is not None and self._ledger is not None:
             self._fr.mark(str(self._ledger.step))
             if self._writer is None:
                 self.fill_from_flight_recorder(when)
-            elif self._fr.due(FR_READ_EVERY):
-                self._writer.submit(f"reading Flight Recorder {when}",
-                                    lambda: self.fill_from_flight_recorder(when, marked_only=True))
+            else:
+                read_fr = self._fr.due(FR_READ_EVERY)
         objects = dict(objects)
         for key, value in list(objects.items()):
             if isinstance(value, torch.Tensor):
@@ -602,10 +613,21 @@ class Capture:
         if self._writer is None:
             self._finish_point(record, info, points)
         else:  # bytes filled in once written (``flush``)
-            self._writer.submit(f"at point `{name}`", lambda: self._finish_point(record, info, points))
+            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points))
+            info["_handed"] = True
+            if read_fr:  # after the point's own work: the writer reads while the job launches its next step
+                self._writer.submit(f"reading Flight Recorder {when}",
+                                    lambda: self.fill_from_flight_recorder(when, marked_only=True))
         self._t_last = time.time()
         info["seconds"] = time.perf_counter() - t0
         return info
+
+    def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
+        try:
+            self._finish_point(record, info, points)
+        finally:
+            del record
+            self._gc.release()
 
     def _finish_point(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
         """The point's line and the manifest (on a GPU job, on the writer thread)."""
@@ -615,6 +637,8 @@ class Capture:
         self._points_file.write(line)
         self._points_file.flush()
         self._written = points
+        if self._latest is record:  # not a later point's, handed over meanwhile
+            self._latest = line
         info["bytes"] = len(line)
         if self._ledger is not None:
             self._settle()
@@ -716,7 +740,7 @@ class Capture:
         """What the debug-server handler answers: this rank's latest point (its rows) and open calls."""
         self.flush(5.0)
         return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
-                "points": list(self.points), "latest": self._latest, "open_calls": self.open_calls()}
+                "points": list(self.points), "latest": self.latest, "open_calls": self.open_calls()}
 
     def files(self) -> dict[str, Any]:
         """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""

@@ -249,6 +249,7 @@ class Complement:
             if name in gaps and not e.get("is_p2p") and e.get("collective_seq_id") in gaps[name][1]:
                 by_group.setdefault(name, []).append(e)
         written = 0
+        out: list[dict[str, Any]] = []  # every row of this read, written at once
         for name, (pg, _missing, n) in gaps.items():
             entries = sorted({e["collective_seq_id"]: e for e in by_group.get(name, [])}.values(),
                              key=lambda e: e["collective_seq_id"])
@@ -263,15 +264,16 @@ class Complement:
                     e.get("state") != "completed"
                 step = next((st for st, counts in marks if seq <= counts.get(name, 0)), None)
                 rec = self._row(e, name, ranks, seq, step)
-                self.book.write(rec)
+                out.append(rec)
                 if still:
                     self.left_open[name] = rec
                 else:
                     state = "completed" if e.get("state") == "completed" else "issued"
                     note = NOTE + ("" if state == "completed" else f"; its end is not in the record, read {when}")
-                    self._end(rec, state, note)
+                    out.append(self._end_row(rec, state, note))
                 written += 1
             self._account(name, n)
+        self.book.write_many(out)
         self.rows += written
         return written
 
@@ -307,6 +309,10 @@ class Complement:
         }
 
     def _end(self, rec: dict[str, Any], state: str, note: str) -> None:
-        self.book.write({"ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
-                         "group": rec["group"], "seq": rec["seq"], "state": state, "error": None, "t": time.time(),
-                         "note": note, "source": SOURCE})
+        self.book.write(self._end_row(rec, state, note))
+
+    @staticmethod
+    def _end_row(rec: dict[str, Any], state: str, note: str) -> dict[str, Any]:
+        return {"ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
+                "group": rec["group"], "seq": rec["seq"], "state": state, "error": None, "t": time.time(),
+                "note": note, "source": SOURCE}
