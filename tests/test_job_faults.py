@@ -360,3 +360,25 @@ def test_a_point_holds_collection_off_only_while_its_rows_live(tmp_path, alone, 
     finally:
         gc.enable()
     cap.close()
+
+
+def test_a_process_forked_while_a_point_holds_collection_starts_with_it_on(tmp_path, alone):
+    """A DataLoader's worker forked while the writer still writes a point must not inherit the hold."""
+    import gc
+
+    from workbench.job import writer
+
+    hold = writer.GcHold()
+    hold.hold()
+    try:
+        assert not gc.isenabled()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once
+            os.write(w, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(r, 1) == b"1"
+    finally:
+        hold.release()
+    assert gc.isenabled()

@@ -18,6 +18,7 @@ import gc
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 ENV = "WORKBENCH_CAPTURE_WRITER"  # "thread": the writer thread on any device (tests on CPU); "inline": never
@@ -39,12 +40,14 @@ class GcHold:
     rows, which would make a collection due, and a full collection of a process holding a transformers model takes
     0.2-0.3 s on an H200 host (``fixtures/gpu/real_size_gc.json``), landing in the job's next step. The rows die by
     refcount once written, so they never reach an old generation. Held by count (a point and its writing); a
-    user's own ``gc.disable()`` before the first hold is left alone."""
+    user's own ``gc.disable()`` before the first hold is left alone, and a process forked meanwhile (a DataLoader's
+    worker) starts with collection on, as it would have."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holds = 0
         self._ours = False
+        _HOLDS.add(self)
 
     def hold(self) -> None:
         with self._lock:
@@ -59,6 +62,22 @@ class GcHold:
             if self._holds == 0 and self._ours:
                 self._ours = False
                 gc.enable()
+
+
+_HOLDS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _child_after_fork() -> None:
+    """In a forked child: whatever a hold of the parent's turned off is on again (the child has no writer)."""
+    for h in list(_HOLDS):
+        if h._ours:
+            h._ours, h._holds = False, 0
+            h._lock = threading.Lock()
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_child_after_fork)
 
 
 class Writer:
