@@ -296,3 +296,89 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
         store.set(f"pm/open/{r}", _published(planted[r]))
     proof = triggers._prove(store, "pm", 2)
     assert proof is not None and proof["ranks"] == [0, 1]
+
+
+def test_a_full_disk_on_the_writer_thread_is_the_same_one_line(tmp_path, alone, mounts, monkeypatch, capfd):
+    """A GPU job's points are finished on the capture's writer thread (``job/writer.py``; forced here on CPU): the
+    point returns at once, its line is on disk after ``flush``, and the writer's fault is the same one line as the
+    job's thread's, counting only the points written; the capture is off from the job's next call."""
+    import torch
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE_WRITER", "thread")
+    disk = mounts(tmp_path / "disk", size="64k")
+    cap = wj.capture(disk / "runs", poison=False, ledger=False)
+    model = torch.nn.Linear(4, 4)
+    info = cap.point("step0", model=model)
+    assert cap._writer is not None and cap.flush()
+    shard = disk / "runs" / "rank0"
+    lines = (shard / "points.jsonl").read_text().splitlines()
+    assert info["bytes"] == len(lines[-1]) + 1 and json.loads(lines[-1])["point"] == "step0"
+    with open(disk / "filler", "wb", buffering=0) as f:  # another writer fills the disk, to the last byte
+        for chunk in (4096, 1):
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * chunk)
+    assert cap.point("step1", model=model) is not None  # handed over: the job's thread does not meet the disk
+    cap.flush()
+    assert cap.point("step2", model=model) is None and not cap.enabled
+    cap.close()
+    err = capfd.readouterr().err
+    # the line of step1 may still fit the page its file holds, and the manifest's new file not: the count said is
+    # the count on disk
+    written = [json.loads(x)["point"] for x in (shard / "points.jsonl").read_text().splitlines() if x.endswith("}")]
+    assert written[0] == "step0" and "step2" not in written
+    assert re.fullmatch(r"workbench: rank 0: capture stopped at point `step1`: no space left on device \(\S+\); "
+                        rf"\S+rank0 keeps {len(written)} point\(s\) up to `{written[-1]}`; "
+                        r"the job goes on without it\n", err), err
+
+
+def test_a_point_holds_collection_off_only_while_its_rows_live(tmp_path, alone, monkeypatch):
+    """A full collection in a GPU job's next step took 0.4-0.5 s after a point made one due (2 x H200): the capture
+    holds automatic collection off from the point until its rows are written, then gives it back; the last point is
+    kept as its line, so its rows do not age into the oldest generation; a user's own ``gc.disable()`` stands."""
+    import gc
+
+    import torch
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE_WRITER", "thread")
+    cap = wj.capture(tmp_path / "runs", poison=False, ledger=False)
+    seen: list[bool] = []
+    finish = cap._finish_point
+
+    def watched(*args):
+        seen.append(gc.isenabled())
+        return finish(*args)
+
+    cap._finish_point = watched
+    cap.point("p0", model=torch.nn.Linear(2, 2))
+    assert cap.flush() and seen == [False] and gc.isenabled()
+    assert isinstance(cap._latest, str) and cap.latest["point"] == "p0" and len(cap.latest["tensors"]) == 2
+    gc.disable()
+    try:
+        cap.point("p1", model=torch.nn.Linear(2, 2))
+        assert cap.flush() and seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+    cap.close()
+
+
+def test_a_process_forked_while_a_point_holds_collection_starts_with_it_on(tmp_path, alone):
+    """A DataLoader's worker forked while the writer still writes a point must not inherit the hold."""
+    import gc
+
+    from workbench.job import writer
+
+    hold = writer.GcHold()
+    hold.hold()
+    try:
+        assert not gc.isenabled()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once
+            os.write(w, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(r, 1) == b"1"
+    finally:
+        hold.release()
+    assert gc.isenabled()
