@@ -588,28 +588,30 @@ _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 
 
 def _stopped_early(exc: BaseException) -> bool:
-    """The start failed because the processes it started ended, not because they were slow or refused."""
-    return "Engine set stopped" in str(exc) or "Controller stopped" in str(exc)
+    """The start failed because the engines it started ended (ipyparallel's client: "Engine set stopped"), not
+    because they were slow."""
+    return "Engine set stopped" in str(exc)
 
 
 def _stop_cause(ipp_cluster: Any) -> str:
-    """What the start-up's logs say stopped it, in one line: the port in use where a bind failed (the
-    usual cause: a port ipyparallel picked was taken before it bound it), else the last error line."""
-    logs = []
+    """What the start-up's logs say stopped it, in one line: the port in use where a bind failed (the usual
+    cause: a port picked, then taken by another process before it was bound), else the last error line."""
+    logs: list[tuple[str, str]] = []
     try:
-        logs += [es.get_output() or "" for es in (ipp_cluster.engines or {}).values()]
+        logs += [("an engine", es.get_output() or "") for es in (ipp_cluster.engines or {}).values()]
         if ipp_cluster.controller is not None:
-            logs.append(ipp_cluster.controller.get_output() or "")
+            logs.append(("the controller", ipp_cluster.controller.get_output() or ""))
     except Exception:  # a launcher that never started has no output to read
         pass
-    text = "\n".join(logs)
-    found = _IN_USE.search(text)
-    if found:
-        return f"an engine could not bind {found.group(1)}: port in use (taken after ipyparallel picked it)"
-    errors = [m.group(0) for line in text.splitlines() if (m := _ERROR_LINE.match(line.strip()))]
-    if errors:
-        return f"the engine set stopped during start-up: {errors[-1][:300]}"
-    return "the engine set stopped during start-up (its log names no cause)"
+    for who, text in logs:
+        found = _IN_USE.search(text)
+        if found:
+            return f"{who} could not bind {found.group(1)}: port in use"
+    for who, text in logs:
+        errors = [m.group(0) for line in text.splitlines() if (m := _ERROR_LINE.match(line.strip()))]
+        if errors:
+            return f"the engine set stopped during start-up ({who}: {errors[-1][:300]})"
+    return "the engine set stopped during start-up (its logs name no cause)"
 
 
 def stopped_failure(rank: int, pid: int | None) -> RankFailure | None:
