@@ -83,7 +83,7 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
     model = build(config, device, world, compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
-    step_s, point_s, point_b, rows = [], [], [], []
+    step_s, point_s, infos = [], [], []
     warm_s = None
     prof = _profiler(args, rank)
     for i in range(args.steps):
@@ -112,9 +112,11 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
             if i + 1 < args.steps:
                 prof["step"].enable()
         if info:
-            point_b.append(info["bytes"])
-            rows.append(info["rows"])
+            infos.append(info)
         del out
+    cap.flush()  # a GPU job's points are written on the capture's writer thread: their sizes are known once written
+    point_b = [i["bytes"] for i in infos if i.get("bytes") is not None]
+    rows = [i["rows"] for i in infos]
     fr = getattr(cap, "_fr", None)  # Flight Recorder's complement: rows it filled, times it read the record
     calls = getattr(cap, "_calls", None)  # the calls ledger: calls it passed to Flight Recorder's record
     fr_stats = {"rows": fr.rows, "dumps": fr.dumps, "passed": calls.passed if calls is not None else None} \
@@ -124,12 +126,29 @@ def run_mode(name: str, kwargs: dict, args, config, device, world: int, rank: in
         _dump_profile(prof, args, name + ("-compiled" if compile_backend else ""))
     del model, opt
     window = slice(2, None) if args.steps >= 6 else slice(min(1, args.steps - 1), None)
+    loop_s = [a + b for a, b in zip(step_s, point_s)] if infos else step_s
+    samples = {"step": step_s[window], "loop": loop_s[window], "point": point_s[window] if infos else []}
     return {"step_ms": 1e3 * statistics.median(step_s[window]), "step_ms_first": 1e3 * step_s[0],
+            "loop_ms": 1e3 * statistics.median(loop_s[window]),
+            "loop_ms_mean": 1e3 * statistics.fmean(loop_s[window]),
             "point_ms": 1e3 * statistics.median(point_s[window]) if point_b else None,
             "point_ms_first": 1e3 * point_s[0] if point_b else None,
             "point_bytes": statistics.median(point_b) if point_b else None, "rows": rows[0] if rows else None,
-            "warm_s": warm_s,
+            "warm_s": warm_s, "samples": samples,
             "flight_recorder": fr_stats}
+
+
+def _merge(results: list[dict]) -> dict:
+    """One mode's rounds as one figure: the medians over every round's window (the first round's first point)."""
+    out = dict(results[0])
+    if len(results) == 1:
+        return out
+    for key, part in (("step_ms", "step"), ("loop_ms", "loop"), ("point_ms", "point")):
+        xs = [x for r in results for x in r["samples"][part]]
+        out[key] = 1e3 * statistics.median(xs) if xs else out[key]
+    out["loop_ms_mean"] = 1e3 * statistics.fmean(x for r in results for x in r["samples"]["loop"])
+    out["rounds"] = [{k: r[k] for k in ("step_ms", "loop_ms", "point_ms")} for r in results]
+    return out
 
 
 def _await_warm() -> float | None:
@@ -185,24 +204,32 @@ def job(args) -> None:
     runs = args.runs or os.path.join(tempfile.gettempdir(), f"wb-job-capture-{os.environ.get('TORCHELASTIC_RUN_ID')}")
     eager: dict[str, dict] = {}
     compiled: dict[str, dict] = {}
-    for name in args.modes.split(","):
-        eager[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, None)
-        dist.barrier()
+    rounds: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):  # modes interleaved: a machine that drifts over the run drifts for every mode
+        for name in args.modes.split(","):
+            rounds.setdefault(name, []).append(run_mode(name, MODES[name], args, config, device, world, rank, runs,
+                                                        None))
+            dist.barrier()
+    eager = {name: _merge(rs) for name, rs in rounds.items()}
     errors: dict[str, str] = {}
     if rank == 0 and args.out:  # the eager figures stay written should the compiled part fail or run out of time
         write(args, eager, {}, errors, gpu, device, backend, world)
     if args.compile:
         import torch._dynamo
 
-        for name in COMPILED:
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            try:  # a compiler's failure is the same on every rank: each records it and goes on to the barrier
-                compiled[name] = run_mode(name, MODES[name], args, config, device, world, rank, runs, backend)
-                compiled[name]["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            except Exception as exc:
-                errors[f"compiled {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            dist.barrier()
+        crounds: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):
+            for name in COMPILED:
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                try:  # a compiler's failure is the same on every rank: each records it and goes on to the barrier
+                    got = run_mode(name, MODES[name], args, config, device, world, rank, runs, backend)
+                    got["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                    crounds.setdefault(name, []).append(got)
+                except Exception as exc:
+                    errors[f"compiled {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                dist.barrier()
+        compiled = {name: _merge(rs) for name, rs in crounds.items()}
     if rank == 0:
         print(table(write(args, eager, compiled, errors, gpu, device, backend, world)), flush=True)
         for k, v in errors.items():
@@ -217,12 +244,18 @@ def write(args, eager: dict, compiled: dict, errors: dict, gpu: bool, device, ba
     doc = {
         "shape": args.shape, "config": SHAPES[args.shape], "ranks": world, "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": f"median of steps 2-{args.steps - 1}",
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "window": f"median of steps 2-{args.steps - 1}"
+        + (f", {args.rounds} interleaved rounds" if args.rounds > 1 else ""), "rounds": args.rounds,
         "compile_backend": backend if args.compile else None, "compile_scope": "each decoder layer",
         "flight_recorder_env": {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE",
                                                                 "TORCH_NCCL_TRACE_BUFFER_SIZE")},
         "step_ms": {k: round(v["step_ms"], 2) for k, v in eager.items()},
+        "loop_ms": {k: round(v["loop_ms"], 2) for k, v in eager.items()},  # the step and its point: the cost
+        # the mean too: what a point does every few points (Flight Recorder's read) the median does not show
+        "loop_ms_mean": {k: round(v["loop_ms_mean"], 2) for k, v in eager.items()},
         "compiled_step_ms": {k: round(v["step_ms"], 2) for k, v in compiled.items()},
+        "compiled_loop_ms": {k: round(v["loop_ms"], 2) for k, v in compiled.items()},
+        "compiled_loop_ms_mean": {k: round(v["loop_ms_mean"], 2) for k, v in compiled.items()},
         "point_ms": {k: _r(v["point_ms"]) for k, v in eager.items()},
         "point_ms_first": {k: _r(v["point_ms_first"]) for k, v in eager.items()},
         "point_bytes": {k: v["point_bytes"] for k, v in eager.items()},
@@ -246,18 +279,27 @@ def table(doc: dict) -> str:
     off = doc["step_ms"].get("off")
     lines = [f"job capture: {doc['shape']}, {doc['ranks']} ranks, {doc['backend']} on {doc['device']}, torch "
              f"{doc['torch']}, {doc['batch']} x {doc['seq']} tokens a rank, {doc['window']}",
-             "| mode | step ms | vs off | point ms (first) | bytes a point |", "| --- | --- | --- | --- | --- |"]
+             "| mode | step ms | vs off | point ms (first) | step + point ms | vs off | mean: step + point ms | vs off "
+             "| bytes a point |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    moff = doc.get("loop_ms_mean", {}).get("off")
     for k, v in doc["step_ms"].items():
         ratio = f"{v / off:.2f}x" if off else "-"
+        loop = doc.get("loop_ms", {}).get(k, v)
         pm, pf, pb = doc["point_ms"].get(k), doc["point_ms_first"].get(k), doc["point_bytes"].get(k)
+        mean = doc.get("loop_ms_mean", {}).get(k, v)
         lines.append(f"| {k} | {v:.1f} | {ratio} | " + (f"{pm:.1f} ({pf:.1f})" if pm is not None else "-") +
-                     f" | {pb if pb is not None else '-'} |")
+                     f" | {loop:.1f} | " + (f"{loop / off:.3f}x" if off else "-") + f" | {mean:.1f} | "
+                     + (f"{mean / moff:.3f}x" if moff else "-") + f" | {pb if pb is not None else '-'} |")
     coff = doc["compiled_step_ms"].get("off")
     for k, v in doc["compiled_step_ms"].items():
         ratio = f"{v / coff:.2f}x" if coff else "-"
+        loop = doc.get("compiled_loop_ms", {}).get(k, v)
+        mean, cmoff = doc.get("compiled_loop_ms_mean", {}).get(k, v), doc.get("compiled_loop_ms_mean", {}).get("off")
         pm = doc["compiled_point_ms"].get(k)
         lines.append(f"| compiled ({doc['compile_backend']}) {k} | {v:.1f} | {ratio} | "
-                     + (f"{pm:.1f}" if pm is not None else "-") + f" | graphs {doc['compiled_unique_graphs'][k]} |")
+                     + (f"{pm:.1f}" if pm is not None else "-") + f" | {loop:.1f} | "
+                     + (f"{loop / coff:.3f}x" if coff else "-") + f" | {mean:.1f} | "
+                     + (f"{mean / cmoff:.3f}x" if cmoff else "-") + f" | graphs {doc['compiled_unique_graphs'][k]} |")
     return "\n".join(lines)
 
 
@@ -268,6 +310,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default: 512; 128 for tiny)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rounds", type=int, default=1, help="the modes this many times, interleaved; medians over all")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--compile-backend", default=None)
     ap.add_argument("--ranks", type=int, default=2, help="CPU only: how many ranks torchrun starts")

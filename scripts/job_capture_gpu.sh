@@ -24,7 +24,7 @@ t0=$(date +%s)
 timeout -k 20 "${LIMIT:-560}" $PY -m torch.distributed.run --standalone --nproc-per-node "$N" \
   benchmarks/job_capture.py --shape "${SHAPE:-llama-3.2-1b}" --steps "${STEPS:-6}" \
   --out "$OUT/job_capture_leave_on_${N}gpu.json" --runs /tmp/wb-job-capture --flight-recorder \
-  ${MODES:+--modes "$MODES"} ${EXTRA:-} \
+  ${MODES:+--modes "$MODES"} ${ROUNDS:+--rounds "$ROUNDS"} ${EXTRA:-} \
   2>&1 | grep -v -E "Warning|warnings.warn|^\s*$" | tee "$OUT/job_capture_leave_on_${N}gpu.txt"
 rc=${PIPESTATUS[0]}
 echo "job_capture: $(( $(date +%s) - t0 ))s, rc=$rc" | tee -a "$OUT/job_capture_leave_on_${N}gpu.txt"

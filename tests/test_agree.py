@@ -271,3 +271,12 @@ def test_the_status_matrix_follows_the_mesh_and_says_which_replica_parted():
     assert findings.status(_hsdp([[0, 2], [1, 3]], {0: "a", 2: "b", 1: "a", 3: "b"}))["status"].eq("ok").all()
     # without a mesh (or a recording from before the column) the rows stay ranks
     assert list(viz.status_matrix(t.drop(columns=["mesh_coord"])).data[0].y) == [f"rank {r}" for r in range(4)]
+
+
+def test_both_sides_of_a_replica_split_are_shortened_alike():
+    """A 64-rank mesh's sentence stays one line: the second side of "vs" reads as a range too (it listed every rank)."""
+    from workbench.analysis.diagnosis_rules.tensor import replica_sides
+
+    assert replica_sides([[0, 1], [2, 3]]) == "ranks 0,1 vs 2,3"
+    assert replica_sides([[0, 1, 2, 3], [4, 5, 6, 7]]) == "ranks 0-3 vs 4-7"
+    assert replica_sides([list(range(32)), list(range(32, 64))]) == "ranks 0-31 vs 32-63"

@@ -296,3 +296,37 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
         store.set(f"pm/open/{r}", _published(planted[r]))
     proof = triggers._prove(store, "pm", 2)
     assert proof is not None and proof["ranks"] == [0, 1]
+
+
+def test_a_full_disk_on_the_writer_thread_is_the_same_one_line(tmp_path, alone, mounts, monkeypatch, capfd):
+    """A GPU job's points are finished on the capture's writer thread (``job/writer.py``; forced here on CPU): the
+    point returns at once, its line is on disk after ``flush``, and the writer's fault is the same one line as the
+    job's thread's, counting only the points written; the capture is off from the job's next call."""
+    import torch
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE_WRITER", "thread")
+    disk = mounts(tmp_path / "disk", size="64k")
+    cap = wj.capture(disk / "runs", poison=False, ledger=False)
+    model = torch.nn.Linear(4, 4)
+    info = cap.point("step0", model=model)
+    assert cap._writer is not None and cap.flush()
+    shard = disk / "runs" / "rank0"
+    lines = (shard / "points.jsonl").read_text().splitlines()
+    assert info["bytes"] == len(lines[-1]) + 1 and json.loads(lines[-1])["point"] == "step0"
+    with open(disk / "filler", "wb", buffering=0) as f:  # another writer fills the disk, to the last byte
+        for chunk in (4096, 1):
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * chunk)
+    assert cap.point("step1", model=model) is not None  # handed over: the job's thread does not meet the disk
+    cap.flush()
+    assert cap.point("step2", model=model) is None and not cap.enabled
+    cap.close()
+    err = capfd.readouterr().err
+    # the line of step1 may still fit the page its file holds, and the manifest's new file not: the count said is
+    # the count on disk
+    written = [json.loads(x)["point"] for x in (shard / "points.jsonl").read_text().splitlines() if x.endswith("}")]
+    assert written[0] == "step0" and "step2" not in written
+    assert re.fullmatch(r"workbench: rank 0: capture stopped at point `step1`: no space left on device \(\S+\); "
+                        rf"\S+rank0 keeps {len(written)} point\(s\) up to `{written[-1]}`; "
+                        r"the job goes on without it\n", err), err

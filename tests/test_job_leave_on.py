@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import workbench as wb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,18 +18,21 @@ JOBS = ROOT / "tests" / "jobs"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _run(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(script: str, out: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKBENCH_CAPTURE", "TORCH_FR", "TORCH_NCCL"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra_env)
     run = subprocess.run([*TORCHRUN, str(JOBS / script), str(out), *args], capture_output=True, text=True,
                          timeout=300, env=env, cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 
 
-def test_ddp_reducer_all_reduces_are_in_the_default_record_with_no_mode_between_points(tmp_path):
+@pytest.mark.parametrize("writer", ["inline", "thread"])
+def test_ddp_reducer_all_reduces_are_in_the_default_record_with_no_mode_between_points(tmp_path, writer):
+    """``thread``: each point finished on the capture's writer thread, as on a GPU job (``job/writer.py``): Flight
+    Recorder read after the job went on, its calls still under the point they led to."""
     out = tmp_path / "ddp"
-    _run("ddp_capture_job.py", out)  # exits 3 where a mode sits on the job's stacks between points
+    _run("ddp_capture_job.py", out, WORKBENCH_CAPTURE_WRITER=writer)  # exits 3 where a mode sits on the job's stacks
     rec = wb.load(out).bug
     led = rec.ledger
     assert json.loads((out / "rank0" / "shard.json").read_text())["ledger"] == "calls"

@@ -166,7 +166,7 @@ def test_stale_cache_every_non_owner_stage_receives_into_the_stale_spec(live):
 
 def test_hsdp_replicas_seeded_by_rank_part_along_the_replicate_dim(live):
     from workbench import viz
-    from workbench.analysis.rankgroups import ranks_words
+    from workbench.analysis.rankgroups import rank_ranges, ranks_words
 
     n = live.world_size
     half = n // 2  # the mesh is 2 x N/2: replica 0 is ranks 0..half-1
@@ -174,7 +174,7 @@ def test_hsdp_replicas_seeded_by_rank_part_along_the_replicate_dim(live):
     d = s.diagnose()
     assert d.mechanism == "replicas-parted" and d.step == "materialize" and d.ranks == list(range(half, n)), \
         d.sentence
-    sides = f"{ranks_words(range(half))} vs {','.join(map(str, range(half, n)))}"
+    sides = f"{ranks_words(range(half))} vs {rank_ranges(range(half, n), shortest=3)}"
     assert d.sentence.startswith("`embed_tokens.weight`, ") and \
         f"differ between the replicas (mesh dim `replicate`: {sides}) from step `materialize`" in d.sentence, d.sentence
     assert f"output `logits` on {ranks_words(range(half, n))}: departs from the reference" in d.sentence, d.sentence

@@ -55,7 +55,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench.job import debug_server, engine, guest, triggers
+from workbench.job import debug_server, engine, guest, triggers, writer
 from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
@@ -202,6 +202,9 @@ class NoCapture:
     def post_mortem(self, exc: BaseException | None = None) -> None:
         return None
 
+    def flush(self, timeout: float = 0.0) -> bool:
+        return True
+
     def close(self) -> None:
         return None
 
@@ -259,6 +262,8 @@ class Capture:
         self._calls: Any = None  # the calls ledger (rank/ledger_calls.py), where ledger="calls"
         self._fr_lock = threading.Lock()
         self._fr_still: tuple[Any, float] = ((), 0.0)  # the groups' counts a hang's read last saw, and since when
+        self._writer: writer.Writer | None = None  # finishes each point on its own thread (a GPU job: writer.py)
+        self._writer_chosen = False
         self._poison_mode: Any = None
         self._hook = sys.excepthook
         self._latest: dict[str, Any] | None = None
@@ -273,6 +278,7 @@ class Capture:
         self._job_given = job or _launcher_job()
         self.job = self._job_given or _store_job()
         self.points: list[str] = []
+        self._written: list[str] = []  # the points whose line is on disk (the writer may be behind ``points``)
         self._t_last = time.time()
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
         self.ctx = context.RankContext(rank=self.rank, world_size=self.world_size, device=torch.device("cpu"),
@@ -450,8 +456,8 @@ class Capture:
         return not self._closed
 
     def _kept(self) -> str:
-        n = len(self.points)
-        return f"{self.dir} keeps {n} point(s)" + (f" up to `{self.points[-1]}`" if n else "")
+        n = len(self._written)
+        return f"{self.dir} keeps {n} point(s)" + (f" up to `{self._written[-1]}`" if n else "")
 
     def _fault(self, where: str, exc: BaseException, now: bool = True) -> None:
         """A fault of the capture's own: one line on stderr (once), the capture off on this rank. ``now``: on the
@@ -478,6 +484,8 @@ class Capture:
         if self._unwound:
             return
         self._unwound = self._closed = True
+        if self._writer is not None:  # what it has left skips itself (stopped); the files close after it
+            self._writer.drain(2.0)
         if self.watch is not None:
             self.watch.end()
         with contextlib.suppress(Exception):
@@ -552,12 +560,20 @@ class Capture:
             self.job = _store_job() or f"local-{shards.host()}-{os.getppid()}"
             if self._ledger is not None:
                 self._ledger.session = self.job
-        self.fill_from_flight_recorder(f"before point `{name}`")
         if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
             from workbench.rank import probe_fused
 
             probe_fused.warm_async(plain_meanwhile=True)  # the fused kernel builds aside; until then, the plain path
         self._where()
+        self._choose_writer()
+        when = f"before point `{name}`"
+        if self._fr is not None and self._ledger is not None:  # the calls on the way here, read now or later
+            self._fr.mark(str(self._ledger.step))
+            if self._writer is None:
+                self.fill_from_flight_recorder(when)
+            elif self._fr.due(FR_READ_EVERY):
+                self._writer.submit(f"reading Flight Recorder {when}",
+                                    lambda: self.fill_from_flight_recorder(when, marked_only=True))
         objects = dict(objects)
         for key, value in list(objects.items()):
             if isinstance(value, torch.Tensor):
@@ -574,9 +590,6 @@ class Capture:
         record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
                   "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
                   "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
-        line = json.dumps(record, default=shards.plain) + "\n"
-        self._points_file.write(line)
-        self._points_file.flush()
         self.ctx.outputs.clear()
         self.ctx.output_extras.clear()
         self.ctx.notes.clear()
@@ -584,11 +597,42 @@ class Capture:
         self._latest = record
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
-            self._settle()
+        info = {"point": name, "rows": len(rows) + len(outputs), "bytes": None, "seconds": 0.0}
+        points = list(self.points)
+        if self._writer is None:
+            self._finish_point(record, info, points)
+        else:  # bytes filled in once written (``flush``)
+            self._writer.submit(f"at point `{name}`", lambda: self._finish_point(record, info, points))
         self._t_last = time.time()
-        self._write_manifest()
-        return {"point": name, "rows": len(rows) + len(outputs), "bytes": len(line),
-                "seconds": time.perf_counter() - t0}
+        info["seconds"] = time.perf_counter() - t0
+        return info
+
+    def _finish_point(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
+        """The point's line and the manifest (on a GPU job, on the writer thread)."""
+        if self.stopped is not None:
+            return  # a fault stopped the capture meanwhile: what it kept is what it said
+        line = json.dumps(record, default=shards.plain) + "\n"
+        self._points_file.write(line)
+        self._points_file.flush()
+        self._written = points
+        info["bytes"] = len(line)
+        if self._ledger is not None:
+            self._settle()
+        self._write_manifest(points)
+
+    def _choose_writer(self) -> None:
+        """Once, at the first point (the device is known by then): the writer thread on a GPU job."""
+        if self._writer_chosen:
+            return
+        self._writer_chosen = True
+        if writer.wanted(self.ctx.device.type == "cuda", self.strict):
+            self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False))
+            self._stack.callback(self._writer.stop)
+
+    def flush(self, timeout: float = writer.DRAIN_S) -> bool:
+        """Wait until every point handed to the writer is on disk (a GPU job's points are written aside); True
+        when nothing is left. Close, a breakpoint, the job's exception and the debug server do it themselves."""
+        return self._writer is None or self._writer.drain(timeout)
 
     def breakpoint(self, deadline: float = 600.0, controller: str | os.PathLike | None = None,
                    **objects: Any) -> dict[str, Any]:
@@ -598,6 +642,7 @@ class Capture:
         (``workbench/job/engine.py`` says how it returns)."""
         if not self._usable():
             return {"by": "off", "seconds": 0.0}
+        self.flush()
         return engine.serve(self, deadline=deadline, controller=controller, **objects)
 
     def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
@@ -612,6 +657,7 @@ class Capture:
         if self.watch is None or "error" not in self.watch.triggers:
             raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
                              "every rank: their threads serve the ranks that did not raise")
+        self.flush()
         return triggers.on_exception(self, self.watch, exc, exc.__traceback__)
 
     # -- the shard's own state --------------------------------------------------------------
@@ -627,8 +673,8 @@ class Capture:
             self.ctx.device = dev
             self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
 
-    def _write_manifest(self) -> None:
-        self.doc.update(job=self.job, points=list(self.points), updated_at=time.time())
+    def _write_manifest(self, points: list[str] | None = None) -> None:
+        self.doc.update(job=self.job, points=list(self.points) if points is None else points, updated_at=time.time())
         url = debug_server.worker_url()
         if url is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
             self.doc["debug_server"] = url
@@ -639,6 +685,7 @@ class Capture:
         released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
         if self.stopped is None and not self._closed:
             with contextlib.suppress(Exception):
+                self.flush()
                 self.fill_from_flight_recorder("at the job's exception")
             try:
                 from workbench.rank.ledger import traceback_text
@@ -667,11 +714,13 @@ class Capture:
 
     def snapshot(self) -> dict[str, Any]:
         """What the debug-server handler answers: this rank's latest point (its rows) and open calls."""
+        self.flush(5.0)
         return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
                 "points": list(self.points), "latest": self._latest, "open_calls": self.open_calls()}
 
     def files(self) -> dict[str, Any]:
         """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""
+        self.flush(5.0)
         out: dict[str, Any] = {"rank": self.rank, "files": {}}
         names = [shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{self.rank}.jsonl"]
         for name in names:
@@ -693,10 +742,11 @@ class Capture:
         Recorder's record first fills what the calls ledger could not see: the rank may wait in one of those)."""
         if self._ledger is None:
             return []
+        self.flush(5.0)  # the points' own reads first, each labelling its calls with its step
         self.fill_from_flight_recorder("while the rank waits", hang=True)
         return triggers.open_calls(triggers.ledger_reader(self._ledger.path))
 
-    def fill_from_flight_recorder(self, when: str, hang: bool = False) -> int:
+    def fill_from_flight_recorder(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
         """Write into the ledger the collectives Flight Recorder recorded and the calls ledger did not (issued from
         C++); nothing is read while the ledger's numbers have no gap. Returns how many rows; a fault of its own is
         one line (``guest.py``) and the capture goes on without the complement."""
@@ -704,7 +754,7 @@ class Capture:
             return 0
         try:
             with self._fr_lock:
-                return self._fr.fill(when, hang=hang)
+                return self._fr.fill(when, hang=hang, marked_only=marked_only)
         except Exception as exc:
             if self.strict:
                 raise
@@ -738,6 +788,7 @@ class Capture:
         line on stderr (``guest.py``)."""
         if not self._usable():
             return
+        self.flush()
         with contextlib.suppress(Exception):
             self.fill_from_flight_recorder("at close")
         # The fused probe's kernel still building when a short job ends is not left mid-build at interpreter exit;
@@ -772,6 +823,10 @@ class Capture:
 
 
 WARM_AT_CLOSE_S = 20.0
+# A GPU job's capture reads Flight Recorder every this many points (or sooner, before its ring could wrap): reading
+# the whole ring took 4 ms a point on 2 x H200 (torch 2.11, ~50 calls a step, a 2000-entry ring), the dearest part
+# of a point; each call is still named by the point it led to (``ledger_fr.Complement.mark``).
+FR_READ_EVERY = 8
 
 
 def _open_capture() -> Capture | None:

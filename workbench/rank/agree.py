@@ -279,6 +279,8 @@ def _with_module(objects: Mapping[str, Any], cols: dict[str, dict[str, str]]) ->
     submodules' tensors a collective synced (a Linear whose weight was broadcast and bias forgotten; a model whose
     state dict was broadcast but not its non-persistent buffers), must agree across the same ranks. An expert's
     module, with nothing synced in it, stays its rank's own."""
+    if not any(c.get("agree_by") in SYNC_WORDS for c in cols.values()):
+        return  # nothing synced: no module speaks for its tensors (the walk, ~1.5 ms a point at 16 layers, skipped)
     for key, obj in objects.items():
         if not isinstance(obj, nn.Module) or type(obj).named_parameters is not nn.Module.named_parameters:
             continue

@@ -124,7 +124,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         gloo_interface(addr, where["host"])
     before = control.socket_fds()
     kw: dict[str, Any] = {}
-    if backend == "nccl":
+    if bind_device(backend):
         kw["device_id"] = device
     dist.init_process_group(
         backend,
@@ -134,11 +134,26 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         timeout=datetime.timedelta(seconds=timeout_s),
         **kw,
     )
+    _FORMED.add(backend)
     control.remember_group_sockets(before, port)
     control.track_new_groups()  # a subgroup a %%px cell forms, outside any step, is released like a step's
     set_rank(rank, world_size, backend, device, timeout_s)
     return {"rank": rank, "pid": os.getpid(), "device": str(device), "host_device": _device_name(device),
             "stacks_file": stacks.install(), "control": where, "kernels": kernel_knobs()}
+
+
+_FORMED: set[str] = set()  # backends this process has formed a world group with
+
+
+def bind_device(backend: str) -> bool:
+    """Whether to form the group eagerly, its NCCL communicator bound to this rank's GPU (``device_id``).
+
+    Only the first time in a process. On torch 2.11 (NCCL 2.28) a world group formed eagerly a second time
+    in the same process segfaults in ``split_group`` (``ncclCommSplit``), which ``init_device_mesh`` uses
+    whenever the default group is bound: an HSDP mesh killed every engine on the run after the workbench
+    re-formed the group (``scripts/hsdp_reform_repro.py``, 4 x H200). Formed lazily, the mesh takes
+    ``new_group`` instead, which holds for any number of re-formations."""
+    return backend == "nccl" and backend not in _FORMED
 
 
 def new_group(ranks: list[int]) -> Any:

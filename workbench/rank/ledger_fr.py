@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -63,6 +64,18 @@ def records() -> bool:
         except ValueError:
             continue
     return False
+
+
+def _ring_size() -> int:
+    """Flight Recorder's ring, in entries (what the environment set when the groups were made)."""
+    for k in ENVS:
+        try:
+            n = int(os.environ.get(k) or 0)
+        except ValueError:
+            continue
+        if n > 0:
+            return n
+    return int(BUFFER)
 
 
 def dump(stacks: bool = True) -> list[dict[str, Any]]:
@@ -147,17 +160,41 @@ class Complement:
         self.left_open: dict[str, dict[str, Any]] = {}  # group -> the row written open by a hang's read
         self.rows = 0  # rows written so far
         self.dumps = 0  # Flight Recorder read this many times
+        # each point's step and every group's count then, not yet read: a read names each call by the point it led
+        # to, however many points later it comes (a GPU job's capture reads every READ_EVERY points, on its writer)
+        self.marks: list[tuple[str, dict[str, int]]] = []
+        self._marks_lock = threading.Lock()
 
-    def gaps(self) -> dict[str, tuple[Any, set[int], int]]:
-        """group -> (its group, the numbers the backend gave that the ledger has no row of, the backend's count)."""
+    def mark(self, step: str) -> None:
+        """A point is reached: the calls issued so far belong to ``step`` (one counter read per group)."""
+        counts = {name: _ledger.backend_seq(pg) for pg, name in groups()}
+        with self._marks_lock:
+            self.marks.append((step, counts))
+
+    def due(self, every: int) -> bool:
+        """Whether to read the record now: ``every`` points marked since the last read, or so many calls unread
+        that the ring (its size from the environment) could wrap before the next read."""
+        with self._marks_lock:
+            if not self.marks:
+                return False
+            if len(self.marks) >= every:
+                return True
+            newest = self.marks[-1][1]
+        unread = sum(max(0, n - self.done.get(name, 0)) for name, n in newest.items())
+        return unread * 2 > _ring_size()
+
+    def gaps(self, upto: dict[str, int] | None = None) -> dict[str, tuple[Any, set[int], int]]:
+        """group -> (its group, the numbers the backend gave that the ledger has no row of, the backend's count);
+        ``upto``: each group's count to stop at (a point's, read later by the capture's writer)."""
         out = {}
         for pg, name in groups():
-            n = _ledger.backend_seq(pg)
+            live = _ledger.backend_seq(pg)
+            n = live if upto is None else min(live, upto.get(name, 0))
             lo = self.done.get(name, 0)
             if n <= lo:
                 continue
             seen = self._seen(name)
-            if seen and max(seen) > n + 1:
+            if seen and max(seen) > live + 1:
                 # the ledger numbered past the backend's count (calls the backend counted as one: a coalescing
                 # block): its numbers are no longer Flight Recorder's, so a gap is no missed call
                 self._account(name, n)
@@ -181,13 +218,27 @@ class Complement:
             if seen:
                 seen.difference_update([s for s in seen if s <= n])
 
-    def fill(self, when: str, hang: bool = False) -> int:
+    def fill(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
         """Write the rows the ledger lacks; returns how many. ``when``: what read them ("before point `step3`", "at
-        close", "while the rank waits"); ``hang``: the rank may be stuck: a group's newest call stays open."""
+        close", "while the rank waits"); ``hang``: the rank may be stuck: a group's newest call stays open.
+        ``marked_only``: only the calls up to the newest point marked (the capture's writer, while the job goes on).
+        A call is named by the first point marked after it (else by the ledger's step now)."""
         if self.book.off:
             return 0
+        with self._marks_lock:
+            marks = list(self.marks)
+        if marked_only and not marks:
+            return 0
+        try:
+            return self._fill(when, hang, marks, marks[-1][1] if marked_only else None)
+        finally:
+            with self._marks_lock:
+                del self.marks[:len(marks)]
+
+    def _fill(self, when: str, hang: bool, marks: list[tuple[str, dict[str, int]]],
+              upto: dict[str, int] | None) -> int:
         self._close_left_open(everything=not hang)
-        gaps = self.gaps()
+        gaps = self.gaps(upto)
         if not gaps:
             return 0
         self.dumps += 1
@@ -210,7 +261,8 @@ class Complement:
                 seq = int(e["collective_seq_id"])
                 still = hang and seq == entries[-1]["collective_seq_id"] and seq > newest and \
                     e.get("state") != "completed"
-                rec = self._row(e, name, ranks, seq)
+                step = next((st for st, counts in marks if seq <= counts.get(name, 0)), None)
+                rec = self._row(e, name, ranks, seq, step)
                 self.book.write(rec)
                 if still:
                     self.left_open[name] = rec
@@ -232,7 +284,8 @@ class Complement:
                 self._end(rec, "issued", NOTE + "; read open while the rank waited, its group went on after it")
                 del self.left_open[name]
 
-    def _row(self, e: dict[str, Any], name: str, ranks: list[int] | None, seq: int) -> dict[str, Any]:
+    def _row(self, e: dict[str, Any], name: str, ranks: list[int] | None, seq: int,
+             step: str | None = None) -> dict[str, Any]:
         dtypes = [TORCH_DTYPES.get(d, str(d).lower()) for d in (e.get("input_dtypes") or [])]
         sizes = [list(s) for s in (e.get("input_sizes") or [])]
         per = dtypes if len(dtypes) == len(sizes) else dtypes[:1] * len(sizes)
@@ -242,7 +295,8 @@ class Complement:
         profiling = str(e.get("profiling_name") or "")
         return {
             "ev": "start", "rank": self.book.rank, "session": self.book.session, "attempt": self.book.attempt,
-            "step": self.book.step, "group": name, "group_ranks": ranks, "seq": seq, "op": op_name(profiling),
+            "step": self.book.step if step is None else step,
+            "group": name, "group_ranks": ranks, "seq": seq, "op": op_name(profiling),
             "c10d_op": profiling, "dtypes": sorted(set(dtypes)), "shapes": sizes, "numel": sum(numel),
             "bytes": sum(k * ITEMSIZE.get(d, 0) for k, d in zip(numel, per)),
             "device": "cuda" if profiling.startswith("nccl") else "cpu",

@@ -127,8 +127,9 @@ def _annotate(rows: list[dict[str, Any]], objects: dict[str, Any], ctx: context.
         row["written"] = None if t is None else poison.written_state(t, row.get("poisoned"), row.get("fingerprint"))
         row["sharded"] = row["name"] in sharded or row["name"].split(".", 1)[0] in ctx.rank_local
     every = {**objects, **ctx.user_objects()}
-    agree.annotate(rows, whole, every, ctx.rank_local, stamp=probe.plan_stamp(every))
-    reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected))
+    stamp = probe.plan_stamp(every)
+    agree.annotate(rows, whole, every, ctx.rank_local, stamp=stamp)
+    reference.annotate(rows, by_name, reference.expectations(objects, ctx.expected, stamp))
 
 
 def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext, fed: str = "") -> None:

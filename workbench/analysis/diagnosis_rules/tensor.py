@@ -29,7 +29,7 @@ from workbench.analysis.diagnosis_words import (
     tensors,
 )
 from workbench.analysis.frames import fmt
-from workbench.analysis.rankgroups import ranks_words
+from workbench.analysis.rankgroups import rank_ranges, ranks_words
 
 
 class TensorFacts:
@@ -235,12 +235,17 @@ def when_replicas_parted(f: TensorFacts) -> bool:
     return _replicas(f) is not None
 
 
+def replica_sides(groups: list[list[int]]) -> str:
+    """``ranks 0,1 vs 2,3``; ``ranks 0-3 vs 4-7``: every side shortened alike, so a 64-rank mesh stays one line."""
+    return " vs ".join(rank_ranges(g, shortest=3) if i else ranks_words(g) for i, g in enumerate(groups))
+
+
 def says_replicas_parted(f: TensorFacts) -> Diagnosis:
     """`t` differs between the replicas (mesh dim `replicate`: ranks 0,1 vs 2,3) from step `S`"""
     by, groups = _replicas(f)
     names = list(dict.fromkeys(f.at_first[f.at_first["status"] == "differs"]["name"]))
     ranks = sorted(set(f.at_first["rank"]))
-    sides = " vs ".join(",".join(str(r) for r in g) if i else ranks_words(g) for i, g in enumerate(groups))
+    sides = replica_sides(groups)
     verb = "differs" if len(names) == 1 else "differ"
     clauses = [tensors(f"{named(names, f.among)} {verb} between the replicas ({by}: {sides}) from step `{f.step}`",
                        names), f.out]

@@ -1,0 +1,89 @@
+"""The capture's writer: one thread that finishes each point (its rows' JSON, the shard's files, Flight Recorder's
+record read for the calls up to it), so that on a GPU the job's thread hands a point over and goes back to its step.
+
+Why a thread: on a GPU job the step's Python runs ahead of the device; whatever the point does on the job's
+thread (serialising ~50 KB of rows, writing them, reading the whole Flight Recorder ring) is time the job's next
+launches wait for. On the writer it runs while the GPU works (issue 46: a point every step within 3 % of a step).
+Why not on CPU: there the job's thread is the CPU's work; a thread would only contend with it for the GIL, and a
+point written in place is on disk before ``point`` returns, which a rank killed right after relies on.
+
+A fault of the writer's is the capture's fault (one line, the capture off: ``guest.py``), said from this thread;
+what the job's thread reads of the shard (close, a breakpoint, its exception, the debug server) waits for the
+writer first (``drain``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+ENV = "WORKBENCH_CAPTURE_WRITER"  # "thread": the writer thread on any device (tests on CPU); "inline": never
+DRAIN_S = 30.0  # the longest the job's thread waits for points still being written (close, a breakpoint)
+
+
+def wanted(on_gpu: bool, strict: bool) -> bool:
+    """Whether points are finished on the writer thread: on a GPU job by default, never in strict mode (its faults
+    raise into the job at the point that caused them); ``WORKBENCH_CAPTURE_WRITER`` overrides the default."""
+    how = os.environ.get(ENV, "").strip().lower()
+    if strict or how == "inline":
+        return False
+    return how == "thread" or on_gpu
+
+
+class Writer:
+    """Runs handed-over work in order on one daemon thread; ``drain`` waits until all of it has run."""
+
+    def __init__(self, on_fault: Callable[[str, BaseException], None]):
+        self._on_fault = on_fault
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, where: str, work: Callable[[], None]) -> None:
+        with self._done:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="workbench-capture-writer", daemon=True)
+            self._thread.start()
+        self._queue.put((where, work))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            where, work = item
+            try:
+                work()
+            except BaseException as exc:  # the capture's fault, never the job's
+                try:
+                    self._on_fault(where, exc)
+                except BaseException:
+                    pass
+            finally:
+                with self._done:
+                    self._pending -= 1
+                    self._done.notify_all()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def drain(self, timeout: float = DRAIN_S) -> bool:
+        """Wait until everything handed over has run (not from the writer's own thread); False on timeout."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return True
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout)
+
+    def stop(self, timeout: float = DRAIN_S) -> bool:
+        """Drain, then end the thread."""
+        ok = self.drain(timeout)
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._queue.put(None)
+            self._thread.join(1.0 if ok else 0.1)
+            self._thread = None
+        return ok
