@@ -111,6 +111,48 @@ COST_S: dict[str, float] = {
     "tests/test_viz_scale.py": 103,
 }
 
+BUNDLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "bundles")
+_PAGES: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def recorded_report(tmp_path_factory):
+    """``recorded_report(name)``: ``report.render`` of the recorded bundle ``fixtures/bundles/<name>.wbundle``,
+    rendered once per run, every lane included (a render is ~6 CPU-s on the 2-core box, and three files read
+    the same nine pages: test_fixtures renders them, test_bundle reads their words, test_browser draws them).
+
+    The page is a pure function of the bundle's bytes (test_bundle checks that byte for byte), so it is kept
+    under the bundle's sha256 in the run's basetemp, which every lane shares; a lane that wants a page another
+    lane is rendering waits on its lock and reads it."""
+    import hashlib
+
+    from workbench.postmortem import bundle, report
+
+    shared = tmp_path_factory.getbasetemp()
+    if LANE is not None:
+        shared = shared.parent  # the run's basetemp: one per run, every lane's parent
+    shared = shared / "recorded-pages"
+    shared.mkdir(exist_ok=True)
+
+    def page(name: str) -> str:
+        path = os.path.join(BUNDLES, f"{name}.wbundle")
+        with open(path, "rb") as f:
+            key = f"{name}-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+        if key in _PAGES:
+            return _PAGES[key]
+        done = shared / f"{key}.html"
+        with open(shared / f"{key}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                tmp = shared / f"{key}.{os.getpid()}.tmp"
+                tmp.write_text(report.render(bundle.load(path)), encoding="utf-8")
+                os.replace(tmp, done)
+        _PAGES[key] = done.read_text(encoding="utf-8")
+        return _PAGES[key]
+
+    return page
+
+
 TEST_TIMEOUT_S = 8.0  # collective timeout: short, so the headline's gloo send times out quickly
 
 

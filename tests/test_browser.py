@@ -59,13 +59,14 @@ class Console:
 
 # -- the HTML report -------------------------------------------------------------------
 @pytest.mark.parametrize("bundle_path", BUNDLES, ids=[b.name.removesuffix(".wbundle") for b in BUNDLES])
-def test_report_draws_every_figure_offline(browser, bundle_path):
+def test_report_draws_every_figure_offline(browser, bundle_path, recorded_report):
     from workbench.postmortem import bundle, report
 
     b = bundle.load(bundle_path)
     ARTIFACTS.mkdir(exist_ok=True)
     name = bundle_path.name.removesuffix(".wbundle")
-    html_path = report.write(b, ARTIFACTS / f"report-{name}.html")
+    # report.write's page (render, then write_atomic), rendered once a run for every file that reads it (conftest)
+    html_path = report.write_atomic(ARTIFACTS / f"report-{name}.html", recorded_report(name))
     n_figs = html_path.read_text(encoding="utf-8").count('class="plotly-graph-div"')
     assert n_figs >= 2 * len(b), "a report shows at least the per-step views of every run"
 

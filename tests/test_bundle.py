@@ -36,10 +36,11 @@ class Blob(bytes):
 
 
 @pytest.fixture(scope="module")
-def recorded_page(recorded) -> str:
-    """The recorded bundle's report page, rendered once (a render is ~5 s of CPU on the 2-core box): the pages
-    rendered again from a saved copy and by the command line must equal it byte for byte."""
-    return report.render(recorded)
+def recorded_page(recorded_report) -> str:
+    """The recorded bundle's report page, rendered once a run (a render is ~6 s of CPU on the 2-core box; conftest's
+    ``recorded_report``): the pages rendered again from a saved copy and by the command line must equal it byte
+    for byte."""
+    return recorded_report(FIXTURE.name.removesuffix(".wbundle"))
 
 
 @pytest.fixture(scope="module")
@@ -474,14 +475,14 @@ def test_fuzz_absurd_manifest_values_under_a_memory_cap(small, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["eval-loop-uneven-batches", "weight-sync-order-desync", "stale-conversion-cache"])
-def test_the_report_words_every_failure_never_a_backends_raw_message(name):
+def test_the_report_words_every_failure_never_a_backends_raw_message(name, recorded_report):
     """The per-rank failures read in the workbench's words: a call it released says so, a later call on the
     aborted group says that, an engine that died says it died; gloo's source file and ipyparallel's task ids never
     reach the page (the raw messages stay in the bundle's events)."""
     b = bundle.load(Path(__file__).resolve().parent.parent / "fixtures" / "bundles" / f"{name}.wbundle")
     raw = pd.concat([rec.events for rec in b])["message"].astype(str)
     assert raw.str.contains("pair.cc").any()  # the recording holds gloo's own words...
-    page = report.render(b)
+    page = recorded_report(name)  # report.render(b), rendered once per run (conftest)
     for words in ("pair.cc", "third_party/gloo", "Connection closed by peer", "while running task",
                   "This is typically caused"):
         assert words not in page, words  # ...the page does not

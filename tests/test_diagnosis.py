@@ -346,11 +346,8 @@ def test_gpu_bundles_bug_named_fix_clean(path):
         assert d.mechanism == EXPECT[rec.manifest["scenario"]][0], d.sentence
 
 
-def test_report_opens_with_what_happened_and_lists_each_finding_once():
-    from workbench.postmortem import report
-
-    b = bundle.load(ROOT / "fixtures" / "bundles" / "fsdp1-rotary-meta-init.wbundle")
-    page = report.render(b)
+def test_report_opens_with_what_happened_and_lists_each_finding_once(recorded_report):
+    page = recorded_report("fsdp1-rotary-meta-init")  # report.render of the recorded bundle, once a run (conftest)
     head = page[:page.index("id='environment'")]
     assert "What happened" in head and "rank 1&#x27;s `inv_freq` is rank 0&#x27;s fp32 bytes read as bf16" in head
     assert "wb-fig-1" in head  # the diagnosis figure comes before any other

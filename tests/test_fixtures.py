@@ -48,7 +48,7 @@ def failure_keys(rec: RunRecord) -> set[tuple]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_recorded_bundle_reloads_and_renders(name):
+def test_recorded_bundle_reloads_and_renders(name, recorded_report):
     b = _bundle(name)
     sc = scenarios.get(name)
     assert b.scenario == name
@@ -64,7 +64,7 @@ def test_recorded_bundle_reloads_and_renders(name):
                 assert fig.data and len(fig.data[0].y) == t["rank"].nunique()
         for buf in report.interesting_buffers(rec):
             assert len(viz.buffer_values(rec.tensors, buf).data) >= 1
-    page = report.render(b)
+    page = recorded_report(name)  # report.render(b), rendered once per run (conftest)
     assert page.count('class="plotly-graph-div"') >= 2 * len(b)
     for fix in sc.fixes:
         assert f"Bug vs fix: {fix}" in page

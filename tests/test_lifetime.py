@@ -180,3 +180,81 @@ def test_a_frozen_client_loses_its_ranks_when_its_lease_lapses(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# An engine that cannot bind a port another process holds: the real ZMQError, in a real ipengine process, which then
+# exits (an exception in sitecustomize is otherwise only printed). Which start-up's engines fail is keyed by the
+# cluster id ipyparallel gives each start: "first" fails every engine of the first start only, "every" all of them.
+_BIND_FAILS = '''
+import fcntl, os
+if b"ipyparallel.engine" in open("/proc/self/cmdline", "rb").read():
+    cid = os.environ.get("IPP_CLUSTER_ID", "")
+    with open(os.environ["WB_TEST_FAIL_FILE"], "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        first = f.read().strip()
+        if not first:
+            f.write(cid)
+            first = cid
+    if os.environ["WB_TEST_FAIL_WHICH"] == "every" or cid == first:
+        import traceback, zmq
+        try:
+            zmq.Context.instance().socket(zmq.PULL).bind("tcp://127.0.0.1:" + os.environ["WB_TEST_BUSY_PORT"])
+        except zmq.ZMQError:
+            traceback.print_exc()
+            os._exit(1)
+'''
+
+
+def _engines_that_cannot_bind(tmp_path, which: str):
+    """A port held here, and the environment whose engines try to bind it (``which``: "first" or "every" start)."""
+    import socket
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_BIND_FAILS)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
+           "WB_TEST_FAIL_FILE": str(tmp_path / "first-cluster"), "WB_TEST_FAIL_WHICH": which,
+           "WB_TEST_BUSY_PORT": str(busy.getsockname()[1])}
+    return busy, env
+
+
+def _no_child_left():
+    left = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    return [_describe(p) for p in left]
+
+
+def test_a_start_whose_engines_stopped_early_is_tried_again_on_fresh_ports(tmp_path):
+    """Two lanes (or notebooks) starting engines at once: ipyparallel picks ports, then binds them, and the other
+    one may take a port in between; the engine set stops. The start is tried once more, and a real cluster runs."""
+    from workbench.live.engines import Engines
+
+    busy, env = _engines_that_cannot_bind(tmp_path, "first")
+    with busy:
+        e = Engines(ranks=1, backend="gloo", timeout=8, env=env)
+        try:
+            with pytest.warns(UserWarning, match="tried again on fresh ports: an engine could not bind"):
+                e.start()
+            assert e.call(os.getpid).values == {0: e.pids[0]}  # the second start's engine answers
+            port = busy.getsockname()[1]
+            assert len(e.start_retries) == 1 and f"127.0.0.1:{port}: port in use" in e.start_retries[0], \
+                e.start_retries
+        finally:
+            e.stop()
+    assert _no_child_left() == []
+
+
+def test_a_start_that_stops_early_twice_names_the_port_in_use(tmp_path):
+    from workbench.errors import ClusterError
+    from workbench.live.engines import Engines
+
+    busy, env = _engines_that_cannot_bind(tmp_path, "every")
+    port = busy.getsockname()[1]
+    with busy:
+        with pytest.raises(ClusterError) as failed:
+            Engines(ranks=1, backend="gloo", timeout=8, env=env).start()
+    line = str(failed.value)
+    assert "\n" not in line and f"127.0.0.1:{port}: port in use" in line and "tried twice" in line, line
+    assert _no_child_left() == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import time
@@ -130,12 +131,31 @@ class Engines:
         self.start_s: float | None = None
         self.group_s: float | None = None
         self.imports_s: float | None = None  # engines importing torch and the rank layer, before the group
+        self.start_retries: list[str] = []  # why a start-up was tried again (an engine set that stopped early)
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> Engines:
-        """Start the engines and form the group; interrupted or failed anywhere, no engine survives."""
+        """Start the engines and form the group; interrupted or failed anywhere, no engine survives.
+
+        ipyparallel picks its ports before it binds them, so an engine set can stop during start-up because
+        another process (another notebook, a parallel test lane) took a port in between: that start is tried
+        once more, on fresh ports, after the half-started cluster is stopped. Twice, and the one line names
+        what the logs say stopped it (the port in use)."""
         try:
-            return self._start()
+            try:
+                return self._start()
+            except _StoppedEarly as first:
+                self.stop()
+                self.pids = {}
+                self.start_retries.append(first.cause)
+                try:
+                    started = self._start()
+                    warnings.warn(f"the engines' start-up was tried again on fresh ports: {first.cause}", stacklevel=2)
+                    return started
+                except _StoppedEarly as second:
+                    before = "" if second.cause == first.cause else f"; the first time: {first.cause}"
+                    raise ClusterError(f"could not start {self.world_size} engines: {second.cause} "
+                                       f"(tried twice, on fresh ports{before})") from None
         except BaseException:  # Ctrl-C / SIGTERM while engines come up included
             self.stop()
             raise
@@ -150,11 +170,16 @@ class Engines:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.WARNING, controller_args=CONTROLLER_ARGS)
+            # ERROR, not WARNING: an engine that died in start-up is named in our one line (``_stop_cause``), not
+            # as ipyparallel's dump of its log, traceback included.
+            self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, controller_args=CONTROLLER_ARGS)
             self._client = self._ipp.start_and_connect_sync()
             self._client.wait_for_engines(self.world_size, timeout=120)
         except Exception as exc:
+            cause = _stop_cause(self._ipp) if _stopped_early(exc) else None  # the logs, read before stop() drops them
             self.stop()
+            if cause is not None:
+                raise _StoppedEarly(cause) from exc
             raise ClusterError(f"could not start {self.world_size} engines: {exc}") from exc
         finally:
             for k, v in saved.items():
@@ -548,6 +573,45 @@ def ship_by_value(obj: Any) -> None:
         return
     if not path.startswith((sys.prefix, sys.base_prefix)):
         cloudpickle.register_pickle_by_value(module)
+
+
+class _StoppedEarly(ClusterError):
+    """The engine set (or the controller) stopped while the cluster started: worth one more try on fresh ports."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
+_IN_USE = re.compile(r"Address already in use \(addr='(?:tcp://)?([^']+)'\)")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+
+
+def _stopped_early(exc: BaseException) -> bool:
+    """The start failed because the engines it started ended (ipyparallel's client: "Engine set stopped"), not
+    because they were slow."""
+    return "Engine set stopped" in str(exc)
+
+
+def _stop_cause(ipp_cluster: Any) -> str:
+    """What the start-up's logs say stopped it, in one line: the port in use where a bind failed (the usual
+    cause: a port picked, then taken by another process before it was bound), else the last error line."""
+    logs: list[tuple[str, str]] = []
+    try:
+        logs += [("an engine", es.get_output() or "") for es in (ipp_cluster.engines or {}).values()]
+        if ipp_cluster.controller is not None:
+            logs.append(("the controller", ipp_cluster.controller.get_output() or ""))
+    except Exception:  # a launcher that never started has no output to read
+        pass
+    for who, text in logs:
+        found = _IN_USE.search(text)
+        if found:
+            return f"{who} could not bind {found.group(1)}: port in use"
+    for who, text in logs:
+        errors = [m.group(0) for line in text.splitlines() if (m := _ERROR_LINE.match(line.strip()))]
+        if errors:
+            return f"the engine set stopped during start-up ({who}: {errors[-1][:300]})"
+    return "the engine set stopped during start-up (its logs name no cause)"
 
 
 def stopped_failure(rank: int, pid: int | None) -> RankFailure | None:
