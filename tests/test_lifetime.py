@@ -221,8 +221,15 @@ def _engines_that_cannot_bind(tmp_path, which: str):
     return busy, env
 
 
-def _no_child_left():
-    left = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _no_child_left(before: set[int]):
+    """The processes this test started that are still running (the lane's own, a session cluster's among them, were
+    there ``before``)."""
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != "zombie"]
     return [_describe(p) for p in left]
 
 
@@ -232,6 +239,7 @@ def test_a_start_whose_engines_stopped_early_is_tried_again_on_fresh_ports(tmp_p
     from workbench.live.engines import Engines
 
     busy, env = _engines_that_cannot_bind(tmp_path, "first")
+    before = _children()
     with busy:
         e = Engines(ranks=1, backend="gloo", timeout=8, env=env)
         try:
@@ -243,7 +251,7 @@ def test_a_start_whose_engines_stopped_early_is_tried_again_on_fresh_ports(tmp_p
                 e.start_retries
         finally:
             e.stop()
-    assert _no_child_left() == []
+    assert _no_child_left(before) == []
 
 
 def test_a_start_that_stops_early_twice_names_the_port_in_use(tmp_path):
@@ -252,9 +260,10 @@ def test_a_start_that_stops_early_twice_names_the_port_in_use(tmp_path):
 
     busy, env = _engines_that_cannot_bind(tmp_path, "every")
     port = busy.getsockname()[1]
+    before = _children()
     with busy:
         with pytest.raises(ClusterError) as failed:
             Engines(ranks=1, backend="gloo", timeout=8, env=env).start()
     line = str(failed.value)
     assert "\n" not in line and f"127.0.0.1:{port}: port in use" in line and "tried twice" in line, line
-    assert _no_child_left() == []
+    assert _no_child_left(before) == []
