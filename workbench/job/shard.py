@@ -626,7 +626,6 @@ class Capture:
         try:
             self._finish_point(record, info, points)
         finally:
-            del record
             self._gc.release()
 
     def _finish_point(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:

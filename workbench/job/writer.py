@@ -112,13 +112,10 @@ class Writer:
                 except BaseException:
                     pass
             finally:
+                del item, work  # the point's rows die now, not when the next item arrives
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
-
-    @property
-    def pending(self) -> int:
-        return self._pending
 
     def drain(self, timeout: float = DRAIN_S) -> bool:
         """Wait until everything handed over has run (not from the writer's own thread); False on timeout."""
