@@ -57,17 +57,11 @@ def switch_on() -> bool:
 
 def records() -> bool:
     """Whether the process groups made from now on keep a Flight Recorder buffer (its size set above zero)."""
-    for k in ENVS:
-        try:
-            if int(os.environ.get(k) or 0) > 0:
-                return True
-        except ValueError:
-            continue
-    return False
+    return _env_size() > 0
 
 
-def _ring_size() -> int:
-    """Flight Recorder's ring, in entries (what the environment set when the groups were made)."""
+def _env_size() -> int:
+    """The ring's size the environment sets (0: none set, or off)."""
     for k in ENVS:
         try:
             n = int(os.environ.get(k) or 0)
@@ -75,7 +69,12 @@ def _ring_size() -> int:
             continue
         if n > 0:
             return n
-    return int(BUFFER)
+    return 0
+
+
+def _ring_size() -> int:
+    """Flight Recorder's ring, in entries (what the environment set when the groups were made)."""
+    return _env_size() or int(BUFFER)
 
 
 def dump(stacks: bool = True) -> list[dict[str, Any]]:
