@@ -21,10 +21,11 @@ LANES = max(1, int(os.environ.get("WORKBENCH_NOTEBOOK_LANES", "2")))
 TEST = "test_notebook_is_committed_clean_and_runs"
 
 
-def _execute(path: Path, workdir: Path) -> nbformat.NotebookNode:
+def _execute(path: Path, workdir: Path, env: dict[str, str]) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
     workdir.mkdir(parents=True, exist_ok=True)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(workdir)}}).execute(env=env)
     return nb
 
 
@@ -34,8 +35,11 @@ def executed(request, tmp_path_factory):
     chosen = [item.callspec.params["path"] for item in request.session.items
               if getattr(item, "originalname", None) == TEST and hasattr(item, "callspec")]
     base = tmp_path_factory.mktemp("notebooks")
+    # The kernels' environment is copied here, on pytest's thread: a lane copying os.environ itself raced pytest
+    # setting and removing PYTEST_CURRENT_TEST between each test's phases (KeyError inside jupyter_client).
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     pool = ThreadPoolExecutor(LANES, thread_name_prefix="notebook")
-    runs: dict[Path, Future] = {p: pool.submit(_execute, p, base / p.stem) for p in chosen}
+    runs: dict[Path, Future] = {p: pool.submit(_execute, p, base / p.stem, env) for p in chosen}
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
 

@@ -68,6 +68,8 @@ class Session:
         self.log: list[Frame] = []  # every frame ever taken, in order: runs, reruns, replays
         self.departures: list[dict[str, Any]] = []  # replayed steps whose fingerprints differ from the run's
         self._skipped: set[int] = set()  # steps skip() moved past: a replay leaves them out too
+        self.stepping = False  # a step is running on the ranks: ledger reads now are partial by nature
+        self.steps_begun = 0
         self._held: int | None = None  # how many steps the ranks hold for this session; None: a half-run step
         self._begun_with: tuple | None = None  # (fix, params, poison) the ranks' context was started with
         # A step running past a second shows where the ranks are (live/progress.py): True draws it in the
@@ -173,11 +175,13 @@ class Session:
             sink = live_progress.sink_for(self.progress if self.progress is not None
                                           else getattr(self.cluster, "progress", True))
             line = live_progress.StepLine(sink, ranks, lambda: self._open_calls(name)) if sink is not None else None
+            self.stepping, self.steps_begun = True, self.steps_begun + 1
             try:
                 outcome = self.cluster.call(RUN_STEP, self.id, fn, self.scenario.probe, timeout=deadline,
                                             watch=live_progress.poll_with(line, watch),
                                             busy=lambda open_: self._outside_collectives(name, open_), step=name)
             finally:
+                self.stepping = False
                 if line is not None:
                     line.close()
             values, failures = outcome.values, outcome.failures
