@@ -99,3 +99,37 @@ def test_own_cluster_busy_port_hang_death_restart_and_no_leftovers():
     time.sleep(0.5)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+
+
+def _progress_bars() -> tuple:
+    import os
+
+    import transformers
+
+    return os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), transformers.utils.logging.is_progress_bar_enabled()
+
+
+def test_engines_draw_no_progress_bars_a_front_end_never_shows(healthy):
+    # An engine is an IPython kernel: transformers' tqdm would build a notebook widget on every from_pretrained.
+    assert set(healthy.run(_progress_bars).values()) == {("1", False)}
+
+
+def test_a_users_own_progress_bar_setting_stands_and_one_imported_already_is_told(monkeypatch):
+    import transformers
+
+    from workbench.live.engines import _import_rank_layer
+
+    logging = transformers.utils.logging
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
+    logging.enable_progress_bar()
+    _import_rank_layer()
+    assert logging.is_progress_bar_enabled()  # the user's "0" stands
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
+    try:
+        _import_rank_layer()  # transformers is imported already here: its switch is turned, not only the variable
+        assert not logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        logging.enable_progress_bar()
+        import huggingface_hub.utils as hub
+
+        hub.enable_progress_bars()

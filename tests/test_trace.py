@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pandas as pd
@@ -216,3 +217,35 @@ def test_cpu_host_statistics_equal_the_torch_paths_bit_for_bit(monkeypatch):
     for (n1, s1), (n2, s2), ts in zip(host, plain, outs):
         assert repr(n1.tolist()) == repr(n2.tolist()) and repr(s1.tolist()) == repr(s2.tolist()), ts
     assert host[16][1][:2].tolist() == [2.0, 1.0]  # the NaN and -inf tensor
+
+
+def test_the_traces_own_ops_are_not_seen_by_the_steps_modes():
+    """A step runs under the poison's torch-function mode and the ledger's dispatch mode; the trace hook's own
+    reductions are not the step's ops, so neither mode sees them (they cost a third of a traced forward on CPU)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {"function": 0, "dispatch": 0}
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen["function"] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Dispatches(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen["dispatch"] += 1
+            return func(*args, **(kwargs or {}))
+
+    net, x = Net(), torch.randn(2, 4)
+    counts = []
+    for traced in (False, True):
+        seen.update(function=0, dispatch=0)
+        with Functions(), Dispatches():
+            with trace_forward(SimpleNamespace(rank=0), net) if traced else contextlib.nullcontext():
+                out = net(x)
+        counts.append(dict(seen))
+    assert counts[0]["function"] > 0 and counts[0]["dispatch"] > 0  # the modes do see the model's own ops
+    assert counts[1] == counts[0], counts
+    rows = rank_trace.take(SimpleNamespace(rank=0, **{rank_trace._ATTR: []}))
+    assert rows == [] and torch.isfinite(out).all()

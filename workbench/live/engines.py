@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -664,6 +665,16 @@ def _kill(pids: Any) -> None:
 
 
 def _import_rank_layer() -> None:
+    # An engine is an IPython kernel, so transformers' and the hub's progress bars pick tqdm's notebook widget,
+    # which no one sees (an engine's comms reach no front end): ~50 ms of ipywidgets set-up on every
+    # from_pretrained a step makes (profiled on a warm CPU rank). Read when huggingface_hub is imported; a user's
+    # own setting stands.
+    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "huggingface_hub" in sys.modules:  # imported already (a %%px cell before us): told directly
+            sys.modules["huggingface_hub"].utils.disable_progress_bars()
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     import workbench.rank.context  # noqa: F401  (imports torch; on GPUs also initialises CUDA lazily)
 
 

@@ -156,6 +156,15 @@ def _out_stats_host(ts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
+def _outside_modes() -> Iterator[None]:
+    """The hook's own ops are not the step's: the poison's torch-function mode and the ledger's dispatch mode would
+    each see every one of them (a third of a traced forward's time on a CPU rank). Plain tensors only run inside
+    (``_local`` takes a DTensor's shard by attribute, no op)."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        yield
+
+
+@contextlib.contextmanager
 def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[str] | None = None) -> Iterator[None]:
     """Record one row per module call of ``model`` while the block runs; rows go on ``ctx``.
 
@@ -170,19 +179,19 @@ def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[
 
     def hook(name: str):
         def record(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            with torch.no_grad():
+            with _outside_modes(), torch.no_grad():
                 outs = _tensors(output, [])
                 first = next((_local(t) for t in outs), None)
                 device = first.device if first is not None else torch.device("cpu")
                 ins = _tensors(args, []) + _tensors(kwargs, [])
                 stats = torch.cat([_nonfinite(ins, device).reshape(1), _out_stats(outs, device)])
-            row = {
-                "rank": rank, "run": run, "call": len(pending), "module": name, "type": type(mod).__name__,
-                "dtype": str(first.dtype).replace("torch.", "") if first is not None else "",
-                "shape": "x".join(map(str, first.shape)) or "()" if first is not None else "",
-                "numel": int(sum(_local(t).numel() for t in outs)),
-                "device": first.device.type if first is not None else "",
-            }
+                row = {
+                    "rank": rank, "run": run, "call": len(pending), "module": name, "type": type(mod).__name__,
+                    "dtype": str(first.dtype).replace("torch.", "") if first is not None else "",
+                    "shape": "x".join(map(str, first.shape)) or "()" if first is not None else "",
+                    "numel": int(sum(_local(t).numel() for t in outs)),
+                    "device": first.device.type if first is not None else "",
+                }
             pending.append((row, stats))
         return record
 
@@ -198,7 +207,8 @@ def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[
     finally:
         for h in handles:
             h.remove()
-        rows = _finish(pending)
+        with _outside_modes():
+            rows = _finish(pending)
         setattr(ctx, _ATTR, (getattr(ctx, _ATTR, None) or []) + rows)
 
 
