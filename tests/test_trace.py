@@ -249,3 +249,16 @@ def test_the_traces_own_ops_are_not_seen_by_the_steps_modes():
     assert counts[1] == counts[0], counts
     rows = rank_trace.take(SimpleNamespace(rank=0, **{rank_trace._ATTR: []}))
     assert rows == [] and torch.isfinite(out).all()
+
+
+def test_a_compiled_module_under_the_trace_runs_as_without_it():
+    """Dynamo traces the hooks into the graph; the hook must not read fake tensors (it raised there before, so a
+    job tracing a compiled model failed in its forward)."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 4)
+    compiled = torch.compile(net, backend="aot_eager")
+    ctx = SimpleNamespace(rank=0)
+    with trace_forward(ctx, net):
+        out = compiled(x)
+    assert torch.equal(out, net(x))
+    assert rank_trace.take(ctx) == []  # inside a graph there are no per-module values to read

@@ -179,6 +179,8 @@ def trace_forward(ctx: Any, model: nn.Module, run: str = "model", modules: list[
 
     def hook(name: str):
         def record(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # dynamo traces the hook into the module's graph: fake tensors hold no values to read
             with _outside_modes(), torch.no_grad():
                 outs = _tensors(output, [])
                 first = next((_local(t) for t in outs), None)
