@@ -286,6 +286,8 @@ def test_a_clean_job_reads_clean_with_the_same_status_and_stdout(clean):
     assert _points(out, 0) == _points(out, 1) == ["forward", "step1", "step2"]
     d = wb.load(out).bug.diagnose()
     assert d.clean, d.sentence
+    # Clean as far as the points saw: the job's third step came after its last step point, and the sentence says so.
+    assert "the capture's last step point is after optimizer step 2 of the 3 the job ran" in d.sentence, d.sentence
     assert "workbench" not in wrapped.stderr  # nothing said in the job's log
 
 

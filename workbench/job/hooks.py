@@ -399,6 +399,13 @@ class Hooks:
         if n == 1 or (self.every and n % self.every == 0):
             self.point(f"step{n}", self._owner(optimizer) or _params(optimizer))
 
+    def followed(self) -> dict[str, int]:
+        """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
+        the last step a point was taken after. A report that reads clean says where its view ended."""
+        ran = max(self._steps.values(), default=0)
+        last = (ran // self.every) * self.every if self.every else 0
+        return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": self.every}
+
     def _owner(self, optimizer: Any) -> Any:
         """The module a point probed before whose parameters the optimizer steps."""
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -827,6 +827,9 @@ class Capture:
             self._unwind()
             if self.doc["status"] == "running":
                 self.doc["status"] = "finished"
+            hooks = getattr(self, "hooks", None)  # the automatic points (``workbench job``): how far they followed
+            if hooks is not None and "step" in hooks.points:
+                self.doc["followed"] = hooks.followed()
             self._write_manifest()
         except Exception as exc:
             if self.strict:

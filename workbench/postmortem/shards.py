@@ -325,13 +325,25 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "versions": dict(first.get("versions") or {}),
         "job": {"id": found.job, "launcher": first.get("launcher"), "argv": first.get("argv"),
                 "hosts": sorted({str(d.get("host")) for d in found.shards.values()}),
-                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}, "dead": dead},
+                "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}, "dead": dead,
+                "followed": _followed(found.shards)},
         "problems": list(found.problems),
     }
 
     rec = RunRecord(manifest, *(frame_stack(frames, t) for t in ("tensors", "outputs", "events")), notes,
                     trace=frame_stack(frames, "trace"), ledger=ledger)
     return rec, list(found.problems)
+
+
+def _followed(docs: dict[int, dict[str, Any]]) -> dict[str, int] | None:
+    """How far the automatic step points followed the job (``job/hooks.py``), over the ranks that closed: the most
+    optimizer steps any ran and the earliest last point (None: no automatic step points, or no rank closed)."""
+    got = [d["followed"] for d in docs.values() if isinstance(d.get("followed"), dict)]
+    if not got:
+        return None
+    return {"optimizer_steps": max(int(g.get("optimizer_steps") or 0) for g in got),
+            "last_step_point": min(int(g.get("last_step_point") or 0) for g in got),
+            "every": max(int(g.get("every") or 0) for g in got)}
 
 
 def gone(doc: dict[str, Any]) -> bool:

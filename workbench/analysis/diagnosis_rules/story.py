@@ -214,10 +214,21 @@ def says_clean_so_far(f: RunFacts) -> Diagnosis:
 
 
 def says_clean(f: RunFacts) -> Diagnosis:
-    """clean: all N step(s) ran on every rank, the ranks agree and no detector fired on the final state"""
+    """clean: all N step(s) ran on every rank, the ranks agree and no detector fired on the final state; a job whose
+    automatic step points stopped before its last optimizer step: where the view ended"""
     run = f.run
     return Diagnosis("clean", [said(f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
-                                    "detector fired on the final state"), floor_clause(run)], None)
+                                    "detector fired on the final state"), floor_clause(run), *_unfollowed(run)], None)
+
+
+def _unfollowed(run: Run) -> list:
+    """A captured job that ran optimizer steps after its last step point: what the capture did not see."""
+    seen = ((run.manifest.get("job") or {}).get("followed")) or {}
+    ran, last = int(seen.get("optimizer_steps") or 0), int(seen.get("last_step_point") or 0)
+    if not last or ran <= last:
+        return []
+    return [said(f"; the capture's last step point is after optimizer step {last} of the {ran} the job ran, so "
+                 f"the steps after it are not seen (`workbench job --every N`: a point every N-th step)")]
 
 
 # -- the order: tried top to bottom ------------------------------------------------------------------
