@@ -104,3 +104,21 @@ def test_a_jobs_truth_on_4_gpus_was_recorded():
     assert "inv_freq" in doc["clean_sentence"] and "hung" not in doc["clean_sentence"]
     assert doc["postmortem_probe_ranks"] == [0, 1, 2, 3]
     assert doc["deadlock_end_after_resume_s"] < 5.0
+
+
+def test_a_broadcast_whose_ranks_disagree_on_the_root_is_named_on_nccl_where_it_returns_silently():
+    """`python scripts/gpu_roots.py` on 2 x H200 (issue 48): NCCL returns such a broadcast at once with no error
+    (each rank is the root of its own call, nothing moves: rank 1 keeps its 1.0s), so nothing hangs or raises;
+    the live session and a torchrun job's capture still name it from the ledgers, and one root reads clean."""
+    rec = json.loads((GPU / "roots_nccl_2gpu.json").read_text())
+    assert rec["env"]["backend"] == "nccl" and rec["env"]["count"] == 2, rec["env"]
+    live, job = rec["live"], rec["job"]
+    assert live["bug"]["devices"] == {"0": "cuda:0", "1": "cuda:1"}
+    assert live["bug"]["rank_errors"] == {} and live["bug"]["released"] == []  # silent on NCCL: nothing to release
+    for sentence in (live["bug"]["sentence"], job["bug"]["sentence"]):
+        assert "part at group 0 call #1" in sentence and "(different roots)" in sentence, sentence
+        assert "src=0" in sentence and "src=1" in sentence, sentence
+    assert job["bug"]["rc"] == 0 and "rank 1 holds [1.0, 1.0, 1.0, 1.0]" in job["bug"]["stdout"]  # the silent part
+    for path in (live["one-root"], job["one-root"]):
+        assert path["sentence"].startswith("clean: "), path["sentence"]
+    assert job["one-root"]["rc"] == 0
