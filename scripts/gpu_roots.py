@@ -72,7 +72,8 @@ def live(backend: str) -> dict:
             s = cluster.session(sc, fix=fix)
             frame = s.step()
             d = s.diagnose()
-            out[fix or "bug"] = {"sentence": d.sentence, "rank_errors": {str(k): v for k, v in frame.rank_errors.items()},
+            errors = {str(k): v for k, v in frame.rank_errors.items()}
+            out[fix or "bug"] = {"sentence": d.sentence, "rank_errors": errors,
                                  "released": sorted(frame.released or []),
                                  "devices": {str(k): v for k, v in cluster.devices.items()}}
     return out
@@ -86,13 +87,14 @@ def job(tmp: Path) -> dict:
         cap = tmp / f"cap-{mode}"
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
                               str(cap), mode], capture_output=True, text=True, timeout=240)
-        rep = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(cap), "-o", str(tmp / f"{mode}.html")],
-                             capture_output=True, text=True, timeout=240)
+        rep = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(cap), "-o",
+                              str(tmp / f"{mode}.html")], capture_output=True, text=True, timeout=240)
         try:
             sentence = wb.load(cap).bug.diagnose().sentence
-        except Exception as exc:  # noqa: BLE001 - recorded, the check below reads it
+        except Exception as exc:  # recorded, the check below reads it
             sentence = f"(the capture did not load: {exc})"
-        out[mode] = {"rc": run.returncode, "stdout": run.stdout[-2000:], "stderr": run.stderr[:1500] + " ... " + run.stderr[-500:],
+        out[mode] = {"rc": run.returncode, "stdout": run.stdout[-2000:],
+                     "stderr": run.stderr[:1500] + " ... " + run.stderr[-500:],
                      "report_rc": rep.returncode, "report_out": (rep.stdout + rep.stderr)[-2000:], "sentence": sentence}
     return out
 

@@ -164,6 +164,8 @@ class Engines:
     def _start(self) -> Engines:
         import ipyparallel as ipp
 
+        from workbench.live import engine_fork  # imports ipyparallel's launchers: not at the client's import
+
         t0 = time.perf_counter()
         # Before any process starts: a client killed from here on takes everything it started along.
         self._lease = live_lease.Lease().start()
@@ -173,7 +175,9 @@ class Engines:
         try:
             # ERROR, not WARNING: an engine that died in start-up is named in our one line (``_stop_cause``), not
             # as ipyparallel's dump of its log, traceback included.
-            self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, controller_args=CONTROLLER_ARGS)
+            launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher} if engine_fork.enabled() else {}
+            self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, controller_args=CONTROLLER_ARGS,
+                                    **launcher)
             self._client = self._ipp.start_and_connect_sync()
             self._client.wait_for_engines(self.world_size, timeout=120)
         except Exception as exc:

@@ -260,6 +260,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     ipp = ipyparallel()
     from IPython.core.profiledir import ProfileDir
 
+    from workbench.live import engine_fork
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
     from workbench.rank.byname import RankFn
     from workbench.rank.host import order, pick_backend, whoami
@@ -286,8 +287,9 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         json.dump({"tree": token, "started": t0, "profile": name, "cluster_id": cluster_id}, f)
     saved = os.environ.get(live_lease.MARK)
     os.environ[live_lease.MARK] = token
+    launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher} if engine_fork.enabled() else {}
     ipc = ipp.Cluster(profile_dir=pdir, cluster_id=cluster_id, n=ranks, controller_args=CONTROLLER_ARGS,
-                      shutdown_atexit=False, log_level=logging.WARNING)
+                      shutdown_atexit=False, log_level=logging.WARNING, **launcher)
     client = None
     try:
         client = ipc.start_and_connect_sync()
