@@ -35,7 +35,7 @@ def test_the_engines_are_forked_from_one_set_process_that_imported_torch(healthy
     assert len(parents) == 1, seen  # one set process for the whole cluster
     for rank, (pid, _, cmd, torch_mapped) in seen.items():
         assert pid == healthy.pids[rank]
-        assert f"-m {engine_fork.__name__} {healthy.world_size} -- " in cmd, cmd
+        assert f"-m {engine_fork.__name__} {healthy.world_size} " in cmd and " -- " in cmd, cmd
         assert "-m ipyparallel.engine" in cmd, cmd  # the engine command ipyparallel gave, run in the child
         assert torch_mapped, "the set process imported torch before it forked"
 

@@ -168,7 +168,7 @@ def test_each_folder_says_what_lives_there(folder):
 def test_the_checker_sees_lazy_imports_and_cycles():
     """The rules above would pass vacuously if the walker missed function-level imports."""
     assert "workbench.postmortem.bundle" in GRAPH["workbench.live.session"]
-    assert "workbench.rank.context" in GRAPH["workbench.live.engines"]  # imported inside form_group
+    assert "workbench.live.engine_fork" in GRAPH["workbench.live.engines"]  # imported inside _start
     assert "workbench.lab.weightsync.model" in GRAPH["workbench.lab.weightsync.vllm_role"]  # inside functions
     GRAPH["workbench.errors"].add("workbench.live.session")
     try:

@@ -27,6 +27,7 @@ import signal
 import sys
 
 from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher
+from traitlets import List, Unicode
 
 ENV = "WORKBENCH_ENGINE_FORK"
 
@@ -43,22 +44,33 @@ class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
     # traitlets imports, and no scan of the installed packages' entry points to find a name it has none of.
     entrypoint_name = f"{__name__}.ForkEngineSetLauncher"
 
+    preimport = List(Unicode(), config=True,
+                     help="modules the set imports for every engine before it forks them, beyond torch and the rank "
+                          "layer (``workbench up`` names the ones it warms: transformers' model classes)")
+
     def find_args(self) -> list[str]:
         engine = self.engine_cmd + self.cluster_args + self.engine_args
-        return [sys.executable, "-m", __name__, str(self.n), "--", *engine]
+        return [sys.executable, "-m", __name__, str(self.n), ",".join(self.preimport), "--", *engine]
 
     def start(self, n: int):  # ipyparallel's signature
         self.n = n
         return super().start()
 
 
-# -- the set process (python -m workbench.live.engine_fork N -- ENGINE_CMD...) ---------------------------------
-def _preimport() -> None:
+# -- the set process (python -m workbench.live.engine_fork N MODULES -- ENGINE_CMD...) -------------------------
+def _preimport(extra: list[str]) -> None:
     """What every engine would import on its own, imported once before the fork."""
+    import importlib
+
     import ipyparallel.engine.app  # noqa: F401
 
-    from workbench.live.engines import _import_rank_layer
-    _import_rank_layer()  # torch and the rank layer, with the engines' progress-bar rule
+    from workbench.rank.warmup import import_rank_layer
+    import_rank_layer()  # torch and the rank layer, with the engines' progress-bar rule
+    for name in extra:
+        try:
+            importlib.import_module(name)
+        except Exception:  # as remote.warm: an engine that needs it imports it (and says why it cannot) itself
+            pass
 
 
 def _child(engine_cmd: list[str], forked_image: bool) -> None:
@@ -125,9 +137,9 @@ def _supervise(children: list[int]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    n, engine_cmd = int(argv[0]), argv[2:]
+    n, extra, engine_cmd = int(argv[0]), [m for m in argv[1].split(",") if m], argv[3:]
     try:
-        _preimport()
+        _preimport(extra)
         forked_image = True
     except Exception as exc:  # each engine then imports (and reports) for itself
         print(f"workbench: the engines' shared import failed ({type(exc).__name__}: {exc}); "

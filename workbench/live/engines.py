@@ -27,6 +27,7 @@ from workbench.errors import LOST, ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
 from workbench.rank import leftovers, stacks
 from workbench.rank.host import free_port, gpu_count, set_threads
+from workbench.rank.warmup import import_rank_layer as _import_rank_layer  # shipped to engines by name
 
 ABORT_WAIT_S = 5.0  # how long aborted ranks get to come back before the old path (timeout, restart)
 DEATH_GRACE_S = 3.0  # how long the survivors get to notice a dead peer
@@ -567,7 +568,6 @@ def ship_by_value(obj: Any) -> None:
     Engines import what is installed (torch, workbench); a module the client loaded
     from a loose file is not importable there, so cloudpickle must carry its code.
     """
-    import sys
 
     import cloudpickle
 
@@ -666,19 +666,5 @@ def _kill(pids: Any) -> None:
             pass
     live_lease.wait_gone(procs, timeout=5)
     live_lease.clear_leftovers([p.pid for p in procs])  # what they left in the temp dir and /dev/shm
-
-
-def _import_rank_layer() -> None:
-    # An engine is an IPython kernel, so transformers' and the hub's progress bars pick tqdm's notebook widget,
-    # which no one sees (an engine's comms reach no front end): ~50 ms of ipywidgets set-up on every
-    # from_pretrained a step makes (profiled on a warm CPU rank). Read when huggingface_hub is imported; a user's
-    # own setting stands.
-    if "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-        if "huggingface_hub" in sys.modules:  # imported already (a %%px cell before us): told directly
-            sys.modules["huggingface_hub"].utils.disable_progress_bars()
-        if "transformers" in sys.modules:
-            sys.modules["transformers"].utils.logging.disable_progress_bar()
-    import workbench.rank.context  # noqa: F401  (imports torch; on GPUs also initialises CUDA lazily)
 
 

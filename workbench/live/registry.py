@@ -259,11 +259,13 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     in their own sessions, so they outlive this process until ``down()``."""
     ipp = ipyparallel()
     from IPython.core.profiledir import ProfileDir
+    from traitlets.config import Config
 
     from workbench.live import engine_fork
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
     from workbench.rank.byname import RankFn
     from workbench.rank.host import order, pick_backend, whoami
+    from workbench.rank.warmup import WARM_MODULES
 
     if ranks < 1:
         raise ClusterError(f"ranks must be >= 1, got {ranks}")
@@ -287,7 +289,10 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         json.dump({"tree": token, "started": t0, "profile": name, "cluster_id": cluster_id}, f)
     saved = os.environ.get(live_lease.MARK)
     os.environ[live_lease.MARK] = token
-    launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher} if engine_fork.enabled() else {}
+    # Forked engines: the set imports what the warm-up below would import in every engine, once.
+    launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher,
+                "config": Config(ForkEngineSetLauncher={"preimport": list(WARM_MODULES)})} \
+        if engine_fork.enabled() else {}
     ipc = ipp.Cluster(profile_dir=pdir, cluster_id=cluster_id, n=ranks, controller_args=CONTROLLER_ARGS,
                       shutdown_atexit=False, log_level=logging.WARNING, **launcher)
     client = None

@@ -22,6 +22,7 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.rank import agree, context, control, ledger, poison, probe, reference, trace
+from workbench.rank.warmup import WARM_MODULES
 
 
 def start_session(session_id: str, fix: str | None, params: dict[str, Any], poison_on: bool,
@@ -143,12 +144,6 @@ def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext, fed: 
 
 # What the catalogue's first steps import on a rank beyond the rank layer: FSDP, the transformers
 # auto classes and the two model families the scenarios build (Qwen3, DeepseekV3). Seconds per engine.
-WARM_MODULES = (
-    "torch.distributed.fsdp",
-    "transformers.models.auto.modeling_auto",
-    "transformers.models.qwen3.modeling_qwen3",
-    "transformers.models.deepseek_v3.modeling_deepseek_v3",
-)
 
 
 def warm(modules: tuple[str, ...] = WARM_MODULES) -> dict[str, str]:
