@@ -6,6 +6,7 @@
 - per-step overhead: a step's client wall time minus the slowest rank's own step time
   (split: the rank's probe, and the client + transport remainder)
 - a trivial call on every rank vs ipyparallel's own ``apply_sync`` (its floor), measured in the same run
+- a 4-rank cluster started and stopped, CPU-seconds with its engines forked from one import and the plain way
 - the GPU probe (313-tensor Qwen3-1.7B shape): measured here when a GPU is present
   (`benchmarks/probe_scale.py`), else the recorded fixtures/gpu/probe_scale.json
 - the incident-scale views table (`benchmarks/ranks_scale.py`: 8/16/64 synthetic ranks)
@@ -105,6 +106,27 @@ def warm(repeats: int = 5) -> dict[str, float]:
             "load": loads(load0, load())}
 
 
+def cluster_start(ranks: int = 4) -> dict[str, dict[str, float]]:
+    """A cluster started and stopped by a fresh client, its engines forked from one import and started the plain
+    way (``WORKBENCH_ENGINE_FORK=0``): wall seconds and CPU-seconds (the client and every process it waited for:
+    controller, engine set, engines, nannies)."""
+    import resource
+
+    code = (f"import workbench as wb; c = wb.start(ranks={ranks}, backend='gloo', timeout=20); "
+            "assert len(c.run(lambda: 1)) == c.world_size; c.stop()")
+    out, load0 = {}, load()
+    for name, switch in (("forked", "1"), ("plain", "0")):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                       env={**os.environ, "WORKBENCH_ENGINE_FORK": switch})
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out[name] = {"wall_s": time.perf_counter() - t0,
+                     "cpu_s": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime}
+    out["load"] = loads(load0, load())
+    return out
+
+
 def _timed_n(fn, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -176,6 +198,7 @@ def main() -> None:
     cold_load = loads(load0, load())
     w = warm(args.repeats)
     att = attached(args.repeats, args.ups)
+    starts = cluster_start(4)
     ms = 1e3
     rest = w["overhead_s"] - w["probe_s"] - w["floor_s"]  # the client's and the engines' own share of a step
     rows = [
@@ -203,6 +226,9 @@ def main() -> None:
          w["overhead_s"] <= 0.010, f"of which the ranks' probe {w['probe_s'] * ms:.1f} ms and ipyparallel's round "
          f"trip (its floor below) {w['floor_s'] * ms:.1f} ms; the rest {rest * ms:.1f} ms; median of "
          f"{w['steps']} steps"),
+        ("4-rank cluster start + stop, CPU (forked engines)", f"{starts['forked']['cpu_s']:.1f} CPU-s", "", None,
+         f"plain engines (WORKBENCH_ENGINE_FORK=0) {starts['plain']['cpu_s']:.1f} CPU-s; wall "
+         f"{starts['forked']['wall_s']:.1f} s vs {starts['plain']['wall_s']:.1f} s; {starts['load']}"),
         ("trivial call on all ranks (2) / apply_sync", f"{w['trivial_s'] / w['floor_s']:.2f}x", "<= 1.2x",
          w["trivial_s"] <= 1.2 * w["floor_s"],
          f"{w['trivial_s'] * ms:.1f} ms vs ipyparallel apply_sync floor {w['floor_s'] * ms:.1f} ms, same run"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 
 from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher
 from traitlets import List, Unicode
@@ -151,7 +152,11 @@ def main(argv: list[str]) -> int:
     sys.stderr.flush()
     children = []
     for _ in range(n):
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on a fork from a process with more than one thread: importing torch starts
+            # one, as it does in every process a DataLoader forks its workers from; the engines never join it.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             _child(engine_cmd, forked_image)
         children.append(pid)
