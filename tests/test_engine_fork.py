@@ -80,3 +80,29 @@ def test_a_killed_set_takes_its_engines_and_the_plain_launch_is_one_switch_away(
     finally:
         c.stop()
     assert _gone(engines, 5)
+
+
+def _draw_in_a_fork() -> int:
+    import numpy as np
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # as the set's child does before it becomes an engine
+        os.close(r)
+        engine_fork.fresh_process_state()
+        os.write(w, str(np.random.randint(0, 1 << 62)).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        value = int(f.read())
+    os.waitpid(pid, 0)
+    return value
+
+
+def test_a_forked_engine_draws_its_own_unseeded_numpy_stream():
+    """numpy does not reseed its global generator on a fork: unseeded user code on two engines forked from a set
+    that had imported numpy.random would agree across ranks, where the user's own processes would not."""
+    import numpy as np
+
+    np.random.seed(1234)  # the parent's state, which every fork would inherit
+    assert _draw_in_a_fork() != _draw_in_a_fork()

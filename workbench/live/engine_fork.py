@@ -81,6 +81,7 @@ def _child(engine_cmd: list[str], forked_image: bool) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         _die_with_parent()
+        fresh_process_state()
         if not forked_image or engine_cmd[1:3] != ["-m", "ipyparallel.engine"]:
             os.execv(engine_cmd[0], engine_cmd)  # an engine command of the user's own, or no shared image
         from ipyparallel.engine.app import main
@@ -98,6 +99,18 @@ def _child(engine_cmd: list[str], forked_image: bool) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def fresh_process_state() -> None:
+    """What a process of its own would have drawn fresh, drawn fresh in a forked engine.
+
+    Python's ``random`` reseeds itself after a fork; numpy's global generator does not (the DataLoader
+    workers' old trap). Where the set imported it (``up``'s warm list does), every engine would draw the same
+    unseeded stream, and a user's code seeding nothing would read as ranks that agree, which they would not in
+    their own job."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
 
 
 def _die_with_parent() -> None:
