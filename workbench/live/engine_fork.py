@@ -38,6 +38,17 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and hasattr(os, "fork") and sys.platform == "linux"
 
 
+def cluster_kwargs(preimport: tuple[str, ...] = ()) -> dict:
+    """``ipp.Cluster``'s arguments for forked engines (none when they are off): the launcher, and what its set
+    imports beyond torch and the rank layer."""
+    if not enabled():
+        return {}
+    from traitlets.config import Config
+
+    return {"engine_launcher_class": ForkEngineSetLauncher,
+            "config": Config(ForkEngineSetLauncher={"preimport": list(preimport)})}
+
+
 class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
     """ipyparallel's engine-set launcher contract, met by one process that forks ``n`` engines."""
 
@@ -61,17 +72,14 @@ class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
 # -- the set process (python -m workbench.live.engine_fork N MODULES -- ENGINE_CMD...) -------------------------
 def _preimport(extra: list[str]) -> None:
     """What every engine would import on its own, imported once before the fork."""
-    import importlib
-
     import ipyparallel.engine.app  # noqa: F401
 
     from workbench.rank.warmup import import_rank_layer
     import_rank_layer()  # torch and the rank layer, with the engines' progress-bar rule
-    for name in extra:
-        try:
-            importlib.import_module(name)
-        except Exception:  # as remote.warm: an engine that needs it imports it (and says why it cannot) itself
-            pass
+    if extra:  # best effort, as on a rank: an engine that needs a module imports it (and says why not) itself
+        from workbench.rank.remote import warm
+
+        warm(tuple(extra))
 
 
 def _child(engine_cmd: list[str], forked_image: bool) -> None:

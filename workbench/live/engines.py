@@ -176,9 +176,8 @@ class Engines:
         try:
             # ERROR, not WARNING: an engine that died in start-up is named in our one line (``_stop_cause``), not
             # as ipyparallel's dump of its log, traceback included.
-            launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher} if engine_fork.enabled() else {}
             self._ipp = ipp.Cluster(n=self.world_size, log_level=logging.ERROR, controller_args=CONTROLLER_ARGS,
-                                    **launcher)
+                                    **engine_fork.cluster_kwargs())
             self._client = self._ipp.start_and_connect_sync()
             self._client.wait_for_engines(self.world_size, timeout=120)
         except Exception as exc:

@@ -259,7 +259,6 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     in their own sessions, so they outlive this process until ``down()``."""
     ipp = ipyparallel()
     from IPython.core.profiledir import ProfileDir
-    from traitlets.config import Config
 
     from workbench.live import engine_fork
     from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
@@ -290,11 +289,8 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     saved = os.environ.get(live_lease.MARK)
     os.environ[live_lease.MARK] = token
     # Forked engines: the set imports what the warm-up below would import in every engine, once.
-    launcher = {"engine_launcher_class": engine_fork.ForkEngineSetLauncher,
-                "config": Config(ForkEngineSetLauncher={"preimport": list(WARM_MODULES)})} \
-        if engine_fork.enabled() else {}
     ipc = ipp.Cluster(profile_dir=pdir, cluster_id=cluster_id, n=ranks, controller_args=CONTROLLER_ARGS,
-                      shutdown_atexit=False, log_level=logging.WARNING, **launcher)
+                      shutdown_atexit=False, log_level=logging.WARNING, **engine_fork.cluster_kwargs(WARM_MODULES))
     client = None
     try:
         client = ipc.start_and_connect_sync()

@@ -142,10 +142,6 @@ def annotate_outputs(rows: list[dict[str, Any]], ctx: context.RankContext, fed: 
     agree.annotate_outputs(rows, ctx.outputs, ctx.output_extras, ctx.rank_local, fed)
 
 
-# What the catalogue's first steps import on a rank beyond the rank layer: FSDP, the transformers
-# auto classes and the two model families the scenarios build (Qwen3, DeepseekV3). Seconds per engine.
-
-
 def warm(modules: tuple[str, ...] = WARM_MODULES) -> dict[str, str]:
     """Import ``modules`` now (``workbench up`` calls this), so the first attached run does not pay for
     them in its first step. Best effort: a module that fails to import is named, never raised."""
