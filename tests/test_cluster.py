@@ -133,3 +133,31 @@ def test_a_users_own_progress_bar_setting_stands_and_one_imported_already_is_tol
         import huggingface_hub.utils as hub
 
         hub.enable_progress_bars()
+
+
+def test_an_engine_that_registered_and_never_answers_is_named_and_nothing_is_left(tmp_path, monkeypatch):
+    """An engine registers on its heart's own thread, so it can count as up with its main loop stuck: here a
+    profile's start-up line that blocks it (as a user's ``ipengine_config.py`` can; a stopped or swapping engine
+    reads the same). The start used to wait for that engine's first answer for ever; it names it within its
+    bound and stops every process it started."""
+    from workbench.live import engines as live_engines
+
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    (profile / "ipengine_config.py").write_text(
+        "c.IPEngine.startup_command = 'import asyncio, time; asyncio.get_event_loop().call_soon(time.sleep, 3600)'\n")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    monkeypatch.setattr(live_engines, "ANSWER_S", 5.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"engines? 0, 1 registered but did not answer .* within 5 s"):
+        wb.start(ranks=2, backend="gloo", timeout=5)
+    assert time.monotonic() - t0 < 120
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == []

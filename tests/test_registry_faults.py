@@ -129,6 +129,26 @@ def test_sigterm_during_up_is_an_interruption_with_no_process_left(tmp_path):
         _kill_all(family + _family(proc.pid))
 
 
+def test_up_whose_engine_registers_and_never_answers_names_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """`up` waited for its engines' first answers for ever: one whose main loop a profile's start-up line
+    blocks registers all the same (its heart beats on a thread of its own)."""
+    from workbench.live import engines as live_engines
+
+    pdir = tmp_path / "profile_stuck"
+    pdir.mkdir()
+    (pdir / "ipengine_config.py").write_text(
+        "c.IPEngine.startup_command = 'import asyncio, time; asyncio.get_event_loop().call_soon(time.sleep, 3600)'\n")
+    monkeypatch.setattr(live_engines, "ANSWER_S", 5.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ClusterError, match=r"engine 0 registered but did not answer .* within 5 s"):
+        registry.up(1, str(pdir), backend="gloo")
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    end = time.monotonic() + 10
+    while alive(left) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert alive(left) == [] and registry.running(str(pdir)) == []
+
+
 def test_up_with_an_unwritable_home_is_seen_by_status_and_down(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "IPYTHONDIR"}
     (tmp_path / "tmp").mkdir()

@@ -89,6 +89,24 @@ class Outcome:
             raise RankErrors(self.failures, self.values)
 
 
+ANSWER_S = 120.0  # an engine's first answers after it registered (torch's import on a loaded 2-core box: ~10 s)
+
+
+def first_answers(view: Any, fn: Callable[[], Any], what: str) -> list[Any]:
+    """``fn()`` on every engine of ``view``, in its order, awaited ``ANSWER_S`` at most.
+
+    An engine counts as registered once its heart beats, and the heart has a thread of its own: an engine whose
+    main loop is stuck (a profile's start-up line that blocks, a stopped or swapping process) registers all the
+    same and then never answers. A plain ``apply_sync`` waited on it for ever; this names it."""
+    ar = view.apply_async(fn)
+    if not ar.wait(ANSWER_S):
+        silent = [e for e, m in zip(view.targets, ar.msg_ids) if m in view.client.outstanding]
+        raise ClusterError(f"engine{'s' if len(silent) != 1 else ''} {', '.join(map(str, silent))} registered but "
+                           f"did not answer (asked for {what}) within {ANSWER_S:g} s: its main loop is blocked "
+                           "(a start-up line in the profile's ipengine_config.py, a stopped or swapping process)")
+    return ar.get(0)
+
+
 class Engines:
     """N engines, one rank each, and the process group among them.
 
@@ -193,11 +211,12 @@ class Engines:
                 else:
                     os.environ[k] = v
         self._ids = sorted(self._client.ids)[: self.world_size]
-        self._client[self._ids].use_cloudpickle()
-        self.pids = dict(enumerate(self._client[self._ids].apply_sync(os.getpid)))
+        view = self._client[self._ids]
+        view.use_cloudpickle()
+        self.pids = dict(enumerate(first_answers(view, os.getpid, "its pid")))
         self.start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self._client[self._ids].apply_sync(_import_rank_layer)  # timed apart from the group's own formation
+        first_answers(view, _import_rank_layer, "the rank layer's import")  # timed apart from the group's forming
         self.imports_s = time.perf_counter() - t1
         try:
             self.form_group()

@@ -261,7 +261,7 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
     from IPython.core.profiledir import ProfileDir
 
     from workbench.live import engine_fork
-    from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer
+    from workbench.live.engines import CONTROLLER_ARGS, _import_rank_layer, first_answers
     from workbench.rank.byname import RankFn
     from workbench.rank.host import order, pick_backend, whoami
     from workbench.rank.warmup import WARM_MODULES
@@ -298,8 +298,9 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
         client.wait_for_engines(ranks, timeout=UP_TIMEOUT_S)
         view = client[sorted(client.ids)]
         view.use_cloudpickle()
-        infos = dict(zip(view.targets, view.apply_sync(whoami)))
-        view.apply_sync(_import_rank_layer)  # warm: the first attached run does not pay torch's import
+        infos = dict(zip(view.targets, first_answers(view, whoami, "where it runs")))
+        # warm: the first attached run does not pay torch's import
+        first_answers(view, _import_rank_layer, "the rank layer's import")
         # ... nor FSDP's and transformers' (seconds more): awaited, so the first run right after `up` finds the
         # ranks warm (queued and not awaited, the imports would make that run wait behind them: 9 s against
         # 1.5 s). Then the first calls of a scenario's first steps on a throwaway tiny model (lab/models.py says
