@@ -84,3 +84,43 @@ def test_an_async_collective_after_the_last_point_reads_clean(tmp_path):
     assert b.bug.manifest["hangs"] == [] and b.bug.diagnose().clean
     assert "rank 0's all_reduce #1 on group 0 has no end in its ledger, but the rank closed its capture" in \
         " ".join(b.problems)
+
+
+DDP_RANK0_LINGERS = """
+    import sys, time, datetime
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import workbench.job as wj
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    cap = wj.capture(sys.argv[1], attach="on-deadlock", hang_after=2.0)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 8))
+    cap.point("built", model=model)
+    for _ in range(2):  # the reducer's all-reduces: issued from C++, in Flight Recorder's record only
+        model(torch.ones(4, 8)).sum().backward()
+    cap.point("trained", model=model)
+    for _ in range(2):  # two more steps after the last point
+        model(torch.ones(4, 8)).sum().backward()
+    if rank == 0:
+        time.sleep(3.0)  # rank 0 writes a checkpoint; rank 1 ends its job at once
+    dist.destroy_process_group()
+    print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_a_rank_that_lingers_after_its_last_collective_does_not_make_its_peer_read_as_missing_calls(tmp_path):
+    """The calls only Flight Recorder saw (DDP's reducer) are read into each rank's ledger at points and at close;
+    a rank still for a second (here rank 0 writing a checkpoint) is also read by its hang watcher. A job that
+    destroys its groups before its capture closes left its peer's last calls unread: the report said rank 1 never
+    issued the calls rank 0's watcher had read (seen on 2 x H200 with FSDP2, a right job, its first run on a cold
+    machine). Every rank reads the record before ``destroy_process_group`` takes the groups."""
+    run = _job(tmp_path, DDP_RANK0_LINGERS)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rec = wb.load(tmp_path / "run").bug
+    led = rec.ledger
+    per_rank = {r: sorted(led[led["rank"] == r]["seq"]) for r in (0, 1)}
+    assert per_rank[0] == per_rank[1] and len(per_rank[0]) >= 4, per_rank
+    assert rec.manifest["job"]["status"] == {"0": "finished", "1": "finished"}
+    assert rec.diagnose().clean, rec.diagnose().sentence

@@ -347,6 +347,11 @@ class Capture:
                 self._calls = calls
                 self._fr = Complement(self._ledger)
                 self.doc["flight_recorder"] = True
+                # A job that destroys its groups before the capture closes: their record is read there, on every
+                # rank (at close there is nothing left to read, and a rank whose hang watcher had read it while
+                # the rank lingered would be the only one to hold its last calls).
+                stack.callback(ledger_mod.before_destroy(
+                    lambda: self.fill_from_flight_recorder("before destroy_process_group")))
             else:
                 stack.callback(ledger_mod.start_recording(self._ledger, "0"))
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):

@@ -40,7 +40,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -542,6 +542,20 @@ def _at_exit() -> None:
 
 atexit.register(_at_exit)
 _DESTROY: list[Any] = []
+_BEFORE_DESTROY: list[Callable[[], Any]] = []  # run before the job's destroy_process_group takes its groups
+
+
+def before_destroy(fn: Callable[[], Any]) -> Callable[[], None]:
+    """Run ``fn`` when the job calls ``destroy_process_group``, while its groups still exist (a capture reads Flight
+    Recorder's record of them there: after it, nothing of them can be read). Returns what takes ``fn`` off."""
+    _watch_destroy()
+    _BEFORE_DESTROY.append(fn)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _BEFORE_DESTROY.remove(fn)
+
+    return remove
 
 
 def _watch_destroy() -> None:
@@ -554,6 +568,9 @@ def _watch_destroy() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        for fn in list(_BEFORE_DESTROY):
+            with contextlib.suppress(Exception):
+                fn()
         if _CLOSING or _PENDING:
             with contextlib.suppress(Exception):
                 settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
