@@ -124,3 +124,48 @@ def test_a_rank_that_lingers_after_its_last_collective_does_not_make_its_peer_re
     assert per_rank[0] == per_rank[1] and len(per_rank[0]) >= 4, per_rank
     assert rec.manifest["job"]["status"] == {"0": "finished", "1": "finished"}
     assert rec.diagnose().clean, rec.diagnose().sentence
+
+
+FR_LAG = """
+    import json, os, sys
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    import torch, torch.distributed as dist
+    from workbench.rank import ledger, ledger_fr
+
+    d = sys.argv[1]
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+    book = ledger.Ledger(d, 0, session="t", attempt=0)
+    fr = ledger_fr.Complement(book)
+    for _ in range(3):  # issued past the calls ledger: Flight Recorder's record holds them
+        dist.all_reduce(torch.ones(2))
+    fr.mark("1")  # they led to point 1
+    whole = ledger_fr.dump
+    # the first call numbered and not yet in the record (NCCL creates the communicator in between)
+    ledger_fr.dump = lambda stacks=True: [e for e in whole(stacks) if e.get("collective_seq_id") != 1]
+    first = fr.fill("at point `x`")
+    ledger_fr.dump = whole
+    dist.all_reduce(torch.ones(2))
+    fr.mark("2")
+    second = fr.fill("at close")
+    book.close()
+    rows = [json.loads(line) for line in open(book.path)]
+    print(json.dumps({"first": first, "second": second,
+                      "starts": sorted((r["seq"], r["step"]) for r in rows if r["ev"] == "start")}))
+"""
+
+
+def test_a_call_read_before_its_record_entry_is_read_at_the_next_read_under_its_own_point(tmp_path):
+    """A read that finds a call's number and not its entry (NCCL numbers a group's first call before it creates
+    the communicator, and records it after: on 2 x H200 rank 0's first all-gather was missing from its ledger, read
+    as 'rank 0 never issued call #1') used to account the number as read and lose the call. It is read next time,
+    named by the point it led to. The record is real (gloo, one rank); the entry held back stands in for the lag."""
+    import json
+
+    script = tmp_path / "lag.py"
+    script.write_text(textwrap.dedent(FR_LAG))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["first"], got["second"]) == (2, 2), got
+    assert got["starts"] == [[1, "1"], [2, "1"], [3, "1"], [4, "2"]], got

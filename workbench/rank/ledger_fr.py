@@ -163,6 +163,7 @@ class Complement:
         # to, however many points later it comes (a GPU job's capture reads every READ_EVERY points, on its writer)
         self.marks: list[tuple[str, dict[str, int]]] = []
         self._marks_lock = threading.Lock()
+        self.late: dict[tuple[str, int], str | None] = {}  # (group, number) read before its entry: its point
 
     def mark(self, step: str) -> None:
         """A point is reached: the calls issued so far belong to ``step`` (one counter read per group)."""
@@ -249,9 +250,17 @@ class Complement:
                 by_group.setdefault(name, []).append(e)
         written = 0
         out: list[dict[str, Any]] = []  # every row of this read, written at once
-        for name, (pg, _missing, n) in gaps.items():
+        for name, (pg, missing, n) in gaps.items():
             entries = sorted({e["collective_seq_id"]: e for e in by_group.get(name, [])}.values(),
                              key=lambda e: e["collective_seq_id"])
+            # A number the backend gave with no entry in the record yet: NCCL numbers a group's first call before
+            # it creates the communicator (hundreds of ms) and records it after, so a read in between (another
+            # thread's: the writer, the hang watcher) finds the number and not the call. Accounted only up to it,
+            # it is read next time; only a number the ring has wrapped past is given up.
+            found = {int(e["collective_seq_id"]) for e in entries}
+            late = sorted(q for q in missing if q not in found and n - q < _ring_size())
+            for q in late:  # named then by the point it led to, which this read's marks know
+                self.late.setdefault((name, q), next((st for st, counts in marks if q <= counts.get(name, 0)), None))
             try:
                 ranks = dist.get_process_group_ranks(pg)
             except Exception:
@@ -261,7 +270,8 @@ class Complement:
                 seq = int(e["collective_seq_id"])
                 still = hang and seq == entries[-1]["collective_seq_id"] and seq > newest and \
                     e.get("state") != "completed"
-                step = next((st for st, counts in marks if seq <= counts.get(name, 0)), None)
+                step = self.late.pop((name, seq), None) or \
+                    next((st for st, counts in marks if seq <= counts.get(name, 0)), None)
                 rec = self._row(e, name, ranks, seq, step)
                 out.append(rec)
                 if still:
@@ -271,7 +281,7 @@ class Complement:
                     note = NOTE + ("" if state == "completed" else f"; its end is not in the record, read {when}")
                     out.append(self._end_row(rec, state, note))
                 written += 1
-            self._account(name, n)
+            self._account(name, late[0] - 1 if late else n)
         self.book.write_many(out)
         self.rows += written
         return written
