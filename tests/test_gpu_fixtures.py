@@ -122,3 +122,26 @@ def test_a_broadcast_whose_ranks_disagree_on_the_root_is_named_on_nccl_where_it_
     for path in (live["one-root"], job["one-root"]):
         assert path["sentence"].startswith("clean: "), path["sentence"]
     assert job["one-root"]["rc"] == 0
+
+
+def test_a_users_own_fsdp2_job_on_nccl_reads_right_as_clean_and_names_its_buffer(tmp_path):
+    """`bash scripts/gpu_user_job.sh` on 2 x H200 (its three captures, fixtures/gpu/user_job_nccl_2gpu.tgz): a user's
+    FSDP2 script, unmodified, under `workbench job`. Before the capture read Flight Recorder ahead of
+    ``destroy_process_group`` and kept a call numbered before its entry, the right job read 'rank 1 never issued
+    group 0 call #1' on a cold machine, and the buggy one 'rank 0 never issued ... call #6'. Every rank holds every
+    call (84 all-gathers and reduce-scatters), the right and lingering jobs read clean, the bug is its buffer."""
+    import tarfile
+
+    with tarfile.open(GPU / "user_job_nccl_2gpu.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    for name in ("right", "linger", "bug"):
+        rec = wb.load(tmp_path / name).bug
+        led = rec.ledger
+        seqs = {r: sorted(led[led["rank"] == r]["seq"]) for r in (0, 1)}  # a row per call
+        assert seqs[0] == seqs[1] == list(range(1, 85)), (name, {r: len(s) for r, s in seqs.items()})
+        assert rec.manifest["job"]["status"] == {"0": "finished", "1": "finished"}, name
+        sentence = rec.diagnose().sentence
+        if name == "bug":
+            assert sentence.startswith("`scale` on rank 1 differs"), sentence
+        else:
+            assert rec.diagnose().clean, (name, sentence)
