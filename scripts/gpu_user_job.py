@@ -1,9 +1,10 @@
 """A user's own job, written as one would without the workbench: a small transformer LM, FSDP2, six AdamW steps.
 
 Run unmodified under `workbench job DIR -- torchrun --nproc-per-node 2 scripts/gpu_user_job.py [--bug|--linger]`
-(`scripts/gpu_user_job.sh` runs the three on 2 GPUs). ``--bug``: a replicated scaling buffer drawn from the global
-RNG after the user reseeded it for shuffling, so each rank holds its own; ``--linger``: rank 0 spends 3 s (a
-checkpoint) after its last step while rank 1 ends at once (the capture's hang watcher reads the record meanwhile).
+(`scripts/gpu_user_job.sh` runs them on 2 GPUs). ``--bug``: a replicated scaling buffer drawn from the global RNG
+after the user reseeded it for shuffling, so each rank holds its own; ``--ddp``: DDP instead of FSDP2;
+``--linger``: rank 0 spends 3 s (a checkpoint) after its last step while rank 1 ends at once (the capture's hang
+watcher reads the record meanwhile).
 """
 import argparse
 import os
@@ -34,6 +35,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bug", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of FSDP2")
     ap.add_argument("--linger", action="store_true", help="rank 0 writes a 'checkpoint' (3 s) before the end")
     args = ap.parse_args()
     dist.init_process_group("nccl")
@@ -43,9 +45,14 @@ def main():
     if args.bug:
         torch.seed()  # the user "reseeds" for data shuffling, before building the model
     model = LM(bug=args.bug).cuda()
-    for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+    if args.ddp:  # the reducer's all-reduces are issued from C++: only Flight Recorder sees them
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+    else:
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     for step in range(args.steps):
