@@ -161,3 +161,28 @@ def test_an_engine_that_registered_and_never_answers_is_named_and_nothing_is_lef
             break
         time.sleep(0.2)
     assert left == []
+
+
+def test_a_port_taken_between_its_pick_and_rank_0s_bind_is_picked_again(healthy, monkeypatch):
+    """The client picks a free port for the group's store and rank 0 binds it a moment later: another process (a
+    second notebook, a parallel test lane: CI saw it, 'rank 0 error: OSError: [Errno 98] Address already in use')
+    can take it in between. The group forms on a fresh port instead of failing."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from workbench.live import engines as live_engines
+
+    # what CI met: another lane's own store on the port (rank 0 cannot bind it, the others ping the wrong store)
+    theirs = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    port = theirs.port
+    picks = iter([port])
+    fresh = live_engines.free_port
+    monkeypatch.setattr(live_engines, "free_port", lambda *a: next(picks, None) or fresh(*a))
+    try:
+        with pytest.warns(UserWarning, match=f"port {port} was taken"):
+            healthy.form_group()
+    finally:
+        del theirs
+    assert healthy.port != port
+    assert {r: v[:2] for r, v in healthy.run(whoami).items()} == {0: (0, 2), 1: (1, 2)}

@@ -89,6 +89,12 @@ class Outcome:
             raise RankErrors(self.failures, self.values)
 
 
+def _port_taken(failure: RankFailure | None) -> bool:
+    """Rank 0 could not bind the store's port: someone took it after it was picked."""
+    return failure is not None and failure.kind == "error" and (
+        "Address already in use" in failure.message or "EADDRINUSE" in failure.message)
+
+
 ANSWER_S = 120.0  # an engine's first answers after it registered (torch's import on a loaded 2-core box: ~10 s)
 
 
@@ -225,8 +231,12 @@ class Engines:
             raise
         return self
 
-    def form_group(self) -> None:
-        """(Re-)form the process group on every engine with a fresh port (see ``_rendezvous``)."""
+    def form_group(self, _again: bool = True) -> None:
+        """(Re-)form the process group on every engine with a fresh port (see ``_rendezvous``).
+
+        The port is picked free and bound by rank 0 a moment later; another process (a second notebook, a parallel
+        test lane) can take it in between. Rank 0 then cannot bind it and the others may reach that process's own
+        store: the group is formed once more on a fresh port, with a warning."""
         from workbench.rank.byname import RankFn
 
         # By name: importing rank.context here would import torch into the client (~1.5 s of every attached run).
@@ -240,6 +250,11 @@ class Engines:
                                                 addr, self.local_index.get(r))
                    for r in range(self.world_size)}
         outcome = self._collect(pending, self.timeout + 30)
+        if outcome.failures and _again and _port_taken(outcome.failures.get(0)):
+            self.dirty = True  # whatever a rank's half-made group holds is destroyed first
+            warnings.warn(f"port {port} was taken before rank 0's store could bind it; the process group forms on a "
+                          "fresh port", stacklevel=2)
+            return self.form_group(_again=False)
         if outcome.failures:
             raise ClusterError("process group did not form:\n  " +
                                "\n  ".join(f.line() for f in outcome.failures.values()))

@@ -216,6 +216,14 @@ def destroy_rank() -> None:
     _SESSIONS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+        return
+    # An init that failed part-way (its store unreachable) still counted its group on this rank and not on a rank
+    # that failed sooner: the next group's store keys would differ between them ("/1/..." against "/0/..."), as
+    # destroy_process_group would have reset the count.
+    try:
+        dist.distributed_c10d._world.group_count = 0
+    except Exception:
+        pass
 
 
 def new_context(session_id: str, fix: str | None, params: dict[str, Any], poison: bool) -> RankContext:
