@@ -148,6 +148,11 @@ def _frames(raw: list[dict[str, Any]]) -> tuple[str, str, list[str], str]:
     return _ledger.place(walked)
 
 
+def _point_of(marks: list[tuple[str, dict[str, int]]], group: str, seq: int) -> str | None:
+    """The first marked point whose count on ``group`` reaches call ``seq``: the point that call led to."""
+    return next((st for st, counts in marks if seq <= counts.get(group, 0)), None)
+
+
 class Complement:
     """Flight Recorder's entries for the calls a ledger (numbered by the backend) has no row of."""
 
@@ -260,7 +265,7 @@ class Complement:
             found = {int(e["collective_seq_id"]) for e in entries}
             late = sorted(q for q in missing if q not in found and n - q < _ring_size())
             for q in late:  # named then by the point it led to, which this read's marks know
-                self.late.setdefault((name, q), next((st for st, counts in marks if q <= counts.get(name, 0)), None))
+                self.late.setdefault((name, q), _point_of(marks, name, q))
             try:
                 ranks = dist.get_process_group_ranks(pg)
             except Exception:
@@ -270,8 +275,7 @@ class Complement:
                 seq = int(e["collective_seq_id"])
                 still = hang and seq == entries[-1]["collective_seq_id"] and seq > newest and \
                     e.get("state") != "completed"
-                step = self.late.pop((name, seq), None) or \
-                    next((st for st, counts in marks if seq <= counts.get(name, 0)), None)
+                step = self.late.pop((name, seq), None) or _point_of(marks, name, seq)
                 rec = self._row(e, name, ranks, seq, step)
                 out.append(rec)
                 if still:
