@@ -317,6 +317,31 @@ def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
         _teardown(pdir)
 
 
+@pytest.mark.timeout(240)
+def test_shutdown_ends_the_cluster_when_an_engine_never_answers(tmp_path):
+    """ipyparallel's shutdown waits without a bound for every engine's reply; one that never comes (an engine
+    frozen here; a reply lost as its engine exits, the way CI once hung for its whole 90 minutes at the test
+    above) must not hold the shutdown: the silent engine is ended all the same, with the rest."""
+    import workbench as wb
+
+    pdir = str(tmp_path / "profile_frozen")
+    try:
+        registry.up(2, pdir, backend="gloo")
+        pids = alive(registry.processes(pdir))
+        c = wb.connect(url_file=os.path.join(pdir, "security", "ipcontroller-client.json"), ranks=2, timeout=8)
+        os.kill(c.pids[1], signal.SIGSTOP)  # rank 1 will never answer
+        t0 = time.monotonic()
+        with pytest.warns(UserWarning, match="not every engine answered ipyparallel's shutdown"):
+            c.shutdown()
+        assert time.monotonic() - t0 < 60 and not c.alive
+        end = time.monotonic() + 15
+        while alive(pids) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert alive(pids) == []
+    finally:
+        _teardown(pdir)
+
+
 SRUN_STAND_IN = """#!/bin/bash
 # srun on one host: `srun -n N [--options] program args...` starts N tasks with SLURM_LOCALID, highest first
 n=$2; shift 2

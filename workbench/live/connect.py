@@ -22,7 +22,10 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from workbench.errors import ClusterError
@@ -201,10 +204,16 @@ class AttachedCluster(Cluster):
         if self._client is None:
             self._connect()
         local = [p for r, p in self.pids.items() if self.hosts.get(r) == here]
-        try:
-            self._client.shutdown(targets="all", hub=True, block=True)
-        except Exception:
-            pass
+        client = self._client
+        if not _within(SHUTDOWN_ANSWER_S, lambda: client.shutdown(targets="all", hub=True, block=True)):
+            # ipyparallel waits for every engine's reply before it asks the hub, without a bound: an engine that
+            # never answers (frozen, or its reply lost as it exited) held this for ever. The local ones are ended
+            # below; the hub is asked alone (ipyparallel's own request, the step its shutdown did not reach).
+            warnings.warn(f"workbench: not every engine answered ipyparallel's shutdown within "
+                          f"{SHUTDOWN_ANSWER_S:g}s; the local engines are ended and the controller asked alone",
+                          stacklevel=2)
+            reap(local, timeout=0)
+            _within(SHUTDOWN_ANSWER_S, lambda: client._send_recv(client._query_stream, "shutdown_request"))
         self.stop()
         reap(local)
         if self._ipc is not None and all(h == here for h in self.hosts.values()):
@@ -297,6 +306,26 @@ class AttachedCluster(Cluster):
 
 # A hub registers an engine once it has seen its heartbeat: a controller the user started with the default
 # 3 s ping took ~10 s for the job's engines (measured), where rank 0's own (``--ping=500``) takes ~0.2 s.
+SHUTDOWN_ANSWER_S = 15.0  # engines and hub answer a shutdown in well under a second; this is for one that never does
+
+
+def _within(seconds: float, fn: Callable[[], Any]) -> bool:
+    """Whether ``fn`` returned (or raised) within ``seconds``. It runs on a daemon thread, which a wait that never
+    ends leaves behind, blocked; the caller goes on."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="wb-shutdown", daemon=True).start()
+    return done.wait(seconds)
+
+
 JOB_WAIT_S = 30.0
 
 
