@@ -38,15 +38,21 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and hasattr(os, "fork") and sys.platform == "linux"
 
 
+# Every engine the workbench starts writes stdout/stderr through a stream that skips ipykernel's empty flushes
+# (``workbench.rank.outstream``): named here, not imported, so the client does not import ipykernel for it.
+ENGINE_ARGS = ["--IPEngine.out_stream_factory=workbench.rank.outstream.QuietFlushStream"]
+
+
 def cluster_kwargs(preimport: tuple[str, ...] = ()) -> dict:
-    """``ipp.Cluster``'s arguments for forked engines (none when they are off): the launcher, and what its set
-    imports beyond torch and the rank layer."""
-    if not enabled():
-        return {}
+    """``ipp.Cluster``'s arguments for the workbench's engines: their arguments, and for forked engines (unless
+    they are off) the launcher and what its set imports beyond torch and the rank layer."""
     from traitlets.config import Config
 
-    return {"engine_launcher_class": ForkEngineSetLauncher,
-            "config": Config(ForkEngineSetLauncher={"preimport": list(preimport)})}
+    config = Config(EngineLauncher={"engine_args": list(ENGINE_ARGS)})
+    if not enabled():
+        return {"config": config}
+    config.ForkEngineSetLauncher = Config(preimport=list(preimport))
+    return {"engine_launcher_class": ForkEngineSetLauncher, "config": config}
 
 
 class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):

@@ -1,0 +1,58 @@
+"""The engines' stdout/stderr skip ipykernel's empty flushes (``workbench.rank.outstream``), and print as before.
+
+Real engines (the session's shared cluster): a spy on each stream counts the flushes that reach the IOPub thread
+while the ranks run calls that print nothing, then while one prints.
+"""
+
+from __future__ import annotations
+
+
+def _spy() -> None:
+    import sys
+
+    for s in (sys.stdout, sys.stderr):
+        s._wb_flushes = 0
+        real = type(s)._flush
+
+        def counted(s=s, real=real):
+            s._wb_flushes += 1
+            real(s)
+
+        s._flush = counted  # what a flush hands the IOPub thread
+
+
+def _read() -> int:
+    import sys
+
+    n = 0
+    for s in (sys.stdout, sys.stderr):
+        n += s._wb_flushes
+        del s._flush, s._wb_flushes
+    return n
+
+
+def _quiet() -> int:
+    return 1
+
+
+def _loud(rank_text: str) -> int:
+    print(rank_text)
+    return 2
+
+
+def test_a_call_that_prints_nothing_hands_the_iopub_thread_no_flush(healthy):
+    healthy.run(_spy)
+    for _ in range(3):
+        healthy.run(_quiet)
+    # ipykernel's own stream flushed stdout and stderr twice each per call: 12+ here
+    assert healthy.run(_read) == {r: 0 for r in range(healthy.world_size)}
+
+
+def test_what_a_rank_prints_still_arrives_with_its_call(healthy):
+    healthy.run(_spy)
+    view = healthy._client[healthy._ids]
+    ar = view.apply_async(_loud, "printed on a rank")
+    assert ar.get(timeout=60) == [2] * healthy.world_size
+    ar.wait_for_output(timeout=30)  # output and reply travel apart (IOPub, the call's own socket)
+    assert ar.stdout == ["printed on a rank\n"] * healthy.world_size
+    assert all(n > 0 for n in healthy.run(_read).values())
