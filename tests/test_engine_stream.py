@@ -1,4 +1,5 @@
-"""The engines' stdout/stderr skip ipykernel's empty flushes (``workbench.rank.outstream``), and print as before.
+"""What an engine does per call, and no more: its stdout/stderr skip ipykernel's empty flushes
+(``workbench.rank.outstream``) and print as before; its log writes no line per request.
 
 Real engines (the session's shared cluster): a spy on each stream counts the flushes that reach the IOPub thread
 while the ranks run calls that print nothing, then while one prints.
@@ -56,3 +57,16 @@ def test_what_a_rank_prints_still_arrives_with_its_call(healthy):
     ar.wait_for_output(timeout=30)  # output and reply travel apart (IOPub, the call's own socket)
     assert ar.stdout == ["printed on a rank\n"] * healthy.world_size
     assert all(n > 0 for n in healthy.run(_read).values())
+
+
+def _log_levels() -> list[int]:
+    from ipyparallel.engine.app import IPEngine
+
+    return [h.level for h in IPEngine.instance().kernel.log.handlers]
+
+
+def test_an_engine_logs_warnings_not_a_line_per_request(healthy):
+    import logging
+
+    for levels in healthy.run(_log_levels).values():  # ipyparallel's INFO wrote and flushed "Handling apply_request"
+        assert levels and min(levels) >= logging.WARNING
