@@ -252,3 +252,23 @@ def _kernel_bytes() -> dict:
     x, w = torch.randn(1 << 16, generator=g), torch.randn(256, 256, generator=g).bfloat16()
     ops = {"sum": x.sum(), "exp": x.exp(), "tanh": x.tanh(), "bf16 matmul": w @ w}
     return {op: hashlib.sha256(t.float().numpy().tobytes()).hexdigest() for op, t in ops.items()}
+
+
+@pytest.mark.parametrize("cap, tiles, hidden", [
+    ("AVX2", True, True),  # the stand-in for another CPU on an AMX box: vLLM's AMX kernels would abort the rank
+    ("AVX512_CORE_BF16", True, True),
+    ("AVX10_1_512_AMX", True, False),  # oneDNN may use AMX: nothing hidden
+    ("ALL", True, False),
+    ("", True, False),  # no cap
+    ("AVX2", False, False),  # a CPU without AMX: nothing to hide
+])
+def test_amx_is_hidden_from_vllm_exactly_where_onednn_may_not_use_it(monkeypatch, cap, tiles, hidden):
+    """On a CPU with AMX tiles and oneDNN capped below AMX, vLLM's AMX attention threw from its brgemm where
+    nothing catches it and the rank's process aborted (the other-CPU tests above on a Sapphire Rapids box)."""
+    import torch
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles)
+    assert vllm_role.onednn_without_amx() is hidden
+    vllm_role._amx_as_onednn_sees_it()
+    assert torch.cpu._is_amx_tile_supported() is (tiles and not hidden)

@@ -145,6 +145,7 @@ def engine(model: torch.nn.Module) -> tuple[Any, float | None]:
     # made inside the checkpoint folder, it goes with the rank's process
     kept, tempfile.tempdir = tempfile.tempdir, d
     try:
+        _amx_as_onednn_sees_it()
         with _own_world():
             from vllm import LLM
 
@@ -156,6 +157,32 @@ def engine(model: torch.nn.Module) -> tuple[Any, float | None]:
     took = time.perf_counter() - t
     _ENGINE.update(key=key, llm=llm, dir=d, start_s=took)
     return llm, took
+
+
+def onednn_without_amx() -> bool:
+    """oneDNN capped below AMX (``ONEDNN_MAX_CPU_ISA``, as the tests' stand-in for another CPU sets it) on a CPU
+    whose AMX tiles torch reports. vLLM picks its AMX attention from torch's report alone, and that kernel's
+    brgemm then finds oneDNN without AMX and throws where nothing catches it: the process aborts
+    ("BFloat16 Brgemm VNNI format is only supported ... when `amx` is supported"; seen on a Sapphire Rapids box)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if not cap or "AMX" in cap or cap in ("ALL", "DEFAULT"):
+        return False
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except Exception:
+        return False
+
+
+def _amx_as_onednn_sees_it() -> None:
+    """Before vLLM builds its engine: where oneDNN may not use AMX, torch reports no AMX for the rest of this
+    process, so every choice vLLM makes from that report (its attention kernel, how it packs small linear
+    weights, again when it reloads them) is the one a CPU without AMX makes. Elsewhere, nothing changes."""
+    if onednn_without_amx():
+        torch.cpu._is_amx_tile_supported = _no_amx
+
+
+def _no_amx() -> bool:
+    return False
 
 
 def vllm_model(llm) -> torch.nn.Module:
