@@ -217,18 +217,26 @@ def reap(client: int, token: str, lease_file: str, lease_s: float) -> str:
 
 
 def _watch(client: int, lease_file: str, lease_s: float) -> str:
-    woke = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: woke.set())
-    _parent_death_signal(signal.SIGUSR1)
+    # The parent-death signal is taken synchronously (blocked, then waited for), never by a handler: a handler
+    # that set a threading.Event could land while this thread held that Event's lock (in its clear() or wait()),
+    # and then waited on it for ever; the client gone, the reaper slept on and the tree outlived it (seen: 2 in
+    # 15 SIGKILLed notebook kernels).
+    synchronous = sys.platform.startswith("linux") and hasattr(signal, "sigtimedwait")
+    if synchronous:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        _parent_death_signal(signal.SIGUSR1)
     try:
         born: float | None = psutil.Process(client).create_time()
     except psutil.NoSuchProcess:
         born = None
-    if os.getppid() != client:  # the client died before the signal was armed
-        woke.set()
+    look_now = os.getppid() != client  # the client died before the signal was armed
     while True:
-        woke.wait(POLL_S)
-        woke.clear()
+        if not look_now:
+            if synchronous:
+                signal.sigtimedwait([signal.SIGUSR1], POLL_S)
+            else:
+                time.sleep(POLL_S)
+        look_now = False
         if not os.path.exists(lease_file):
             return "stopped"  # the client ended the tree itself
         if _client_gone(client, born):
