@@ -298,21 +298,32 @@ def test_backend_follows_each_ranks_gpu_on_its_host():
         pick_backend("nccl", [{"host": "a", "gpus": 1}, {"host": "a", "gpus": 0}], [0, 1])
 
 
-def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
+def _up_and_connect_by_url(pdir: str):
+    """`up` 2 ranks, then attach through the controller's connection file alone; the client and every pid up made."""
     import workbench as wb
 
+    registry.up(2, pdir, backend="gloo")
+    pids = alive(registry.processes(pdir))
+    c = wb.connect(url_file=os.path.join(pdir, "security", "ipcontroller-client.json"), ranks=2, timeout=8)
+    return c, pids
+
+
+def _left_after(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive once they are all gone or ``seconds`` have passed."""
+    end = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
     pdir = str(tmp_path / "profile_sd")
     try:
-        registry.up(2, pdir, backend="gloo")
-        pids = alive(registry.processes(pdir))
-        c = wb.connect(url_file=os.path.join(pdir, "security", "ipcontroller-client.json"), ranks=2, timeout=8)
+        c, pids = _up_and_connect_by_url(pdir)
         assert c.world_size == 2 and "ipcontroller-client.json" in repr(c)
         c.shutdown()  # no cluster file known to this object: the controller's own shutdown, hub included
         assert not c.alive
-        end = time.monotonic() + 15
-        while alive(pids) and time.monotonic() < end:
-            time.sleep(0.2)
-        assert alive(pids) == []
+        assert _left_after(pids, 15) == []
     finally:
         _teardown(pdir)
 
@@ -322,22 +333,15 @@ def test_shutdown_ends_the_cluster_when_an_engine_never_answers(tmp_path):
     """ipyparallel's shutdown waits without a bound for every engine's reply; one that never comes (an engine
     frozen here; a reply lost as its engine exits, the way CI once hung for its whole 90 minutes at the test
     above) must not hold the shutdown: the silent engine is ended all the same, with the rest."""
-    import workbench as wb
-
     pdir = str(tmp_path / "profile_frozen")
     try:
-        registry.up(2, pdir, backend="gloo")
-        pids = alive(registry.processes(pdir))
-        c = wb.connect(url_file=os.path.join(pdir, "security", "ipcontroller-client.json"), ranks=2, timeout=8)
+        c, pids = _up_and_connect_by_url(pdir)
         os.kill(c.pids[1], signal.SIGSTOP)  # rank 1 will never answer
         t0 = time.monotonic()
         with pytest.warns(UserWarning, match="not every engine answered ipyparallel's shutdown"):
             c.shutdown()
         assert time.monotonic() - t0 < 60 and not c.alive
-        end = time.monotonic() + 15
-        while alive(pids) and time.monotonic() < end:
-            time.sleep(0.2)
-        assert alive(pids) == []
+        assert _left_after(pids, 15) == []
     finally:
         _teardown(pdir)
 
