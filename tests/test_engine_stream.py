@@ -1,5 +1,6 @@
 """What an engine does per call, and no more: its stdout/stderr skip ipykernel's empty flushes
-(``workbench.rank.outstream``) and print as before; its log writes no line per request.
+(``workbench.rank.outstream``) and print as before; its log writes no line per request; it starts no
+nanny process beside it.
 
 Real engines (the session's shared cluster): a spy on each stream counts the flushes that reach the IOPub thread
 while the ranks run calls that print nothing, then while one prints.
@@ -70,3 +71,14 @@ def test_an_engine_logs_warnings_not_a_line_per_request(healthy):
 
     for levels in healthy.run(_log_levels).values():  # ipyparallel's INFO wrote and flushed "Handling apply_request"
         assert levels and min(levels) >= logging.WARNING
+
+
+def test_an_engine_starts_no_nanny_beside_it(healthy):
+    """ipyparallel's nanny (one more Python process per engine, ~0.6 CPU-s to start on the 2-core box) relays
+    single-engine signals and reports an engine's exit early; the workbench signals no single engine through it,
+    and tells a dead rank by its pid (``dead_ranks``)."""
+    import psutil
+
+    for rank, pid in healthy.pids.items():
+        kids = [" ".join(p.cmdline()) for p in psutil.Process(pid).children(recursive=True)]
+        assert not [k for k in kids if "nanny" in k], (rank, kids)

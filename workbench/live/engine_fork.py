@@ -41,7 +41,11 @@ def enabled() -> bool:
 # What each engine the workbench starts does less of per call: its stdout/stderr skip ipykernel's empty flushes
 # (``workbench.rank.outstream``: named here, not imported, so the client does not import ipykernel for it), and
 # its log keeps warnings and errors (what ``_stop_cause`` reads), not a line written and flushed for every request.
-ENGINE_ARGS = ["--IPEngine.out_stream_factory=workbench.rank.outstream.QuietFlushStream", "--IPEngine.log_level=WARN"]
+# And no nanny: ipyparallel starts one more Python process per engine (~0.6 CPU-s on the 2-core box, a quarter of a
+# forked 4-rank cluster's start) to relay signals to that one engine and report its exit before the heartbeat
+# does; the workbench signals engines through their launcher or their pid and tells a dead rank by its pid.
+ENGINE_ARGS = ["--IPEngine.out_stream_factory=workbench.rank.outstream.QuietFlushStream", "--IPEngine.log_level=WARN",
+               "--IPEngine.enable_nanny=False"]
 
 
 def cluster_kwargs(preimport: tuple[str, ...] = ()) -> dict:
