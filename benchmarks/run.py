@@ -109,7 +109,7 @@ def warm(repeats: int = 5) -> dict[str, float]:
 def cluster_start(ranks: int = 4) -> dict[str, dict[str, float]]:
     """A cluster started and stopped by a fresh client, its engines forked from one import and started the plain
     way (``WORKBENCH_ENGINE_FORK=0``): wall seconds and CPU-seconds (the client and every process it waited for:
-    controller, engine set, engines, nannies)."""
+    controller, engine set, engines; the engines start no nanny)."""
     import resource
 
     code = (f"import workbench as wb; c = wb.start(ranks={ranks}, backend='gloo', timeout=20); "
