@@ -164,14 +164,18 @@ def main() -> int:
         return 2
     watch = ProcWatch()
     watch.start()
-    t0, rc = time.perf_counter(), 1
+    t0, rc, proc = time.perf_counter(), 1, None
     try:
         proc = subprocess.Popen(cmd)
         watch.seen[proc.pid] = (" ".join(cmd), os.getpid())
         rc = proc.wait()
+    except OSError as exc:  # no such command: nothing ran
+        print(f"suite_cpu: could not start {cmd[0]}: {exc.strerror}", file=sys.stderr)
+        rc = 2
     except KeyboardInterrupt:
-        proc.terminate()
-        rc = proc.wait()
+        if proc is not None:
+            proc.terminate()
+            rc = proc.wait()
     finally:
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # the last exits land in the file
@@ -179,6 +183,8 @@ def main() -> int:
         watch.done.set()
         watch.join()
     try:
+        if proc is None:
+            return rc
         cpu, count, outside = account(proc.pid, read_acct(path), watch.seen)
     finally:
         os.unlink(path)
