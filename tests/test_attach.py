@@ -9,6 +9,7 @@ finalizer, also when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import psutil
 import pytest
 
 from workbench.errors import ClusterError
-from workbench.live import registry
+from workbench.live import lease, registry
 from workbench.rank.host import order, pick_backend
 
 CLI = [sys.executable, "-m", "workbench.cli"]
@@ -309,11 +310,12 @@ def _up_and_connect_by_url(pdir: str):
 
 
 def _left_after(pids: list[int], seconds: float) -> list[int]:
-    """The pids still alive once they are all gone or ``seconds`` have passed."""
-    end = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < end:
-        time.sleep(0.2)
-    return alive(pids)
+    """The pids still running once they are all gone or ``seconds`` have passed (the lease's own wait)."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):  # already gone
+            procs.append(psutil.Process(pid))
+    return [p.pid for p in lease.wait_gone(procs, seconds)]
 
 
 def test_shutdown_through_a_connection_file_ends_the_cluster(tmp_path):
