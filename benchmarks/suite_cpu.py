@@ -8,7 +8,7 @@ whatever ends it (a SIGKILLed engine included), with its pid and parent; a poll 
 process by its command line while it lives. Together: CPU-seconds per role (torchrun agent and ranks, engine
 sets and forked engines, controllers, notebook kernels, the pytest lanes themselves, CLI runs, ...).
 
-    python benchmarks/suite_cpu.py                 # make test's pytest command (2 lanes)
+    python benchmarks/suite_cpu.py                 # make test (the README's test command)
     python benchmarks/suite_cpu.py -- bash .ci/run # any command; its exit status is this script's
 
 Only the command's own process tree counts (a process whose first-seen parent chain reaches the command);
@@ -101,7 +101,7 @@ class ProcWatch(threading.Thread):
             self.done.wait(self.every)
 
 
-def role(pid: int, cmd: str | None, comm: str, parent_role: str | None) -> str:
+def role(cmd: str | None, comm: str, parent_role: str | None) -> str:
     if parent_role == "torchrun agent" and (cmd is None or "python" in cmd or cmd.endswith(".py")):
         return "torchrun rank (the job's script)"
     if cmd is None:  # never seen alive: short-lived, or started and gone between two polls
@@ -133,8 +133,7 @@ def account(root: int, acct: dict[int, tuple[int, float, str]], seen: dict[int, 
             memo[pid] = None
             return None
         up = role_of(pp, depth + 1)
-        memo[pid] = None if up is None else role(pid, seen.get(pid, (None,))[0], acct.get(pid, (0, 0, ""))[2],
-                                                   up)
+        memo[pid] = None if up is None else role(seen.get(pid, (None,))[0], acct.get(pid, (0, 0, ""))[2], up)
         return memo[pid]
 
     cpu, count, outside = collections.Counter(), collections.Counter(), 0.0
@@ -150,10 +149,9 @@ def account(root: int, acct: dict[int, tuple[int, float, str]], seen: dict[int, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", nargs="*", help="the command to measure (after --); default: make test's pytest")
+    ap.add_argument("command", nargs="*", help="the command to measure (after --); default: make test")
     args = ap.parse_args()
-    cmd = args.command or [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile",
-                           "--no-loadscope-reorder"]
+    cmd = args.command or ["make", "test"]  # the Makefile says how the suite runs (its lanes), not a copy here
     libc = ctypes.CDLL(None, use_errno=True)
     fd, path = tempfile.mkstemp(prefix="wb-acct-")
     os.close(fd)
