@@ -46,6 +46,7 @@ ENV_EVERY = "WORKBENCH_CAPTURE_EVERY"  # a point every N-th optimizer step (afte
 ENV_POINTS = "WORKBENCH_CAPTURE_POINTS"  # the automatic points to take, comma-separated (default: all)
 ENV_ATTACH = "WORKBENCH_CAPTURE_ATTACH"  # post-mortem (default), on-error, on-deadlock, off
 ENV_DEADLINE = "WORKBENCH_CAPTURE_DEADLINE"  # seconds a post-mortem attach waits for a notebook
+ENV_HANG_AFTER = "WORKBENCH_CAPTURE_HANG_AFTER"  # seconds a call waits before the ledgers may call it stuck
 ENV_POISON = "WORKBENCH_CAPTURE_POISON"  # to_empty (default), all, off
 ENV_PID = "WORKBENCH_CAPTURE_PID"  # the process that captures: its children (workers) do not
 OFF = ("", "0", "off", "false", "no", "1", "on", "true", "yes")  # words, not directories
@@ -107,7 +108,8 @@ def options(env: dict[str, str] | None = None) -> dict[str, Any]:
     attach = env.get(ENV_ATTACH, "post-mortem")
     return {"every": every, "points": names or list(POINTS), "poison": poison,
             "attach": None if attach == "off" else attach,
-            "attach_deadline": float(env.get(ENV_DEADLINE, "600") or 600)}
+            "attach_deadline": float(env.get(ENV_DEADLINE, "600") or 600),
+            "hang_after": float(env.get(ENV_HANG_AFTER, "60") or 60)}
 
 
 # -- waiting for torch: a finder that runs callbacks once a module has been executed --------------------
@@ -191,7 +193,7 @@ def start() -> Hooks | None:
 
         opts = options()
         cap = shard.capture(directory(), poison=opts["poison"], ledger="calls", attach=opts["attach"],
-                            attach_deadline=opts["attach_deadline"])
+                            attach_deadline=opts["attach_deadline"], hang_after=opts["hang_after"])
         return Hooks(cap, every=opts["every"], points=opts["points"]).install()
     except Exception as exc:
         _say(f"workbench: capture off in this process: {type(exc).__name__}: {exc}")
