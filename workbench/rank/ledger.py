@@ -774,10 +774,36 @@ def recording(ledger: Ledger, step: str = "") -> Iterator[Ledger]:
         stop()
 
 
+class _Off:
+    off = True  # a recorder over this passes every op through
+
+
+_PREPARED: list[bool] = []
+
+
+def prepare() -> None:
+    """Take now, while torch is still torch's, every first use the recorder would otherwise take inside the job's
+    first collective: its mode's ``__torch_dispatch__`` is wrapped in ``torch._disable_dynamo``, whose first call
+    imports ``torch._dynamo``, and that import checks its polyfills' signatures against torch's own functions.
+    A stack that patched torch before that call fails it: DeepSpeed's ``zero.Init`` replaces
+    ``torch.Tensor.__new__``, and the broadcast inside it then raised ``TypeError: Signature mismatch between
+    get_new_tensor_fn_for_dtype.<locals>.new_tensor and tensor_pynew`` into the job (both ledger modes). One op
+    through an idle recorder here imports it and caches the wrapper (once per process; the import is paid here
+    rather than at the first collective)."""
+    if _PREPARED:
+        return
+    import torch._dynamo  # what ``_disable_dynamo`` imports at its first call
+
+    with _Recorder(_Off()):  # type: ignore[arg-type]
+        torch.ops.aten.empty.memory_format([0])
+    _PREPARED.append(True)
+
+
 def start_recording(ledger: Ledger, step: str = "") -> Any:
     """``recording`` without a block (a capture's, on until it closes): returns the function that stops it.
     Its mode leaves the dispatch stack only from the top; where the job pushed a mode of its own above it since,
     the recorder stays below, off (it passes every call through)."""
+    prepare()
     ledger.step = step
     recorder = _Recorder(ledger)
     c10d = dist.distributed_c10d

@@ -77,6 +77,7 @@ class CallLedger:
         self.passed = 0  # calls passed to Flight Recorder's record
 
     def install(self) -> CallLedger:
+        _ledger.prepare()  # before any stack patches torch (DeepSpeed's ``zero.Init``): ``ledger.prepare`` says why
         for module in (dist, dist.distributed_c10d):
             for name in collective_names(module):
                 original = getattr(module, name)
