@@ -11,6 +11,11 @@ so a split sum equals the whole one; the mean is a float sum, whose rounding dep
 order, so it stays each tensor's own ``sum()``, the one per-tensor op left. A tensor holding
 a NaN or an infinity goes back to the plain path, which counts them and the poison (rare:
 most of a model is finite).
+
+Every read of a tensor's memory by numpy goes through ``host``, never ``Tensor.numpy()``: that call marks the
+tensor's storage not resizable for good (torch's guard for the array it hands out), and FSDP2 frees an unsharded
+parameter by resizing its storage to 0 after backward: a probe at the ``forward`` point took the job down
+("Trying to resize storage that is not resizable").
 """
 
 from __future__ import annotations
@@ -78,9 +83,9 @@ def _fill_batch(batch: list[Member]) -> list[Member]:
         x = whole if dtype in (torch.float32, torch.float64) else _scratch("x", torch.float32, n).copy_(whole)
         xs = torch.split(x, numels)
         means = (torch.stack([part.sum() / k for part, k in zip(xs, numels)]).to(torch.float64).tolist())
-    xn = x.numpy()
+    xn = host(x)
     starts = np.fromiter(accumulate(numels[:-1], initial=0), dtype=np.int64, count=len(numels))
-    finite = np.isfinite(xn, out=_scratch("finite", torch.bool, n).numpy())
+    finite = np.isfinite(xn, out=host(_scratch("finite", torch.bool, n)))
     ok = (np.ones(len(batch), dtype=bool) if finite.all()
           else np.add.reduceat(finite, starts, dtype=np.int64) == np.asarray(numels))
     with np.errstate(invalid="ignore"):  # a signalling NaN (poison) widened is no error here
@@ -90,7 +95,7 @@ def _fill_batch(batch: list[Member]) -> list[Member]:
     with np.errstate(invalid="ignore", over="ignore"):  # a batch with a NaN goes to the plain path anyway
         sq = np.square(xn, dtype=np.float64)  # exact (a float32 squared fits a float64); summed per tensor below
     fps = _fingerprints(whole, numels)
-    raw = whole.view(torch.uint8).numpy()
+    raw = host(whole, np.uint8)
     left: list[Member] = []
     base = 0
     for i, (row, flat) in enumerate(batch):
@@ -111,7 +116,7 @@ def sumsq(x: torch.Tensor) -> float:
     """The sum of squares of ``x``'s finite values, summed as the batched pass sums them (bit for bit: numpy's
     pairwise sum over one tensor's float64 squares), for the plain path's CPU tensors."""
     with np.errstate(invalid="ignore", over="ignore"):  # a signalling NaN (poison) widened is no error here
-        v = np.square(x.numpy(), dtype=np.float64)
+        v = np.square(host(x), dtype=np.float64)
     if not np.isfinite(v).all():
         v[~np.isfinite(v)] = 0.0
     return float(np.add.reduce(v))
@@ -124,9 +129,36 @@ def _fingerprints(whole: torch.Tensor, numels: list[int]) -> list[str]:
     positions = position_terms(counts)
     starts = np.fromiter(accumulate(counts[:-1], initial=0), dtype=np.int64, count=len(counts))
     w = sum(counts)
-    scratch = tuple(_scratch(name, torch.int32, w).numpy().view(np.uint32) for name in ("a", "c", "t"))
-    lanes = lanes_u32(whole.view(torch.uint8).numpy().view(np.uint32), starts, positions, scratch).tolist()
+    scratch = tuple(host(_scratch(name, torch.int32, w), np.uint32) for name in ("a", "c", "t"))
+    lanes = lanes_u32(host(whole, np.uint32), starts, positions, scratch).tolist()
     return [f"{p:08x}{q:08x}" for p, q in lanes]
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16, torch.bool: np.bool_,
+          torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
+
+
+class _Held:
+    """A contiguous CPU tensor's bytes as numpy's array interface: the array keeps this (and so the tensor) alive,
+    and torch's storage is never told an array exists."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.__array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                    "data": (t.data_ptr(), False), "version": 3}
+
+
+def host(t: torch.Tensor, dtype: Any = None) -> np.ndarray:
+    """``t`` (on CPU) flattened, as a numpy array over its own memory, no copy, as ``t.numpy()`` gives it
+    (``dtype``: its bytes read as another numpy dtype, ``t.view(...).numpy()``) but leaving its storage
+    resizable: ``Tensor.numpy()`` marks a storage not resizable for ever, and FSDP2 (or any owner of that
+    memory) resizes it later."""
+    dtype = np.dtype(dtype if dtype is not None else _NUMPY[t.dtype])
+    if t.device.type != "cpu":
+        raise TypeError(f"host() reads a CPU tensor, not one on {t.device}")
+    if not t.numel():
+        return np.empty(0, dtype=dtype)
+    return np.asarray(_Held(t.contiguous())).view(dtype)  # strided: read from a copy
 
 
 def _scratch(name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
