@@ -94,11 +94,16 @@ class Plan:
         self.device, self.T, self.programs = dev, T, int(sum(nblk))
         self.desc = torch.tensor(rows, dtype=torch.int64).to(dev)
         self.blk = torch.repeat_interleave(torch.arange(T, dtype=torch.int32), torch.tensor(nblk)).to(dev)
-        self.buf = torch.zeros(T * (_ACC + _WORDS // 2 + _WORDS), dtype=torch.int64, device=dev)
-        self.acc = self.buf[: T * _ACC]
+        # Sections laid out for an even count of rows: each starts 16-byte aligned whatever T is, so every plan
+        # hands the kernel the same pointer alignment and one build serves them all (with T rows, an odd T put
+        # ``words`` and ``hexs`` 8 bytes off: a second specialization, built on the job's thread at its point).
+        R = T + T % 2
+        self.o_words, self.o_hexs = R * _ACC, R * (_ACC + _WORDS // 2)
+        self.buf = torch.zeros(R * (_ACC + _WORDS // 2 + _WORDS), dtype=torch.int64, device=dev)
+        self.acc = self.buf[: R * _ACC]
         self.accf = self.acc.view(torch.float64)
-        self.words = self.buf[T * _ACC: T * (_ACC + _WORDS // 2)].view(torch.int32)
-        self.hexs = self.buf[T * (_ACC + _WORDS // 2):].view(torch.uint8)
+        self.words = self.buf[self.o_words: self.o_hexs].view(torch.int32)
+        self.hexs = self.buf[self.o_hexs:].view(torch.uint8)
         cuda = dev.type == "cuda"
         self.host = torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=cuda) if cuda else self.buf
         self.done = torch.cuda.Event() if cuda else None
@@ -169,8 +174,8 @@ class Plan:
         mean = np.where(some, a[:, 7].view(np.float64) / np.maximum(nfin, 1.0), np.nan)
         sumsq = a[:, 8].view(np.float64)  # lanes summed in fp32 within a block, blocks in fp64
         fph = (a[:, 3:5] & _M32).astype(">u4").tobytes().hex()
-        w = h[T * _ACC: T * (_ACC + _WORDS // 2)].view(np.uint32).reshape(T, _WORDS)
-        hexs = h[T * (_ACC + _WORDS // 2):].tobytes().decode("ascii")
+        w = h[self.o_words: self.o_words + T * _WORDS // 2].view(np.uint32).reshape(T, _WORDS)
+        hexs = h[self.o_hexs: self.o_hexs + T * _WORDS].tobytes().decode("ascii")
         return {
             "nan": nan.tolist(), "inf": inf.tolist(), "poisoned": a[:, 2].tolist(),
             "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
@@ -229,6 +234,7 @@ def warm_async(device: torch.device | str | int | None = None,
 
     def run() -> None:
         try:
+            _WARM["child"] = _build_aside(device)
             _WARM["result"] = warm(device)
         except Exception as exc:  # the probe's own path still works (and reports) without it
             _WARM["result"] = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
@@ -237,6 +243,21 @@ def warm_async(device: torch.device | str | int | None = None,
     _WARM["thread"] = t
     t.start()
     return t
+
+
+def _build_aside(device: torch.device | str | int) -> dict[str, Any] | None:
+    """On a CUDA device, the kernel's cold build in a child process (``probe_child.prebuild_probe``; started here
+    unless the capture started it already), waited for here: the in-process warm-up after it only loads
+    what the child left in Triton's cache, so the job's threads never run the compiler (which holds the GIL
+    for seconds: every step run meanwhile slowed). What the child reported; None on CPU or with it off."""
+    from workbench.rank import probe_child
+
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        return None
+    if not probe_child.prebuild_probe(dev.index if dev.index is not None else torch.cuda.current_device()):
+        return None
+    return probe_child.await_prebuild()
 
 
 def settle_warm(limit: float) -> bool:
