@@ -42,9 +42,9 @@ from workbench.postmortem.record import RunRecord
 
 # The kinds of difference, in the order a cell is classified (the first that applies names the cell).
 KINDS = ["only in one run", "dtype", "shape", "placement", "meta", "written", "NaN/Inf/poison", "values",
-         "within rounding", "dtype as given", "same", "not on both"]
-CAUSES = KINDS[:8]  # kinds that part the runs; "within rounding" and "dtype as given" never do
-CELL_COLUMNS = ["point", "point_index", "name", "table", "kind", "ranks", "detail"]
+         "within rounding", "dtype as given", "each rank's own", "same", "not on both"]
+CAUSES = KINDS[:8]  # kinds that part the runs; "within rounding", "dtype as given", "each rank's own" never do
+CELL_COLUMNS = ["point", "point_index", "name", "table", "kind", "ranks", "detail", "expect"]
 _SIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -143,6 +143,7 @@ class _Diff:
         self.poison = bool(a.manifest.get("poison", True)) and bool(b.manifest.get("poison", True))
         self.worst: dict[str, Any] | None = None
         self.rows = self.bytes_differ = 0
+        self.refs: set[int] = set()  # the smaller run's ranks that a rank only the larger run has was read against
 
     def run(self) -> RunDiff:
         A, B = self.labels
@@ -222,10 +223,11 @@ class _Diff:
             by_a = dict(tuple(ta.groupby("name", sort=False))) if len(ta) else {}
             by_b = dict(tuple(tb.groupby("name", sort=False))) if len(tb) else {}
             for name in dict.fromkeys([*by_a, *by_b]):
+                self._expect = ""
                 kind, ranks, detail = self._tensor(by_a.get(name, pd.DataFrame()), by_b.get(name, pd.DataFrame()))
                 out.append({"point": pa if pa == pb else f"{pa} / {pb}", "point_index": i, "name": name,
                             "table": "output" if table == "outputs" else "tensor", "kind": kind,
-                            "ranks": ranks, "detail": detail})
+                            "ranks": ranks, "detail": detail, "expect": self._expect})
         return out
 
     def _tensor(self, ga: pd.DataFrame, gb: pd.DataFrame) -> tuple[str, list[int], str]:
@@ -234,8 +236,8 @@ class _Diff:
             side = A if len(ga) else B
             ranks = sorted(int(r) for r in (ga if len(ga) else gb)["rank"])
             return "only in one run", ranks, f"only {side} has it"
-        if not self.same_world and (_sharded(ga) or _sharded(gb)):
-            return self._combined(ga, gb)
+        if not self.same_world:
+            return self._across_worlds(ga, gb)
         ra = {int(r["rank"]): r for r in ga.to_dict(orient="records")}
         rb = {int(r["rank"]): r for r in gb.to_dict(orient="records")}
         common = sorted(set(ra) & set(rb))
@@ -327,6 +329,87 @@ class _Diff:
         return "dtype as given", f"{dt(a.get('dtype'))} in {self.labels[0]}, {dt(b.get('dtype'))} in " \
                                  f"{self.labels[1]}, values within {dt(coarse)} rounding"
 
+    # across world sizes ------------------------------------------------------------------------
+    def _across_worlds(self, ga: pd.DataFrame, gb: pd.DataFrame) -> tuple[str, list[int], str]:
+        """One tensor at two world sizes, every rank of both read: what the runs say it must be decides how."""
+        how = self._expect = _expectation(ga, gb)
+        if how == "sharded":
+            return self._sharded_replicas(ga, gb)
+        pairs, extra = self._pairs(ga, gb, replicated=how == "replicated")
+        if how == "replicated":
+            return self._verdict([(r, *self._row(a, b)) for r, a, b in pairs], extra)
+        return self._own(ga, gb, pairs, extra)
+
+    def _pairs(self, ga: pd.DataFrame, gb: pd.DataFrame, replicated: bool) \
+            -> tuple[list[tuple[int, dict[str, Any], dict[str, Any]]], list[int]]:
+        """(rank, A's row, B's row) for every rank either run holds the tensor on: a rank both hold pairs with
+        itself, a rank only one run has with the other run's row of the lowest rank it must agree with (else
+        that run's lowest rank). Returns the pairs and the ranks only one run has."""
+        ra = {int(r["rank"]): r for r in ga.to_dict(orient="records")}
+        rb = {int(r["rank"]): r for r in gb.to_dict(orient="records")}
+        pairs, extra = [], []
+        for r in sorted(set(ra) | set(rb)):
+            if r in ra and r in rb:
+                pairs.append((r, ra[r], rb[r]))
+                continue
+            extra.append(r)
+            mine, other = (ra, rb) if r in ra else (rb, ra)
+            at = _reference(mine[r], other, replicated)
+            self.refs.add(at)
+            ref = other[at]
+            self._where = {"point": mine[r].get("step"), "rank": r, "name": mine[r].get("name")}
+            pairs.append((r, mine[r], ref) if r in ra else (r, ref, mine[r]))
+        return pairs, extra
+
+    def _verdict(self, found: list[tuple[int, str, str]], extra: list[int]) -> tuple[str, list[int], str]:
+        """The first kind among the ranks' verdicts, its ranks and its most common words; ranks only one run has
+        said as read against the other's value."""
+        kind = min((k for _, k, _ in found), key=KINDS.index)
+        ranks = [r for r, k, _ in found if k == kind]
+        words = Counter(w for _, k, w in found if k == kind).most_common(1)[0][0]
+        return kind, ranks, words
+
+    def _own(self, ga: pd.DataFrame, gb: pd.DataFrame, pairs: list[tuple[int, dict[str, Any], dict[str, Any]]],
+             extra: list[int]) -> tuple[str, list[int], str]:
+        """Each rank's own (a per-rank batch's output, an expert): what any rank's row must be (dtype, real,
+        written, free of NaN/Inf/poison) is checked on every rank; the values are said as summaries, not compared."""
+        found = [(r, *self._own_row(a, b)) for r, a, b in pairs]
+        kind, ranks, words = self._verdict(found, extra)
+        if kind == "each rank's own":
+            words = "each rank's own, not expected to agree: " + _own_summary(ga, gb, self.labels)
+        return kind, ranks, words
+
+    def _own_row(self, a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str]:
+        A, B = self.labels
+        da, db = str(a.get("dtype")), str(b.get("dtype"))
+        if da != db and not (self.given is not None and (da, db) == self.given):
+            return "dtype", self._dtype_words(da, db)
+        if _flag(a.get("is_meta")) != _flag(b.get("is_meta")):
+            return "meta", (f"{'on meta' if _flag(a.get('is_meta')) else 'real'} in {A}, "
+                            f"{'on meta' if _flag(b.get('is_meta')) else 'real'} in {B}")
+        if _flag(a.get("is_meta")):
+            return "same", ""
+        wa, wb = closeness._written(a), closeness._written(b)
+        if wa != wb:
+            return "written", f"{wa or 'written'} in {A}, {wb or 'written'} in {B}"
+        for key, say in (("nan", "NaN"), ("inf", "Inf"), ("poisoned", "poisoned")):
+            x, y = closeness._num(a.get(key)) or 0, closeness._num(b.get(key)) or 0
+            if bool(x) != bool(y):  # counts follow each rank's data; having any does not
+                return "NaN/Inf/poison", f"{int(x)} {say} in {A}, {int(y)} in {B}"
+        if str(a.get("fingerprint")) == str(b.get("fingerprint")) and str(a.get("shape")) == str(b.get("shape")):
+            return "same", ""
+        return "each rank's own", ""
+
+    def _sharded_replicas(self, ga: pd.DataFrame, gb: pd.DataFrame) -> tuple[str, list[int], str]:
+        """A sharded tensor: each replica's shards added up (HSDP holds several), each of one run's replicas
+        against the other run's first."""
+        reps_a, reps_b = _replicas(ga), _replicas(gb)
+        verdicts = [self._combined(reps_a[0], g) for g in reps_b] + [self._combined(g, reps_b[0]) for g in reps_a[1:]]
+        kind = min((v[0] for v in verdicts), key=KINDS.index)
+        hits = [v for v in verdicts if v[0] == kind]
+        ranks = sorted({r for v in hits for r in v[1]})
+        return kind, ranks, hits[0][2]
+
     def _combined(self, ga: pd.DataFrame, gb: pd.DataFrame) -> tuple[str, list[int], str]:
         """A sharded tensor at two world sizes: its summaries added up across shards."""
         A, B = self.labels
@@ -394,21 +477,51 @@ class _Diff:
         order = {s: i for i, s in enumerate(self.a.steps)}
         order_b = {s: i for i, s in enumerate(self.b.steps)}
         found: list[dict[str, Any]] = []
-        for r in sorted(set(la["rank"].dropna().astype(int)) & set(lb["rank"].dropna().astype(int))):
-            ca = _calls(la, r, order)
-            cb = _calls(lb, r, order_b)
-            for k in range(max(len(ca), len(cb))):
-                x = ca[k] if k < len(ca) else None
-                y = cb[k] if k < len(cb) else None
-                if x is not None and y is not None and self._same_call(x, y):
-                    continue
-                found.append({"rank": r, "index": k, "a": x, "b": y})
-                break
+        ranks_a, ranks_b = set(la["rank"].dropna().astype(int)), set(lb["rank"].dropna().astype(int))
+        for r in sorted(ranks_a & ranks_b):
+            ca, cb = _calls(la, r, order), _calls(lb, r, order_b)
+            k = self._parting(ca, cb)
+            if k is not None:
+                found.append({"rank": r, "index": k, "a": _nth(ca, k), "b": _nth(cb, k)})
+        found += self._lone_calls(la, lb, ranks_a, ranks_b, order, order_b)
         if not found:
             return None
         k = min(f["index"] for f in found)
         first = [f for f in found if f["index"] == k]
         return {"index": k, "ranks": [f["rank"] for f in first], "calls": first}
+
+    def _parting(self, ca: list[dict[str, Any]], cb: list[dict[str, Any]]) -> int | None:
+        """The index of the first call that differs between two ranks' sequences, None where none does."""
+        for k in range(max(len(ca), len(cb))):
+            x, y = _nth(ca, k), _nth(cb, k)
+            if x is None or y is None or not self._same_call(x, y):
+                return k
+        return None
+
+    def _lone_calls(self, la: pd.DataFrame, lb: pd.DataFrame, ranks_a: set[int], ranks_b: set[int],
+                    order: dict[str, int], order_b: dict[str, int]) -> list[dict[str, Any]]:
+        """A rank only one run has: its calls against the other run's ranks. It matches where any of them issued
+        the same sequence (the roles the smaller run has); else it parts where it parts from the closest one."""
+        out = []
+        for r in sorted(ranks_a ^ ranks_b):
+            mine_a = r in ranks_a
+            mine = _calls(la if mine_a else lb, r, order if mine_a else order_b)
+            best: tuple[int, int] | None = None  # (index where it parts, the other run's rank)
+            for o in sorted(ranks_b if mine_a else ranks_a):
+                other = _calls(lb if mine_a else la, o, order_b if mine_a else order)
+                k = self._parting(mine, other) if mine_a else self._parting(other, mine)
+                if k is None:
+                    best = None
+                    break
+                if best is None or k > best[0]:
+                    best = (k, o)
+            if best is None:
+                continue
+            k, o = best
+            other = _calls(lb if mine_a else la, o, order_b if mine_a else order)
+            x, y = (_nth(mine, k), _nth(other, k)) if mine_a else (_nth(other, k), _nth(mine, k))
+            out.append({"rank": r, "index": k, "a": x, "b": y, "against": o})
+        return out
 
     def _same_call(self, x: dict[str, Any], y: dict[str, Any]) -> bool:
         if x["op"] != y["op"]:
@@ -443,8 +556,7 @@ class _Diff:
         setting = []
         for k, (x, y) in changed.items():
             if k == "ranks":
-                setting.append(f"{A} ran on {x} ranks, {B} on {y} (sharded tensors compare through their "
-                               "summaries across shards)")
+                setting.append(f"{A} ran on {x} ranks, {B} on {y} ({self._world_words()})")
             else:
                 setting.append(f"{k} {_word(x)} in {A}, {_word(y)} in {B}")
         if setting:
@@ -466,6 +578,12 @@ class _Diff:
                              f"differ in their bytes, none beyond rounding{worst})")
             else:
                 parts.append("the same bytes at every point")
+            own = [c for c in cells if c["kind"] == "each rank's own"]
+            if own:
+                what = "output" if all(c["table"] == "output" for c in own) else "tensor"
+                n = len({(c["name"], c["table"]) for c in own})
+                parts[-1] += (f" ({n} {what}{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} each rank's own and "
+                              f"differ{'' if n > 1 else 's'} (summaries said, not compared))")
             if any(k in closeness_knobs() or k == "cpu" for k in changed):
                 kernels = ", ".join(f"{k}={_word(changed[k][1])}" for k in changed if k in closeness_knobs())
                 if kernels:
@@ -489,6 +607,15 @@ class _Diff:
         parts += failures[:2]
         return "; ".join(parts)
 
+    def _world_words(self) -> str:
+        """How runs of two world sizes were read: every rank of the larger one, none skipped."""
+        small, large = self._small_large()
+        lo, hi = sorted((self.wa, self.wb))
+        extra = _ranks_list(list(range(lo, hi))) if hi > lo else ""
+        lead = f"{extra} {'are' if hi - lo > 1 else 'is'} only in {large}: " if extra and lo else ""
+        return (f"{lead}replicated tensors read on every rank against {small}'s value, sharded ones through their "
+                "summaries across shards, each rank's own through summaries")
+
     def _first_words(self, first: dict[str, Any], cells: list[dict[str, Any]]) -> str:
         same = [c for c in cells if c["point_index"] == first["point_index"] and c["kind"] == first["kind"]
                 and c["ranks"] == first["ranks"] and c["table"] == first["table"]]
@@ -497,9 +624,19 @@ class _Diff:
         shown = ", ".join(f"`{_short(n, every)}`" for n in names[:3]) + (f" and {len(names) - 3} more"
                                                                          if len(names) > 3 else "")
         what = "output " if first["table"] == "output" else ""
-        out = f"at `{first['point']}` {what}{shown}: {first['detail']} {_ranks_words(first['ranks'], self)}"
+        out = f"at `{first['point']}` {what}{shown}: {first['detail']} {_ranks_words(first, self)}"
+        lone = [r for r in first["ranks"] if r >= min(self.wa, self.wb)]
+        if not self.same_world and lone and first.get("expect") != "sharded":
+            small, large = self._small_large()
+            refs = ",".join(str(r) for r in sorted(self.refs)) or "0"
+            out += (f" ({_ranks_list(lone)} {'are' if len(lone) > 1 else 'is'} only in {large}: read against "
+                    f"{small}'s rank{'s' if len(self.refs) > 1 else ''} {refs})")
         later = self._rank_split(first)
         return out + (f" ({later})" if later else "")
+
+    def _small_large(self) -> tuple[str, str]:
+        A, B = self.labels
+        return (A, B) if self.wa < self.wb else (B, A)
 
     def _every(self) -> list[str]:
         return list(dict.fromkeys([*self.a.tensors.get("name", []), *self.b.tensors.get("name", [])]))
@@ -532,7 +669,13 @@ class _Diff:
             groups.setdefault((_call_words(f["a"], self.same_world), _call_words(f["b"], self.same_world)),
                               []).append(f["rank"])
         said = "; ".join(f"{_ranks_list(rs)}: {x} in {A} vs {y} in {B}" for (x, y), rs in groups.items())
-        alike = len(groups) == 1 and len(c["calls"]) > 1 and len(c["calls"]) == min(self.wa, self.wb)
+        lone = sorted({(f["rank"], f["against"]) for f in c["calls"] if "against" in f})
+        alike = len(groups) == 1 and len(c["calls"]) > 1 and len(c["calls"]) == min(self.wa, self.wb) and not lone
+        if lone:
+            small, large = self._small_large()
+            against = sorted({o for _, o in lone})
+            said += (f"; {_ranks_list([r for r, _ in lone])} only in {large}: no rank of {small} issued their calls, "
+                     f"read against the closest, {small}'s {_ranks_list(against)}")
         return f"{head} ({said}" + ("; every rank alike within each run, so the calls still pair)" if alike else ")")
 
 
@@ -582,6 +725,57 @@ def _placement(row: dict[str, Any]) -> str:
     if not isinstance(p, str) or not p:
         return ""
     return p.split(" on mesh ")[0]  # the mesh's size follows the world size; the placements are the layout
+
+
+def _agree_known(g: pd.DataFrame) -> bool:
+    return "agree" in g and bool(g["agree"].map(lambda v: isinstance(v, str)).any())
+
+
+def _expectation(ga: pd.DataFrame, gb: pd.DataFrame) -> str:
+    """What the runs say one tensor must be across ranks: ``sharded`` (a DTensor with a ``Shard`` placement, an
+    FSDP1 flat parameter's shard), ``replicated`` (ranks it must agree across: a wrapper, a collective, a
+    declaration, a ``Replicate`` placement), or ``own`` (each rank's). Rows recorded before the ``agree`` columns
+    keep the old reading: ``sharded`` rows (DTensors, ``ctx.local``) add up, the rest are replicas."""
+    both = pd.concat([ga, gb], ignore_index=True)
+    places = [p for p in both.get("placement", pd.Series(dtype=object)) if isinstance(p, str) and p]
+    if not _agree_known(both):
+        return "sharded" if _sharded(ga) or _sharded(gb) else "replicated"
+    if any("S(" in p.split(" on mesh ")[0] for p in places) or \
+            both["agree_by"].map(lambda v: isinstance(v, str) and "flat parameter's shard" in v).any():
+        return "sharded"
+    if both["agree"].map(lambda v: isinstance(v, str) and "," in v).any():
+        return "replicated"
+    return "own"
+
+
+def _reference(row: dict[str, Any], other: dict[int, dict[str, Any]], replicated: bool) -> int:
+    """The rank of the other run a rank it lacks is read against: for a replica, the lowest rank of the other run
+    among those it must agree with; else (or where none is there) the other run's lowest rank."""
+    if replicated and isinstance(row.get("agree"), str) and row["agree"]:
+        mates = sorted(int(r) for r in row["agree"].split(",") if r.strip().isdigit() and int(r) in other)
+        if mates:
+            return mates[0]
+    return min(other)
+
+
+def _replicas(g: pd.DataFrame) -> list[pd.DataFrame]:
+    """A sharded tensor's rows by replica (HSDP's ``replica`` coordinate), each a whole tensor's shards."""
+    if "replica" not in g or not g["replica"].map(lambda v: isinstance(v, str) and v != "").any():
+        return [g]
+    return [x for _, x in g.groupby(g["replica"].map(lambda v: v if isinstance(v, str) else ""), sort=True)]
+
+
+def _own_summary(ga: pd.DataFrame, gb: pd.DataFrame, labels: tuple[str, str]) -> str:
+    """Each rank's own tensor's summaries in both runs: the mean over the ranks' finite values, min and max."""
+    said = []
+    for g, label in ((ga, labels[0]), (gb, labels[1])):
+        c = _combine(g)
+        n = g["rank"].nunique()
+        fin = c["numel"] - c["nan"] - c["inf"]
+        mean = c["sum"] / fin if fin and math.isfinite(c["sum"]) else math.nan
+        said.append(f"mean {mean:.4g}, min {c['min']:.4g}, max {c['max']:.4g} over {n} rank{'s' if n != 1 else ''} "
+                    f"in {label}")
+    return "; ".join(said)
 
 
 def _combine(g: pd.DataFrame) -> dict[str, Any]:
@@ -636,6 +830,10 @@ def _calls(ledger: pd.DataFrame, rank: int, order: dict[str, int]) -> list[dict[
     return out
 
 
+def _nth(calls: list[dict[str, Any]], k: int) -> dict[str, Any] | None:
+    return calls[k] if k < len(calls) else None
+
+
 def _call_words(c: dict[str, Any] | None, sizes: bool) -> str:
     if c is None:
         return "no call"
@@ -668,10 +866,11 @@ def _ranks_list(ranks: list[int]) -> str:
     return ranks_words(ranks)
 
 
-def _ranks_words(ranks: list[int], d: _Diff) -> str:
+def _ranks_words(cell: dict[str, Any], d: _Diff) -> str:
+    ranks = cell["ranks"]
     world = max(d.wa, d.wb)
     if not d.same_world and len(ranks) == world:
-        return "across the shards of every rank"
+        return "across the shards of every rank" if cell.get("expect") == "sharded" else "on every rank"
     if len(ranks) == min(d.wa, d.wb) and d.same_world and len(ranks) > 1:
         return "on every rank"
     return "on " + _ranks_list(ranks)
