@@ -377,10 +377,12 @@ def _json_args(path) -> object:
 
 def test_json_of_a_nan_parameter_is_strict_and_keeps_no_machine_path(fresh, tmp_path):
     import json
+    import tempfile
 
     from workbench import cli
 
-    params = PARAMS.resolve_params({"theta": "nan", "where": str(tmp_path / "data")})
+    where = os.path.join(tempfile.gettempdir(), "data")  # this process's temp dir, wherever TMPDIR points
+    params = PARAMS.resolve_params({"theta": "nan", "where": where})
     s = fresh.session(PARAMS, **params)
     s.run()
     s.close()
@@ -389,7 +391,26 @@ def test_json_of_a_nan_parameter_is_strict_and_keeps_no_machine_path(fresh, tmp_
     text = out.read_text()
     doc = json.loads(text)  # strict JSON: no NaN token
     assert doc["params"]["theta"] == "nan" and doc["params"]["where"].startswith("<tmp>/")
-    assert str(tmp_path) not in text and str(Path.home()) + "/" not in text
+    assert where not in text and str(Path.home()) + "/" not in text
+
+
+DATA_DISK = "/data-disk/scratch/tmp"  # where clusters point TMPDIR: outside /tmp, home, the checkout and the venv
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["tempfile-cached-another-dir", "tempfile-not-usable"])
+def test_a_path_in_the_temp_dir_is_written_as_tmp_wherever_tmpdir_points(monkeypatch, cached):
+    """TMPDIR pointing at a data disk is the user's temp dir even where ``tempfile.gettempdir()`` says otherwise:
+    it cached another directory before TMPDIR was set (what a test lane does), or it skips TMPDIR because this
+    process cannot write there (and falls back to /tmp). Either way the path is the user's machine, not the run."""
+    import tempfile
+
+    from workbench.postmortem import bundle
+
+    monkeypatch.setenv("TMPDIR", DATA_DISK)
+    monkeypatch.setattr(tempfile, "tempdir", "/var/tmp" if cached else None)
+    assert tempfile.gettempdir() != DATA_DISK  # what the redaction read alone before
+    assert bundle.scrub({"where": f"{DATA_DISK}/job-1/ckpt"}) == {"where": "<tmp>/job-1/ckpt"}
+    assert bundle.scrub(f"{DATA_DISK}x/ckpt") == f"{DATA_DISK}x/ckpt"  # a longer name is not the temp dir
 
 
 def test_json_is_written_atomically_a_full_disk_keeps_the_old_file(fresh, tmp_path):

@@ -145,6 +145,14 @@ def _tables(rec: RunRecord) -> dict[str, pd.DataFrame]:
 
 
 # -- machine paths out -------------------------------------------------------------------
+def _temp_dirs() -> list[str]:
+    """Every directory that is this machine's temp dir: what ``tempfile`` uses, and what TMPDIR, TEMP and TMP
+    name even where ``tempfile`` does not (it read them once and cached its answer, or skipped one it cannot
+    write to): a user whose TMPDIR points at a data disk has paths there, whatever this process's tempfile says."""
+    named = [os.environ.get(var, "") for var in ("TMPDIR", "TEMP", "TMP")]
+    return [tempfile.gettempdir(), *(d for d in named if os.path.isabs(d)), "/tmp", "/var/tmp"]
+
+
 def _path_prefixes() -> list[tuple[str, str]]:
     import workbench
 
@@ -156,7 +164,7 @@ def _path_prefixes() -> list[tuple[str, str]]:
     pairs += [
         (str(pkg_root), "<workbench>"),
         (sys.prefix, "<python>"), (sys.base_prefix, "<python>"), (sys.exec_prefix, "<python>"),
-        (tempfile.gettempdir(), "<tmp>"), ("/tmp", "<tmp>"), ("/var/tmp", "<tmp>"),
+        *((d, "<tmp>") for d in _temp_dirs()),
         (str(Path.home()), "<home>"), (os.getcwd(), "<cwd>"),
     ]
     for p, tag in list(pairs):
