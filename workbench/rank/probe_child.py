@@ -29,6 +29,8 @@ def prebuild_probe(device: int | str = "local") -> bool:
     if any(os.environ.get(k, "1") == "0" for k in ("WORKBENCH_PROBE_CHILD_BUILD", "WORKBENCH_PROBE_WARM",
                                                     "WORKBENCH_PROBE_FUSED")):
         return False
+    if cache_holds_kernel():  # a warm cache: loading in-process takes ~0.5 s, a child's torch and CUDA ~4 s
+        return False
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +45,20 @@ def prebuild_probe(device: int | str = "local") -> bool:
         return False
     _BUILD["t0"] = time.perf_counter()
     return True
+
+
+def cache_holds_kernel(name: str = "probe_all_kernel") -> bool:
+    """Whether Triton's on-disk cache holds a build of the probe's kernel (``<cache>/<hash>/<name>.cubin``): then
+    the rank's own warm-up only loads it (~0.5 s on an H200), sooner than a child could start (torch's import
+    and CUDA's start there: ~4 s, read on an H200). A build for another Triton or another source of the kernel
+    also counts: that warm-up then builds in-process, as it did before the child."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+    try:
+        with os.scandir(root) as entries:
+            return any(os.path.exists(os.path.join(e.path, name + ".cubin")) for e in entries if e.is_dir())
+    except OSError:
+        return False
 
 
 def await_prebuild(limit: float = BUILD_LIMIT_S) -> dict | None:

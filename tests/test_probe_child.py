@@ -1,0 +1,42 @@
+"""The fused probe's child build (``rank/probe_child.py``) is started only where it saves time.
+
+A cold Triton cache: the child builds (~11 s on an H200, none of it on the job's threads). A cache that holds the
+kernel already: no child, since the rank's own warm-up loads it in ~0.5 s while a child spends ~4 s on torch's
+import and CUDA's start before it could (read on an H200, fixtures/gpu/job_leave_on_1gpu.json); every point in
+that window takes the plain path.
+"""
+
+from __future__ import annotations
+
+from workbench.rank import probe_child
+
+
+def _fresh(monkeypatch, cache) -> None:
+    monkeypatch.setattr(probe_child, "_BUILD", {})
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    for k in ("WORKBENCH_PROBE_CHILD_BUILD", "WORKBENCH_PROBE_WARM", "WORKBENCH_PROBE_FUSED"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_a_cache_holding_the_kernel_starts_no_child(monkeypatch, tmp_path):
+    (tmp_path / "0a1b2c").mkdir()
+    (tmp_path / "0a1b2c" / "probe_all_kernel.cubin").write_bytes(b"")
+    _fresh(monkeypatch, tmp_path)
+    assert probe_child.cache_holds_kernel()
+    assert probe_child.prebuild_probe(0) is False and "proc" not in probe_child._BUILD
+    assert probe_child.await_prebuild() is None
+
+
+def test_a_cache_with_other_kernels_only_is_cold(monkeypatch, tmp_path):
+    (tmp_path / "9f8e").mkdir()
+    (tmp_path / "9f8e" / "triton_poi_fused_add_0.cubin").write_bytes(b"")
+    (tmp_path / "probe_all_kernel.cubin").write_bytes(b"")  # not in a build's folder: not a build
+    _fresh(monkeypatch, tmp_path)
+    assert not probe_child.cache_holds_kernel()
+    monkeypatch.setenv("WORKBENCH_PROBE_CHILD_BUILD", "0")  # cold, but the child turned off: none started
+    assert probe_child.prebuild_probe(0) is False and "proc" not in probe_child._BUILD
+
+
+def test_a_missing_cache_is_cold(monkeypatch, tmp_path):
+    _fresh(monkeypatch, tmp_path / "nowhere")
+    assert not probe_child.cache_holds_kernel()
