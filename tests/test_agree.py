@@ -280,3 +280,78 @@ def test_both_sides_of_a_replica_split_are_shortened_alike():
     assert replica_sides([[0, 1], [2, 3]]) == "ranks 0,1 vs 2,3"
     assert replica_sides([[0, 1, 2, 3], [4, 5, 6, 7]]) == "ranks 0-3 vs 4-7"
     assert replica_sides([list(range(32)), list(range(32, 64))]) == "ranks 0-31 vs 32-63"
+
+
+# -- expert parallel in a live session: the router fed the same tokens on every rank (issue 61) -------------------
+class MoE(nn.Module):
+    """Each rank its own experts (seeded by rank), the router replicated (one seed) unless ``router_seed`` says."""
+
+    def __init__(self, rank: int, router_seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(router_seed)
+        self.router = nn.Linear(8, 2)
+        torch.manual_seed(100 + rank)
+        self.experts = nn.ModuleList([nn.Linear(8, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.router(x).softmax(-1)
+        return sum(w[:, k:k + 1] * e(x) for k, e in enumerate(self.experts))
+
+
+ep_live = wb.Scenario("ep-live", params={"router_seed_on_rank1": 0, "declare": False})
+
+
+@ep_live.step
+def build_moe(ctx):
+    ctx.model = MoE(ctx.rank, ctx.params["router_seed_on_rank1"] if ctx.rank == 1 else 0)
+    if ctx.params["declare"]:
+        wb.replicated(ctx.model.router)  # what the job knows and the data cannot say: the router is a replica
+
+
+@ep_live.step
+def route(ctx):
+    torch.manual_seed(5)  # the same tokens on every rank
+    with torch.no_grad():
+        ctx.output("router_logits", ctx.model.router(torch.randn(4, 8)))  # the router's own forward, outermost
+
+
+@ep_live.step
+def moe_forward(ctx):
+    torch.manual_seed(5)
+    with torch.no_grad():
+        ctx.output("y", ctx.model(torch.randn(4, 8)))  # the experts differ by design: so does y
+
+
+def test_expert_parallel_fed_the_same_tokens_reads_clean_called_either_way(cluster):
+    """Right EP code: the MoE fed the same tokens on every rank outputs per-rank values (each rank's own experts).
+    Before, the same-inputs rule read that as "output `y` on rank 1: differs from rank 0 ... the cause is outside
+    what was probed"; the digest now holds the module's own per-rank tensors beside its inputs."""
+    live = ready(cluster)
+    s = live.session(ep_live)
+    s.run()
+    d = s.diagnose()
+    assert d.clean, d.sentence
+    o = s.record().outputs
+    y = o[(o["step"] == "moe_forward") & (o["name"] == "y")]
+    assert y["fingerprint"].nunique() == 2  # the outputs differ, by design
+    route_ = o[(o["step"] == "route") & (o["name"] == "router_logits")]
+    assert route_["inputs"].nunique() == 1 and route_["inputs"].iloc[0] != ""  # the router's own forward is seen
+
+
+def test_a_router_seeded_apart_is_named_where_the_job_says_it_is_a_replica(cluster):
+    """With nothing saying the router is a replica, a router whose weights differ on rank 1 is indistinguishable
+    from an expert (per-rank weights, the same tokens in, per-rank outputs out): it reads clean, as
+    docs/collectives.md says. Declared (or its gradients all-reduced:
+    ``test_a_router_that_differs_on_one_rank_is_named``), the weights are named."""
+    live = ready(cluster)
+    s = live.session(ep_live, router_seed_on_rank1=7)
+    s.run()
+    assert s.diagnose().clean, s.diagnose().sentence
+    s = live.session(ep_live, router_seed_on_rank1=7, declare=True)
+    s.run()
+    d = s.diagnose()
+    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differs from step `build_moe` on"), \
+        d.sentence
+    o = s.record().outputs
+    route_ = o[(o["step"] == "route") & (o["name"] == "router_logits")]
+    assert route_["inputs"].nunique() == 1, route_  # a replica's weights stay out of the digest: its output must agree

@@ -358,19 +358,55 @@ def _digest(v: Any, h: Any) -> None:
         h.update(repr(v).encode())
 
 
+_SAMPLE = 4096  # elements of each of a module's own tensors a fed-inputs digest reads (a re-seed changes them all)
+
+
+def _own_state(module: nn.Module, owned: Mapping[int, tuple[tuple[int, ...], str]]) -> list[torch.Tensor]:
+    """The tensors of ``module`` that are its rank's own: plain tensors no wrapper, declaration or collective says
+    must agree (an expert's weights), never a shard of a whole (a DTensor, an FSDP flat parameter)."""
+    out = []
+    for t in [*module.parameters(), *module.buffers()]:
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+            continue  # a DTensor or a FlatParameter: a shard of something that agrees
+        if of_tensor(t, owned)["agree"] == "":
+            out.append(t)
+    return out
+
+
+def _digest_state(tensors: list[torch.Tensor], h: Any) -> None:
+    """A strided sample of each tensor, in one copy to the host: what the forward computed with, compared across
+    ranks beside its inputs."""
+    samples = []
+    for t in tensors:
+        t = t.detach()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.device.type == "meta" or not t.numel():
+            continue
+        flat = t.reshape(-1)
+        samples.append(flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].float())
+    if samples:
+        h.update(torch.cat([x.to(samples[0].device) for x in samples]).cpu().numpy().tobytes())
+
+
 class FedInputs:
-    """While a live step runs: a digest of what the outermost forwards of the rank's own modules were fed (the
-    modules the context held when the step began). Equal digests across ranks mean the ranks fed their forwards the
-    same data, so what those forwards output is expected to agree; per-rank batches give per-rank outputs."""
+    """While a live step runs: a digest of what the outermost forwards of the rank's own modules (the modules the
+    context held when the step began, and any module under them called directly: a router) were fed, and of the
+    tensors those modules hold that are their rank's own. Equal digests across ranks mean the ranks ran the same
+    function on the same data, so what those forwards output is expected to agree; per-rank batches, or a module
+    with per-rank weights (an expert-parallel rank's experts), give per-rank outputs. A module's tensors that must
+    agree (a DDP replica, a broadcast weight) are left out: their own rule names them where they part, and the
+    output stays expected to agree."""
 
     def __init__(self, objects: Mapping[str, Any]) -> None:
-        self.tops = {id(m) for m in objects.values() if isinstance(m, nn.Module)}
+        self.objects = {k: v for k, v in objects.items() if isinstance(v, nn.Module)}
+        self.tops = {id(m) for v in self.objects.values() for m in v.modules()}
         self.depth = 0
         self.calls = 0
         import hashlib
 
         self.hash = hashlib.sha1()
         self._handles: list[Any] = []
+        self._owned: dict[int, tuple[tuple[int, ...], str]] | None = None
 
     def __enter__(self) -> FedInputs:
         if self.tops:
@@ -390,6 +426,9 @@ class FedInputs:
             if self.depth == 0:
                 try:
                     _digest(args, self.hash)
+                    if self._owned is None:  # at the first call: the wrappers the step has made by then
+                        self._owned = _owned(self.objects)
+                    _digest_state(_own_state(module, self._owned), self.hash)
                     self.calls += 1
                 except Exception:  # a digest never fails the user's forward
                     pass
