@@ -8,10 +8,14 @@ compares them point by point:
 - a tensor's rows compare with the rerun's closeness rules (``closeness``: dtype, shape, meta-ness,
   written-ness and NaN/Inf/poison counts exactly, values within rounding); a difference within
   rounding is said as such, never as a cause;
-- runs of different world sizes compare a sharded tensor (a DTensor: ``sharded`` rows) through
+- runs of different world sizes read every rank of the larger run, by what the runs recorded a tensor
+  must be across ranks (the ``agree`` columns): a sharded tensor (a ``Shard`` placement) through
   summaries that add up across shards: element, NaN, Inf and poison counts, min, max, the sum of the
   finite values (mean x finite count) and their sum of squares (``sumsq``), so a tensor of 2 shards
-  compares with the same tensor of 4; its placements and whole shape are compared where recorded;
+  compares with the same tensor of 4, its placements and whole shape compared where recorded; a
+  replicated one rank by rank, a rank only the larger run has against the smaller run's value; each
+  rank's own (a per-rank batch's output) for what every rank's row must be, its values said as
+  summaries, never a cause. The ranks only one run has are said, never skipped;
 - a dtype the runs were given (most float tensors fp32 in one and bf16 in the other) is said first,
   as a setting, and a tensor that does not follow it is the story;
 - the collective sequences compare rank by rank (op, dtypes, tensors, bytes; across world sizes op
