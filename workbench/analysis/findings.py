@@ -496,3 +496,22 @@ def deduplicated(found: pd.DataFrame, steps: list[str] | None = None) -> pd.Data
     out = pd.DataFrame(rows).sort_values("_order", kind="stable").drop(columns="_order").reset_index(drop=True)
     out["rank"] = out["rank"].astype("Int64")
     return out[cols]
+
+
+CLOBBERED = "clobbered: "  # the head of a capture's note on a tensor to_empty replaced although it was real
+
+
+def clobbered(notes: list[dict[str, Any]]) -> dict[str, tuple[str, list[int]]]:
+    """name -> (the sentence, the ranks that said it) from a run's notes on tensors ``to_empty`` replaced although
+    they were real (``workbench/job/materialise.py``: "clobbered: `name` was real (zeros) before ...")."""
+    out: dict[str, tuple[str, list[int]]] = {}
+    for n in notes:
+        text = n.get("note") if isinstance(n, dict) else None
+        if not isinstance(text, str) or not text.startswith(CLOBBERED) or text.count("`") < 2:
+            continue
+        sentence = text[len(CLOBBERED):]
+        name = sentence.split("`", 2)[1]
+        said, ranks = out.get(name, (sentence, []))
+        rank = n.get("rank")
+        out[name] = (said, sorted({*ranks, int(rank)}) if isinstance(rank, (int, float)) and rank == rank else ranks)
+    return out

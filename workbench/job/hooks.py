@@ -41,6 +41,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workbench.job import losses, materialise, owners
+
 ENV = "WORKBENCH_CAPTURE"  # a directory: capture every rank into it (the job package's ENV_OFF)
 ENV_EVERY = "WORKBENCH_CAPTURE_EVERY"  # a point every N-th optimizer step (after the first)
 ENV_POINTS = "WORKBENCH_CAPTURE_POINTS"  # the automatic points to take, comma-separated (default: all)
@@ -217,6 +219,8 @@ class Hooks:
         self._roots: list[weakref.ref] = []  # modules points probed: what an optimizer step is probed as
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.errors: list[str] = []
+        self.materialised: Any = None  # every to_empty's clobbered tensors (materialise.py)
+        self.losses: Any = None  # the first non-finite loss (losses.py)
 
     # installing ---------------------------------------------------------------------------------------
     def install(self) -> Hooks:
@@ -229,6 +233,8 @@ class Hooks:
         if _HERE not in ledger._PLUMBING:  # these wrappers sit between the user's line and torch: never the caller
             ledger._PLUMBING += (_HERE,)
         if "to_empty" in self.points:
+            self.materialised = materialise.Materialisations(self._error)  # inside the point's wrapper: seen first
+            self._undo.append(self.materialised.install())
             self._method(nn.Module, "to_empty", self._after_to_empty)
         if "load_state_dict" in self.points:
             self._method(nn.Module, "load_state_dict", lambda a, k, r: self.point("load_state_dict", a[0]))
@@ -237,6 +243,8 @@ class Hooks:
 
             handle = register_optimizer_step_post_hook(self._after_step)
             self._undo.append(handle.remove)
+            self.losses = losses.Losses(self._nonfinite, self._error)
+            self._undo.append(self.losses.install())
         if "load_weights" in self.points:
             self._subclasses(nn.Module)
         if "forward" in self.points:
@@ -396,10 +404,25 @@ class Hooks:
         handle.append(module.register_forward_hook(hook))
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        _guarded(self._stepped, optimizer, errors=self._error)  # torch's hook: what it raises would be the job's
+
+    def _stepped(self, optimizer: Any) -> None:
         n = self._steps.get(optimizer, 0) + 1
         self._steps[optimizer] = n
-        if n == 1 or (self.every and n % self.every == 0):
-            self.point(f"step{n}", self._owner(optimizer) or _params(optimizer))
+        bad = self.losses.at_step() if self.losses else None  # a non-finite loss since: a point whatever --every
+        if n == 1 or (self.every and n % self.every == 0) or bad:
+            if bad:
+                self.cap.note(bad[1])
+            self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer), bad and bad[0])
+
+    def _known(self) -> list[Any]:
+        """The models the capture knows: those points probed (latest first), those to_empty materialised."""
+        return [r() for r in reversed(self._roots)] + (self.materialised.roots() if self.materialised else [])
+
+    def _nonfinite(self, name: str, outputs: dict[str, Any], note: str) -> None:
+        """A point for the first non-finite loss, where no optimizer step came to take it."""
+        self.cap.note(note)
+        self.point(name, owners.model(self._known(), list(self._steps.keys())) or {}, outputs)
 
     def followed(self) -> dict[str, int]:
         """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
@@ -407,15 +430,6 @@ class Hooks:
         ran = max(self._steps.values(), default=0)
         last = (ran // self.every) * self.every if self.every else 0
         return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": self.every}
-
-    def _owner(self, optimizer: Any) -> Any:
-        """The module a point probed before whose parameters the optimizer steps."""
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for ref in reversed(self._roots):
-            module = ref()
-            if module is not None and any(id(p) in mine for p in module.parameters()):
-                return module
-        return None
 
     # the point -------------------------------------------------------------------------------------------
     def point(self, name: str, module: Any, outputs: dict[str, Any] | None = None) -> None:
@@ -432,6 +446,8 @@ class Hooks:
                     self.cap.output(key, tensor.detach())
                 if outputs:  # a data-parallel root's forward: each rank's own batch, never compared with rank 0's
                     self.cap.local(*outputs)
+                for line in self.materialised.notes(inner) if self.materialised else ():
+                    self.cap.note(line)
                 self.cap.point(name, model=inner)
             if isinstance(inner, torch.nn.Module) and not any(r() is inner for r in self._roots):
                 self._roots.append(weakref.ref(inner))
@@ -448,18 +464,11 @@ class Hooks:
 
 
 def _unwrapped(module: Any) -> Any:
-    """What a manual point would name: DDP's and FSDP1's wrapped module, else the module itself."""
+    """What a manual point would name: the module a wrapper holds (``owners.unwrapped``), else the module itself."""
     try:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(module, DistributedDataParallel):
-            return module.module
-        fsdp = sys.modules.get("torch.distributed.fsdp")
-        if fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel):
-            return module.module
+        return owners.unwrapped(module)
     except Exception:
-        pass
-    return module
+        return module
 
 
 def _outputs(output: Any) -> dict[str, Any]:

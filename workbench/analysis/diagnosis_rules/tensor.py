@@ -28,6 +28,7 @@ from workbench.analysis.diagnosis_words import (
     short,
     tensors,
 )
+from workbench.analysis.findings import clobbered
 from workbench.analysis.frames import fmt
 from workbench.analysis.rankgroups import rank_ranges, ranks_words
 
@@ -122,12 +123,31 @@ def says_never_written(f: TensorFacts) -> Diagnosis:
             if real else
             f"{named(names, among)} on {ranks_words(ranks)} {was} never written after materialisation at "
             f"step `{step}`")
+    head = clobbered_head(run, names, ranks, step) or head
     kept = never[never["status"] == "nan"]
     clauses = [tensors(head, names),
                said((f": `{read[0]}` read the unwritten bytes" if read else ": still unwritten at the last step")
                     + (f"; in-place updates kept it NaN through step `{kept['last'].iloc[0]}`" if len(kept) else "")),
                f.out, said("; every rank holds the same garbage, so a cross-rank check sees nothing" if agree else "")]
     return Diagnosis("never-written", clauses, step, ranks, names[0], None, ev_frame(f.rows()))
+
+
+def clobbered_head(run: Run, names: list[str], ranks: list[int], step: str) -> str:
+    """The capture's own sentence on the first of ``names`` that ``to_empty`` replaced although it was real (its
+    library's and user's lines), the rest named after it; empty when the capture saw no such call."""
+    told = clobbered(run.notes)
+    hit = [n for n in names if _told_of(n, told)]
+    if not hit:
+        return ""
+    sentence = _told_of(hit[0], told)
+    rest = [n for n in names if n != hit[0]]
+    also = f"; so {'was' if len(rest) == 1 else 'were'} {named(rest, run.names)}" if rest else ""
+    return f"{sentence} (on {ranks_words(ranks)}{also}; seen at step `{step}`)"
+
+
+def _told_of(name: str, told: dict[str, tuple[str, list[int]]]) -> str:
+    """The note's sentence on ``name`` (as probed: ``model.`` + its path from the module the note names it by)."""
+    return next((sentence for path, (sentence, _) in told.items() if name == path or name.endswith("." + path)), "")
 
 
 def _synced(f: TensorFacts, status: str, mechanism: str, what: str) -> Diagnosis:

@@ -1,0 +1,131 @@
+"""Whose tensors a point probes: the user's module inside a stack's wrapper, and the module an optimizer steps.
+
+A wrapper is recognised by what it does, not by its class: it holds the user's module and its forward calls it,
+so the module it holds has the wrapper's parameters. DDP and FSDP1 (``.module``), DeepSpeed's engine
+(``.module``), Megatron-FSDP's ``MegatronFSDP`` (``.module``), Lightning Fabric's ``_FabricModule``
+(``._forward_module``) all read so; so does a third-party library's module with exactly one child holding all its
+parameters. A user's own module with one child is never unwrapped (its names are the ones the user knows).
+
+An optimizer's step is probed as the module that owns its parameters, buffers included: a module a point already
+probed, a model ``to_empty`` materialised, else (once per optimizer) the topmost live module holding them, found
+among the objects the garbage collector tracks. ZeRO's optimizers hold flat partitions no module owns: the module
+is then the one whose ``optimizer`` (or its ``optimizer``) is this optimizer (DeepSpeed's engine), unwrapped.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+_ATTRS = ("module", "_forward_module")
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> weakref(module) or None
+
+
+def unwrapped(module: Any) -> Any:
+    """What a manual point would name: the module a wrapper holds (through several wrappers), else ``module``."""
+    for _ in range(8):
+        inner = _held(module)
+        if inner is None:
+            return module
+        module = inner
+    return module
+
+
+def _held(module: Any) -> Any:
+    """The module ``module`` wraps, or None."""
+    from torch import nn
+
+    if not isinstance(module, nn.Module):
+        return None
+    mine = {id(p) for p in module.parameters()}
+    for attr in _ATTRS:
+        inner = module.__dict__.get(attr)
+        inner = module._modules.get(attr) if inner is None else inner
+        if isinstance(inner, nn.Module) and inner is not module and {id(p) for p in inner.parameters()} == mine:
+            return inner
+    children = list(module.children())
+    if len(children) == 1 and _third_party(type(module)) and mine and \
+            {id(p) for p in children[0].parameters()} == mine:
+        return children[0]
+    return None
+
+
+def _third_party(cls: type) -> bool:
+    """A class of an installed library other than torch (a stack's wrapper), never the user's nor torch's."""
+    from workbench.rank.ledger import is_library
+
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    root = cls.__module__.split(".", 1)[0]
+    return bool(file) and is_library(file) and root not in ("torch", "workbench")
+
+
+def owner(optimizer: Any, known: Iterable[Any]) -> Any:
+    """The module whose parameters ``optimizer`` steps (unwrapped), or None: the first of ``known`` holding all of
+    them, else the one found once among the live modules (a stack that materialised module by module left only
+    the inner modules in ``known``)."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for module in known:  # a model a point probed or to_empty met, when it holds every one of them
+        if module is not None and mine <= {id(p) for p in module.parameters()}:
+            return unwrapped(module)
+    if optimizer in _FOUND:
+        ref = _FOUND[optimizer]
+        return ref() if ref is not None else None
+    found = _search(optimizer, mine)
+    _FOUND[optimizer] = weakref.ref(found) if found is not None else None
+    return found
+
+
+def _search(optimizer: Any, mine: set[int]) -> Any:
+    """The topmost live module holding most of the optimizer's parameters; else the one driving this optimizer
+    (an engine whose ``optimizer`` or ``optimizer.optimizer`` it is), unwrapped."""
+    from torch import nn
+
+    modules = [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)]  # type(): no __class__ lookup
+    holders, drivers = [], []
+    for obj in modules:
+        opt = obj.__dict__.get("optimizer")
+        if opt is optimizer or getattr(opt, "optimizer", None) is optimizer:
+            drivers.append(obj)
+        elif any(id(p) in mine for p in obj.parameters(recurse=False)):
+            holders.append(obj)
+    if drivers:
+        return unwrapped(drivers[0])
+    if not holders:
+        return None
+    top = _topmost(holders, modules, mine)
+    return unwrapped(top) if top is not None else None
+
+
+def _topmost(holders: list[Any], modules: list[Any], mine: set[int]) -> Any:
+    """Among the modules that hold any of ``mine`` directly, the live module (theirs or an ancestor) holding the
+    most of them: walk up from each holder through the modules that list it as a child."""
+    parents: dict[int, Any] = {}
+    for obj in modules:
+        for child in obj._modules.values():
+            if child is not None:
+                parents.setdefault(id(child), obj)
+    tops: dict[int, Any] = {}
+    for m in holders:
+        seen = 0
+        while id(m) in parents and seen < 64:
+            m, seen = parents[id(m)], seen + 1
+        tops[id(m)] = m
+    return max(tops.values(), key=lambda m: sum(id(p) in mine for p in m.parameters()), default=None)
+
+
+def model(known: list[Any], optimizers: Iterable[Any]) -> Any:
+    """The model a loss came from, as well as the capture can tell: the owner of an optimizer it saw step, else of
+    any live optimizer (a stack that skipped every step), else the first module a point probed."""
+    import torch
+
+    optimizers = list(optimizers)
+    if not optimizers:
+        optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+    for opt in optimizers:
+        found = owner(opt, known)
+        if found is not None:
+            return found
+    return next((unwrapped(m) for m in known if m is not None), None)
