@@ -248,7 +248,9 @@ def test_a_rank_that_raises_is_attachable_post_mortem_and_fails_as_without_the_w
     manual = _run([*TORCHRUN, str(script), str(tmp_path / "manual")], tmp_path)
     auto = tmp_path / "auto"
     log = tmp_path / "auto.log"
-    proc = subprocess.Popen([*JOB, str(auto), "--every", "1", "--attach-deadline", "120", "--", *TORCHRUN, str(plain)],
+    # asked for: its output goes to a file, and a run nobody watches does not wait for a notebook by default
+    proc = subprocess.Popen([*JOB, str(auto), "--every", "1", "--attach", "post-mortem", "--attach-deadline", "120",
+                             "--", *TORCHRUN, str(plain)],
                             env=_env(), cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     cluster = None

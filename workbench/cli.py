@@ -557,10 +557,19 @@ def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "(default: the first step only)")
     j.add_argument("--points", nargs="?", const="", default=None, metavar="NAMES",
                    help="only these automatic points, comma-separated; alone: list them")
-    j.add_argument("--attach", default="post-mortem", choices=["post-mortem", "on-error", "on-deadlock", "off"],
-                   help="every rank attachable from a notebook once a rank raises or a deadlock is proven")
+    j.add_argument("--attach", default=None, choices=["post-mortem", "on-error", "on-deadlock", "off"],
+                   help="every rank attachable from a notebook (wb.connect(job=DIR)) once a rank raises (on-error) or "
+                   "the ledgers prove a deadlock (on-deadlock); post-mortem: both. Default at a terminal (stdin and "
+                   "stderr a TTY, CI unset): post-mortem; a rank that raises prints its traceback at once, then one "
+                   "line (who raised, for how long every rank waits, how to attach) and waits; Ctrl-C ends the wait "
+                   "and the job fails as it would have. Default for a run nobody watches (no TTY: a batch job, a "
+                   "pipe; or CI set): on-deadlock; a raise fails the job at once, as without the wrapper, and a "
+                   "proven deadlock is said in one line and ended after --attach-deadline")
     j.add_argument("--attach-deadline", type=positive_seconds, default=600.0, metavar="S",
                    help="seconds a post-mortem attach waits for `cluster.resume()` (default 600)")
+    j.add_argument("--hang-after", type=positive_seconds, default=60.0, metavar="S",
+                   help="seconds a collective may stay open before the ledgers may call it stuck (default 60): a "
+                   "deadlock is proven (and, with the attach, served and ended) that much sooner")
     j.add_argument("--poison", default="to_empty", choices=["to_empty", "all", "off"],
                    help="NaN in what to_empty hands out (default), in every allocation too, or none")
     j.add_argument("--ledger", default="calls", choices=["calls", "full", "off"],
@@ -581,10 +590,26 @@ def add_job_parser(sub: Any) -> None:
     j.set_defaults(fn=cmd_job)
 
 
+def watched(env: dict[str, str] | None = None, streams: tuple[Any, ...] | None = None) -> bool:
+    """Whether someone watches this run: stdin and stderr are a terminal and ``CI`` is not set. A batch job
+    (``sbatch``), a pipe, a CI runner: nobody does, so ``workbench job`` does not have a raising job wait for a
+    notebook there unless ``--attach`` asks."""
+    env = os.environ if env is None else env
+    if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    for stream in (sys.stdin, sys.stderr) if streams is None else streams:
+        try:
+            if stream is None or not stream.isatty():
+                return False
+        except (OSError, ValueError, AttributeError):
+            return False
+    return True
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     """Exec the launcher with the site hook on its ``PYTHONPATH`` and the capture's options in its environment:
     from then on its exit status, output and signals are the launcher's own (``workbench/job/hooks.py``)."""
-    from workbench.job import hooks
+    from workbench.job import hooks, triggers
 
     rest = list(args.rest)
     head, command = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -613,15 +638,20 @@ def cmd_job(args: argparse.Namespace) -> int:
     unknown = [p for p in names if p not in hooks.POINTS]
     if unknown:
         raise WorkbenchError(f"unknown point(s) {', '.join(unknown)}; the points: {', '.join(hooks.POINTS)}")
+    asked = args.attach is not None
+    if not asked:  # nobody who did not ask for a notebook waits for one unless someone watches the run
+        args.attach = "post-mortem" if watched() else "on-deadlock"
     if args.ledger == "off" and args.attach != "off":  # a deadlock is proven from the ledgers: none to read
-        if args.attach == "on-deadlock":
+        if args.attach == "on-deadlock" and asked:
             raise WorkbenchError("--attach on-deadlock reads the ledger: drop --ledger off, or --attach on-error")
-        args.attach = "on-error"
+        args.attach = "on-error" if args.attach != "on-deadlock" else "off"
     env = dict(os.environ)
     env.pop(hooks.ENV_PID, None)
     env.update({
         hooks.ENV: str(Path(args.dir).resolve()), hooks.ENV_EVERY: str(args.every), hooks.ENV_POINTS: ",".join(names),
         hooks.ENV_ATTACH: args.attach, hooks.ENV_DEADLINE: str(args.attach_deadline), hooks.ENV_POISON: args.poison,
+        hooks.ENV_HANG_AFTER: str(args.hang_after),
+        triggers.ENV_LAUNCHER: str(os.getpid()),  # the launcher's, once exec'd: what the wait line names
         "WORKBENCH_CAPTURE_LEDGER": {"calls": "calls", "full": "1", "off": "0"}[args.ledger],
         "WORKBENCH_CAPTURE_HOME": str(package.parent.parent),
         "PYTHONPATH": os.pathsep.join([str(package / "site"), *filter(None, [env.get("PYTHONPATH")])]),

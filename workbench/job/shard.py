@@ -32,9 +32,15 @@ compile) and ``poison="all"`` (or ``True``) a ``TorchFunctionMode`` that fills e
 the job makes (FSDP2's all-gather buffers included). ``benchmarks/job_capture.py`` measures each mode.
 
 Turned off (``enabled=False``, or ``WORKBENCH_CAPTURE=0`` in the environment), ``capture``
-returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe. A directory
-there (``WORKBENCH_CAPTURE=runs/x``, what ``workbench job runs/x -- ...`` sets) turns it on into that
-directory, and a process that captures already (the automatic points of ``hooks.py``) gets its capture.
+returns a ``NoCapture`` whose methods do nothing: no mode, no file, no import of the probe; it answers
+every public method and property of ``Capture`` with the same signature. A directory there
+(``WORKBENCH_CAPTURE=runs/x``, what ``workbench job runs/x -- ...`` sets) turns it on into that
+directory (said once where it replaces the script's own path), and a process that captures already (the
+automatic points of ``hooks.py``) gets its capture (the arguments it drops said once).
+
+The API takes nothing by position that a user would pass as an object (``point(name, *, same_on=...,
+**objects)``): a call a method cannot take is said once on stderr and records nothing (``_takes``), never
+a ``TypeError`` in the job.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import io
 import json
 import os
 import signal
@@ -51,7 +58,6 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +101,16 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     into the job; by default each is one line on stderr and the capture turns itself off on that rank, the job
     going on as it would have without it (``guest.py``).
     """
+    given = {k: v for k, v in locals().items() if k in _DEFAULTS and v != _DEFAULTS[k]}  # what the call asked
     on = triggers.modes(attach)
     where = os.environ.get(ENV_OFF, "1").strip()
     if enabled is None:
         enabled = where.lower() not in ("0", "off", "false", "no")
     if enabled and where.lower() not in ("", "1", "on", "true", "yes"):  # a directory: capture there
+        _replaced(path, where)
         path = where
     if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
+        _dropped(_CURRENT[0], given)
         return _CURRENT[0]
     ledger = _ledger_mode(ledger, strict) if enabled else ledger
     if poison not in POISON_MODES:
@@ -120,6 +129,11 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     try:
         cap = Capture(path, poison=poison, ledger=ledger, name=name, job=job, points=points, strict=strict)
         cap.watch = triggers.install(cap, on, attach_deadline, hang_after)
+        cap._asked = {**_DEFAULTS, **given, "path": os.fspath(path)}
+        if cap.watch is not None:  # what the post mortem waits for, in the shard (a test reads --hang-after here)
+            cap.doc["attach"] = {"triggers": list(on), "deadline": float(attach_deadline),
+                                 "hang_after": float(hang_after)}
+            cap._write_manifest()
         return cap
     except Exception as exc:
         if strict:
@@ -133,6 +147,72 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
                 "kept; the job goes on without it")
         guest.say(line)
         return NoCapture(line)
+
+
+_DEFAULTS = {"poison": "to_empty", "ledger": "calls", "name": None, "job": None, "points": None, "attach": None,
+             "attach_deadline": 600.0, "hang_after": 60.0, "strict": False}  # capture()'s own, but path and enabled
+
+
+def _replaced(path: Any, where: str) -> None:
+    """``WORKBENCH_CAPTURE=<dir>`` replaces the script's own path: said once, where the two differ."""
+    if path is None or os.path.abspath(os.fspath(path)) == os.path.abspath(where):
+        return
+    say_once(f"workbench: rank {_rank_word()}: {ENV_OFF}={where} replaces the script's capture({os.fspath(path)!r}): "
+             "the shards go there")
+
+
+def _dropped(cap: Capture, given: dict[str, Any]) -> None:
+    """``capture(...)`` again while this process captures (``workbench job``'s capture, or the script's first call):
+    the open capture is returned; the arguments it does not have are dropped, said once."""
+    asked = getattr(cap, "_asked", None) or {}
+    dropped = {k: v for k, v in given.items() if k in asked and asked[k] != v}
+    if dropped:
+        said = ", ".join(f"{k}={v!r}" for k, v in dropped.items())
+        say_once(f"workbench: rank {cap.rank}: capture() again returns the open capture ({cap.root}); dropped: {said} "
+                 f"(it keeps {', '.join(f'{k}={asked[k]!r}' for k in dropped)})")
+
+
+_SAID: set[str] = set()  # what this process said once
+
+
+def say_once(line: str) -> None:
+    """One line on stderr (``guest.say``), once per process however often the script makes the call."""
+    if line in _SAID:
+        return
+    _SAID.add(line)
+    guest.say(line)
+
+
+def _takes(nothing: Any = None) -> Any:
+    """A public method of the capture (and of ``NoCapture``): a call it cannot take (an object by position, a
+    keyword it does not know) is said once and records nothing, answering ``nothing()``; never a ``TypeError`` in
+    the job (``strict=True``: it raises). Only a call that does not bind to the signature is taken for one: a
+    ``TypeError`` from inside the method is not."""
+    import functools
+    import inspect
+
+    def wrap(fn: Any) -> Any:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except TypeError as exc:
+                try:
+                    sig.bind(self, *args, **kwargs)
+                except TypeError:
+                    if getattr(self, "strict", False):
+                        raise
+                    hint = " (objects go by keyword: cap.point(\"step1\", model=model))" if args else ""
+                    say_once(f"workbench: rank {self.rank}: cap.{fn.__name__}() cannot take this call: {exc}{hint}; "
+                             "it recorded nothing")
+                    return nothing() if callable(nothing) else nothing
+                raise
+
+        return method
+
+    return wrap
 
 
 LEDGER_MODES = {"calls": "calls", "default": "calls", "full": True, "1": True, "on": True, "true": True, "yes": True,
@@ -169,42 +249,87 @@ def _rank_word() -> str:
 
 
 class NoCapture:
-    """Capture switched off: every call returns at once. ``stopped``: the line said where a fault stopped it at
-    ``capture`` (None where it was switched off)."""
+    """Capture switched off: every call returns at once, and it answers every public method and property of
+    ``Capture`` with the same signature (``tests/test_job_guest.py`` compares them), so a script runs the same with
+    the capture off. ``stopped``: the line said where a fault stopped it at ``capture`` (None where it was
+    switched off)."""
 
     enabled = False
+    closed = True
+    attempt = 0
+    device = None
+    latest = None
+    device_held = None
+    ledger_path = None
+    job_excepthook = None
+    objects: dict[str, Any] = {}
 
     def __init__(self, stopped: str | None = None) -> None:
         self.stopped = stopped
+        self.strict = False
+        self.rank, self.world_size = _where_quietly()
+        self.root = self.dir = self.job = self.ctx = self.serving = self.watch = None
+        self.points: list[str] = []
+        self.doc: dict[str, Any] = {}
 
-    def point(self, name: str, **objects: Any) -> None:
+    @_takes()
+    def point(self, name: str, *, same_on: Any = "learned", **objects: Any) -> dict[str, Any] | None:
         return None
 
+    @_takes()
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
         return None
 
+    @_takes()
     def expect(self, name: str, value: Any) -> None:
         return None
 
+    @_takes()
     def local(self, *keys: str) -> None:
         return None
 
+    @_takes()
     def note(self, message: str) -> None:
         return None
 
-    @contextlib.contextmanager
-    def trace(self, model: Any, run: str = "model") -> Iterator[None]:
-        yield
+    @_takes(contextlib.nullcontext)
+    def trace(self, model: Any, *, run: str = "model") -> Any:
+        return contextlib.nullcontext()
 
-    def breakpoint(self, deadline: float = 600.0, controller: Any = None, **objects: Any) -> dict[str, Any]:
+    @_takes(lambda: {"by": "off", "seconds": 0.0})
+    def breakpoint(self, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+                   **objects: Any) -> dict[str, Any]:
         return {"by": "off", "seconds": 0.0}
 
-    def post_mortem(self, exc: BaseException | None = None) -> None:
+    @_takes()
+    def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         return None
 
-    def flush(self, timeout: float = 0.0) -> bool:
+    @_takes(True)
+    def flush(self, timeout: float = writer.DRAIN_S) -> bool:
         return True
 
+    @_takes()
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    @_takes()
+    def files(self) -> dict[str, Any]:
+        return {}
+
+    @_takes()
+    def open_calls(self) -> list[dict[str, Any]]:
+        return []
+
+    @_takes(0)
+    def fill_from_flight_recorder(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
+        return 0
+
+    @_takes(0)
+    def watch_flight_recorder(self, still_for: float) -> int:
+        return 0
+
+    @_takes()
     def close(self) -> None:
         return None
 
@@ -213,6 +338,19 @@ class NoCapture:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+    def __repr__(self) -> str:
+        return f"<NoCapture rank {self.rank}/{self.world_size}: off{': ' + self.stopped if self.stopped else ''}>"
+
+
+def _where_quietly() -> tuple[int, int]:
+    """Rank and world size as the launcher set them, without asking a process group (0 and 1 where they cannot
+    be read: with the capture off nothing may fail)."""
+    try:
+        where = launcher_env(dist_ok=False)
+        return int(where["rank"]), int(where["world_size"])
+    except Exception:
+        return 0, 1
 
 
 def _launcher_job() -> str | None:
@@ -504,27 +642,32 @@ class Capture:
             self._write_manifest()
 
     # -- what a point records -------------------------------------------------------------
+    @_takes()
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
         """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
         if self._usable():
             self.ctx.output(name, tensor, **extra)
 
+    @_takes()
     def expect(self, name: str, value: Any) -> None:
         """What tensor ``name`` (as probed, e.g. ``model.model.rotary_emb.inv_freq``) should hold."""
         if self._usable():
             self.ctx.expect(name, value)
 
+    @_takes()
     def local(self, *keys: str) -> None:
         """Objects (by the point's keyword) that are this rank's own, never compared with rank 0's."""
         if self._usable():
             self.ctx.local(*keys)
 
+    @_takes()
     def note(self, message: str) -> None:
         """A line for the next point: what this rank did that the tables cannot show."""
         if self._usable():
             self.ctx.note(message)
 
-    def trace(self, model: Any, run: str = "model") -> Any:
+    @_takes(contextlib.nullcontext)
+    def trace(self, model: Any, *, run: str = "model") -> Any:
         """Trace one forward of ``model`` (a row per module call); the rows go with the next point."""
         from workbench.rank.trace import trace_forward
 
@@ -538,8 +681,12 @@ class Capture:
             self._fault("at trace", exc)
             return contextlib.nullcontext()
 
-    def point(self, name: str, same_on: Any = "learned", **objects: Any) -> dict[str, Any]:
+    @_takes()
+    def point(self, name: str, *, same_on: Any = "learned", **objects: Any) -> dict[str, Any] | None:
         """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
+
+        Objects go by keyword only (``cap.point("step1", model=model)``): a call with one by position
+        (``cap.point("x", model)``) is said once on stderr and records nothing (``_takes``).
 
         Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
         tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
@@ -657,12 +804,14 @@ class Capture:
             self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False))
             self._stack.callback(self._writer.stop)
 
+    @_takes(True)
     def flush(self, timeout: float = writer.DRAIN_S) -> bool:
         """Wait until every point handed to the writer is on disk (a GPU job's points are written aside); True
         when nothing is left. Close, a breakpoint, the job's exception and the debug server do it themselves."""
         return self._writer is None or self._writer.drain(timeout)
 
-    def breakpoint(self, deadline: float = 600.0, controller: str | os.PathLike | None = None,
+    @_takes(lambda: {"by": "off", "seconds": 0.0})
+    def breakpoint(self, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
                    **objects: Any) -> dict[str, Any]:
         """Every rank (at the same point) serves as an ipyparallel engine until ``cluster.resume()`` from a
         client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
@@ -673,6 +822,7 @@ class Capture:
         self.flush()
         return engine.serve(self, deadline=deadline, controller=controller, **objects)
 
+    @_takes()
     def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
         """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
         ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
@@ -709,6 +859,9 @@ class Capture:
         shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        if getattr(self, "_telling", False):  # ``_tell`` runs the hooks around this one: print, as the job's hook
+            self._hook(kind, exc, tb)
+            return
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
         released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
         if self.stopped is None and not self._closed:
@@ -728,9 +881,15 @@ class Capture:
                 self._write_manifest()
             except Exception as hook_exc:  # one line, then the job's own exception as it would have been
                 self._fault("recording the job's exception", hook_exc)
+        # the traceback at once, as Python would print it, before any wait for a notebook; and only once
+        told = not released and not self._closed and triggers.may_wait(self.watch, exc)
+        if told:
+            self._tell(kind, exc, tb)
         if self.watch is not None and not self._closed:
             try:
-                triggers.on_exception(self, self.watch, exc, tb)
+                triggers.on_exception(self, self.watch, exc, tb, told=told)
+            except KeyboardInterrupt:  # Ctrl-C (the launcher passes it on) ended the wait: the job fails now
+                pass
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
@@ -738,14 +897,40 @@ class Capture:
                 sys.__stderr__.write(triggers.released_line(self.rank, self.watch, exc))
                 sys.__stderr__.flush()
             return
-        self._hook(kind, exc, tb)
+        if not told:
+            self._hook(kind, exc, tb)
 
+    def _tell(self, kind: type, exc: BaseException, tb: Any) -> None:
+        """What the job would have printed for ``exc``, now, before the post mortem waits rather than after it.
+
+        The whole chain of excepthooks runs, not only the one the capture took over: a hook set after the capture's
+        may wrap it and hold what it prints until it returns (``init_process_group``'s own puts a ``[rank1]:``
+        before each line, printing into a buffer meanwhile). So the outermost hook runs again here, on the
+        process's own stderr, and the capture's hook, called inside it, only prints (``_telling``)."""
+        held = sys.stderr
+        self._telling = True
+        try:
+            if isinstance(held, io.StringIO):  # inside a wrapping hook that buffers: the real stream for this one
+                sys.stderr = sys.__stderr__
+            outer = sys.excepthook if sys.excepthook is not self._excepthook else self._hook
+            outer(kind, exc, tb)
+        except Exception:
+            with contextlib.suppress(Exception):
+                sys.__excepthook__(kind, exc, tb)
+        finally:
+            self._telling = False
+            sys.stderr = held
+        with contextlib.suppress(Exception):
+            sys.__stderr__.flush()
+
+    @_takes()
     def snapshot(self) -> dict[str, Any]:
         """What the debug-server handler answers: this rank's latest point (its rows) and open calls."""
         self.flush(5.0)
         return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
                 "points": list(self.points), "latest": self.latest, "open_calls": self.open_calls()}
 
+    @_takes()
     def files(self) -> dict[str, Any]:
         """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""
         self.flush(5.0)
@@ -765,6 +950,7 @@ class Capture:
 
             ledger_mod.settle()
 
+    @_takes()
     def open_calls(self) -> list[dict[str, Any]]:
         """The collectives this rank started and saw no end of, read from its own ledger file, oldest first (Flight
         Recorder's record first fills what the calls ledger could not see: the rank may wait in one of those)."""
@@ -774,6 +960,7 @@ class Capture:
         self.fill_from_flight_recorder("while the rank waits", hang=True)
         return triggers.open_calls(triggers.ledger_reader(self._ledger.path))
 
+    @_takes(0)
     def fill_from_flight_recorder(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
         """Write into the ledger the collectives Flight Recorder recorded and the calls ledger did not (issued from
         C++); nothing is read while the ledger's numbers have no gap. Returns how many rows; a fault of its own is
@@ -793,6 +980,7 @@ class Capture:
                       "the calls ledger goes on without it")
             return 0
 
+    @_takes(0)
     def watch_flight_recorder(self, still_for: float) -> int:
         """The post-mortem watcher's read (its own thread): once no group's count has moved for ``still_for``
         seconds and the ledger has gaps, the rank may wait inside a call only Flight Recorder saw: fill, its
@@ -811,6 +999,7 @@ class Capture:
             return 0
         return self.fill_from_flight_recorder("while the rank waits", hang=True)
 
+    @_takes()
     def close(self) -> None:
         """Stop recording and poisoning; the shard says the rank finished (unless it raised). A fault here is one
         line on stderr (``guest.py``)."""

@@ -11,9 +11,13 @@ released), so their thread serves them instead, with the locals of the main thre
 of the job's own code. ``wb.connect(job=dir)`` attaches as at a breakpoint; ``engine.json`` says
 which rank raised, where (file, line, function) and where each other rank waits (its open calls from
 its own ledger, its main thread's line). Nothing here issues a collective: the trigger, the engine
-file and the "all done" marks go through the store. ``cluster.resume()`` (or the deadline) ends the
-serving: the raising rank then runs the excepthook it would have run (the traceback is printed, the
-process exits 1), so the job fails exactly as it would have and the launcher ends the others. A cell
+file and the "all done" marks go through the store. The raising rank prints its traceback before it
+serves (the whole chain of excepthooks, ``shard.Capture._tell``: what the job would have printed, at once
+and once), and the rank whose error starts the post mortem says in one line (``wait_line``) that every
+rank waits for a notebook, for how long, how to attach and how to end the wait now (Ctrl-C: the launcher
+passes it to every rank; the serving rank's ``KeyboardInterrupt`` ends its wait). ``cluster.resume()`` (or
+the deadline) ends the serving: the raising rank's excepthook returns (the process exits 1), so the job
+fails exactly as it would have and the launcher ends the others. A cell
 that holds the raising rank past the deadline inside a call it cannot leave (a collective the stuck
 ranks never join) does not keep it: the rank prints its traceback and exits 1 there.
 
@@ -47,7 +51,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workbench.job import engine
+from workbench.job import engine, guest
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
@@ -153,10 +157,20 @@ def _get(store: Any, key: str) -> Any:
 
 
 # -- the rank that raised ------------------------------------------------------------------------
-def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any) -> dict[str, Any] | None:
+def may_wait(watch: Watch | None, exc: BaseException) -> bool:
+    """Whether ``exc`` may make this rank wait for a notebook (``on_exception``): its traceback is printed first."""
+    return (watch is not None and "error" in watch.triggers
+            and not isinstance(exc, (KeyboardInterrupt, SystemExit, Released)))
+
+
+def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any,
+                 told: bool = False) -> dict[str, Any] | None:
     """Serve this rank (and have every rank serve) for ``exc``; returns how it ended, None when it did not
-    serve (post mortem off, already served in this job, a KeyboardInterrupt or SystemExit)."""
-    if watch is None or "error" not in watch.triggers or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    serve (post mortem off, already served in this job, a KeyboardInterrupt or SystemExit). ``told``: its
+    traceback is printed already (the excepthook's, before the wait): a rank that fails later does not print it
+    again. The rank whose error starts the post mortem says, in one line, that every rank waits for a notebook,
+    for how long, how to attach and how to end the wait now (``wait_line``)."""
+    if not may_wait(watch, exc):
         return None
     with watch.lock:
         if watch.role:  # this rank serves already (its thread, for another rank's error) or did
@@ -184,21 +198,41 @@ def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any)
     objects.update(exc=exc, tb=tb, frame=frame)
     me = {"rank": cap.rank, "role": "raised", "error": error, "where": error["where"],
           "open_calls": _open_calls(cap)}
+    first = store is None
     if store is not None:
         with contextlib.suppress(Exception):
             store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             if store.add(f"{key}/claim", 1) == 1:
                 store.set(f"{key}/go", json.dumps(trigger))
-    return _serve(cap, watch, objects, trigger if store is None else None, on_stuck=lambda: _fail_now(cap, exc, tb))
+                first = True
+    if first:
+        guest.say(wait_line(cap, watch, f"rank {cap.rank} raised {trigger['error'].splitlines()[0][:200]}"))
+    return _serve(cap, watch, objects, trigger if store is None else None,
+                  on_stuck=lambda: _fail_now(cap, exc, tb, told))
 
 
-def _fail_now(cap: Watched, exc: BaseException, tb: Any) -> None:
+ENV_LAUNCHER = "WORKBENCH_CAPTURE_LAUNCHER_PID"  # the launcher's pid (``workbench job`` execs it: its own pid)
+
+
+def wait_line(cap: engine.Host, watch: Watch, what: str, then: str = "the job then fails as it would have") -> str:
+    """The one line a job says when it starts to wait for a notebook: what happened, that every rank is
+    attachable, for how long, how to attach, and how to end the wait now (Ctrl-C at the launcher's terminal: the
+    launcher passes it on to every rank; or a signal to the launcher from elsewhere)."""
+    pid = os.environ.get(ENV_LAUNCHER, "").strip()
+    kill = f" or `kill {pid}`" if pid.isdigit() else ""
+    return (f"workbench: {what}; every rank ({cap.world_size}) is attachable from a notebook for "
+            f"{watch.deadline:g} s: wb.connect(job={os.path.abspath(cap.root)!r}); end the wait now with Ctrl-C{kill} "
+            f"(or cluster.resume()): {then}")
+
+
+def _fail_now(cap: Watched, exc: BaseException, tb: Any, told: bool = False) -> None:
     """A notebook's cell holds the raising rank past the deadline inside a call it cannot leave: the rank fails
-    now, as it would have without the workbench (its traceback, exit status 1)."""
+    now, as it would have without the workbench (its traceback, unless printed before the wait; exit status 1)."""
     with contextlib.suppress(BaseException):
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not the engine's streams to the notebook
-        hook = cap.job_excepthook or sys.__excepthook__
-        hook(type(exc), exc, tb)
+        if not told:
+            hook = cap.job_excepthook or sys.__excepthook__
+            hook(type(exc), exc, tb)
         sys.__stderr__.flush()
     os._exit(1)
 
@@ -329,6 +363,8 @@ def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
                     if store.add(f"{key}/claim", 1) == 1:
                         store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
                                                            "t": time.time()}))
+                        guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
+                                            "every rank then ends, exit status 1"))
 
 
 def _nccl() -> bool:
