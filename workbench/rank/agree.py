@@ -358,7 +358,7 @@ def _digest(v: Any, h: Any) -> None:
         h.update(repr(v).encode())
 
 
-_SAMPLE = 4096  # elements of each of a module's own tensors a fed-inputs digest reads (a re-seed changes them all)
+_SAMPLE = 1024  # elements of each of a module's own tensors a fed-inputs digest reads (a re-seed changes them all)
 
 
 def _own_state(module: nn.Module, owned: Mapping[int, tuple[tuple[int, ...], str]]) -> list[torch.Tensor]:
@@ -407,6 +407,7 @@ class FedInputs:
         self.hash = hashlib.sha1()
         self._handles: list[Any] = []
         self._owned: dict[int, tuple[tuple[int, ...], str]] | None = None
+        self._stated: set[int] = set()  # modules whose own tensors are in the digest already
 
     def __enter__(self) -> FedInputs:
         if self.tops:
@@ -428,7 +429,9 @@ class FedInputs:
                     _digest(args, self.hash)
                     if self._owned is None:  # at the first call: the wrappers the step has made by then
                         self._owned = _owned(self.objects)
-                    _digest_state(_own_state(module, self._owned), self.hash)
+                    if id(module) not in self._stated:  # once a step: a generation loop calls it per token
+                        self._stated.add(id(module))
+                        _digest_state(_own_state(module, self._owned), self.hash)
                     self.calls += 1
                 except Exception:  # a digest never fails the user's forward
                     pass
