@@ -258,6 +258,15 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
     "tests/test_detectors.py::test_rope_reference_is_exact_for_a_correct_bf16_cast_and_catches_garbage": (
         "workbench/lab/models.py", "workbench/rank/reference.py",
     ),
+    "tests/test_detectors_stack.py::test_every_to_empty_keeps_what_was_real_and_returns_what_torch_returns": (
+        "workbench/job/materialise.py",
+    ),
+    "tests/test_detectors_stack.py::test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad_one": (
+        "workbench/job/losses.py",
+    ),
+    "tests/test_detectors_stack.py::test_the_optimizer_step_is_probed_as_the_topmost_module_that_owns_its_parameters": (
+        "workbench/job/owners.py",
+    ),
     "tests/test_diagnosis.py::test_every_catalogue_scenario_has_an_expected_diagnosis": (
         "workbench/lab/toy_moe.py", "workbench/lab/weightsync/conversion.py", "workbench/lab/weightsync/defaults.py",
         "workbench/lab/weightsync/model.py", "workbench/lab/weightsync/pack.py", "workbench/lab/weightsync/receive.py",
