@@ -155,7 +155,8 @@ def test_dead_rank_is_recovered_with_fresh_engines(healthy):
 
 
 
-SLOW = Scenario(name="slow-not-stuck", title="both ranks compute past the step deadline, then meet")
+SLOW = Scenario(name="slow-not-stuck", title="both ranks compute past the step deadline, then meet",
+                params={"go": ""})
 
 
 @SLOW.step
@@ -164,16 +165,46 @@ def crunch(ctx) -> None:
 
     import torch.distributed as dist
 
-    dist.barrier()  # both ranks start their work together: under load one may start seconds after the other
-    time.sleep(4.5)  # outside any collective (a loaded machine, a big model), past the 3 s deadline: not a hang
+    while not os.path.exists(ctx.params["go"]):  # outside any collective (a loaded machine, a big model) until
+        time.sleep(0.01)  # the client has judged the ranks busy past the deadline: no sleep raced against it
     x = torch.ones(2)
     dist.all_reduce(x)
     ctx.output("sum", x)
 
 
-def test_ranks_computing_past_the_deadline_are_slow_not_hung(healthy):
-    s = healthy.session(SLOW)
-    s.deadline = 3.0  # under the step's 4.5 s of work outside any collective (it may take up to 5 deadlines)
+def _completed_by(s, step: str) -> set[int]:
+    return {int(r["rank"]) for r in s._ledger_rows(step) if r.get("state") == "completed"}
+
+
+def _wait_for(done, bound_s: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + bound_s  # a bound, not a verdict: the assertions below say what happened
+    while not done() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def test_ranks_computing_past_the_deadline_are_slow_not_hung(healthy, monkeypatch, tmp_path):
+    """The ranks leave their work only once the session has asked, past the step's deadline, whether they compute
+    outside any collective (and was told they do): the step surely outlives its deadline, whatever the box's speed,
+    and the workbench must read that as slow, not hung. It asks again until the step ends (up to 5 deadlines); a
+    rank inside a collective then ends the grace, so a later answer is read once the ranks' all-reduce is over (on
+    a loaded box a rank may enter it a second after its peer). Before, a 4.5 s sleep raced the 3 s deadline."""
+    go = tmp_path / "go"
+    s = healthy.session(SLOW, go=str(go))
+    answers: list[bool] = []
+    judge = s._outside_collectives
+
+    def asked(step: str, ranks: list[int]) -> bool:
+        if go.exists():  # asked again: read once both ranks' all-reduce is over, as a client slower than them would
+            _wait_for(lambda: _completed_by(s, step) == set(ranks))
+        answers.append(judge(step, ranks))
+        go.touch()  # the deadline has passed and the ranks were judged: let them meet
+        return answers[-1]
+
+    monkeypatch.setattr(s, "_outside_collectives", asked)
+    s.deadline = 3.0
     frame = s.step()
+    assert answers[:1] == [True], answers  # past the deadline, both ranks computing outside any collective
     assert frame.hang is None and frame.kinds == set(), frame.hang and frame.hang.message
     assert len(frame.outputs) == 2  # both ranks reached the all-reduce after the deadline had passed
