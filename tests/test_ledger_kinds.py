@@ -61,3 +61,51 @@ def test_a_stack_that_replaces_tensor_new_runs_under_the_ledger(tmp_path, mode):
         ops = [r["op"] for r in sorted(rows.values(), key=lambda r: r["t"])]
         assert ops[:3] == ["broadcast", "all_reduce", "barrier"], ops
         assert {r["state"] for r in rows.values()} == {"completed"}, rows
+
+
+# Every collective kind torch.distributed offers -> the op rank 0's first row of it reads as (rank 0 takes the side
+# that waits for its peer: the receiver, a rooted call's non-root). ``tests/jobs/held_back_job.py`` issues them.
+KINDS = {
+    "barrier": "barrier", "monitored_barrier": "monitored_barrier", "all_reduce": "all_reduce",
+    "async_all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce", "gather": "gather",
+    "scatter": "scatter", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter_tensor", "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all_single", "all_reduce_coalesced": "all_reduce_coalesced",
+    "coalescing_manager": "all_reduce_coalesced", "send_recv": "recv", "isend_irecv": "recv",
+    "batch_isend_irecv": "recv", "send_recv_object_list": "recv", "all_gather_object": "all_gather",
+    "broadcast_object_list": "broadcast", "scatter_object_list": "broadcast", "gather_object": "all_gather",
+    "functional_all_reduce": "all_reduce",
+}
+# Not seen by the calls ledger, as its docstring says: functional collectives pass no function of torch.distributed.
+NOT_IN_CALLS = {"functional_all_reduce"}
+
+
+def _said(stdout: str, word: str) -> dict[str, list[str]]:
+    """kind -> the states the job printed after ``word`` (``HELD``: rank 0's rows while rank 1 held back)."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith(word + " "):
+            _, kind, states = line.split(" ", 2)
+            out[kind] = json.loads(states)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["calls", "full"])
+def test_no_row_ends_before_its_peer_joins(tmp_path, mode):
+    """For every kind, rank 0's row stays open while rank 1 holds back (it read the row, looked again half a second
+    later) and ends completed once rank 1 joined. Before, a bare ``Work`` (barrier, send, recv, reduce, gather,
+    all_to_all_single, the coalesced calls) and gloo's work without a future (reduce_scatter) ended their row as
+    the op returned, before the call did: a deadlock through them was never proven."""
+    kinds = [k for k in KINDS if not (mode == "calls" and k in NOT_IN_CALLS)]
+    run = _torchrun("held_back_job.py", str(tmp_path / "out"), mode, ",".join(kinds))
+    assert run.returncode == 0, run.stderr[-3000:]
+    held, after = _said(run.stdout, "HELD"), _said(run.stdout, "AFTER")
+    ended_early = {k: held.get(k) for k in kinds if not held.get(k) or "started" not in held[k]}
+    assert not ended_early, f"rank 0's rows ended (or never started) while its peer held back: {ended_early}"
+    unended = {k: after.get(k) for k in kinds if not after.get(k) or set(after[k]) != {"completed"}}
+    assert not unended, f"rank 0's rows not completed after its peer joined: {unended}"
+    rows = sorted(_rows(tmp_path / "out" / "rank0" / "rank0.jsonl").values(), key=lambda r: r["t"])
+    first = {}
+    for row in rows:
+        first.setdefault(row.get("label"), row["op"])
+    assert {k: first.get(k) for k in kinds} == {k: KINDS[k] for k in kinds}

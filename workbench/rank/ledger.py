@@ -64,7 +64,8 @@ OP_NAMES = {
     "alltoall_base_": "all_to_all_single", "barrier": "barrier", "monitored_barrier_": "monitored_barrier",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv_any_source",
 }
-SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd"}  # functional collectives' wait and autograd wrapper
+# functional collectives' wait and autograd wrapper; NCCL's NaN check (TORCH_NCCL_NAN_CHECK), no collective
+SKIP_OPS = {"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"}
 PAYLOAD_ARGS = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
 PEER_ARGS = {"root_rank": "src", "dst": "dst", "src": "src"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -252,6 +253,10 @@ class _Recorder(TorchDispatchMode):
         self._patched: tuple[Any, Any] | None = None  # (functional collectives module, its own wait_tensor)
         self._device: torch.device | None = None
         self._last_device: torch.device | None = None
+        self._last_async = True  # the call's own ``async_op`` (False: its caller waits on it before going on)
+        # synchronous calls whose work gives no future, watched until ``is_completed()``: the thread going on past
+        # them (its next call, the Python function's return) says they ended where the work never does
+        self.unsaid: list[tuple[dict[str, Any], Any]] = []
         # Number each group's calls by the backend's own count (Flight Recorder's ``collective_seq_id``), so the
         # calls it records and this recorder does not (DDP's C++ all-reduces) fill the gaps (``ledger_fr.py``).
         # The capture's calls ledger sets it; the full mode (live sessions) counts its own calls from 1.
@@ -260,6 +265,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace not in NAMESPACES or self.ledger.off:  # off: a guest's ledger that failed
+            if self.unsaid:  # the thread went on past a synchronous call whose work never says it ended
+                self.went_on()
             return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         if name in SKIP_OPS:  # not collectives of their own; a wait ends the functional call it waits on
@@ -289,8 +296,12 @@ class _Recorder(TorchDispatchMode):
             for t in _tensors(out):
                 self.functional[_key(t)] = rec
             return out
-        work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) else None
-        if work is None:
+        # (tensors, Work) or a bare Work (barrier, send, recv, gather, reduce, all_to_all_single, the coalesced
+        # ones): the op only queues it, the caller waits on it after; no Work (monitored_barrier): the op itself
+        # blocked until its end
+        work = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.ScriptObject) \
+            else out if isinstance(out, torch.ScriptObject) else None
+        if work is None and not (self._device is not None and self._device.type == "cuda"):
             self._end(rec, None)
             return out
         try:
@@ -308,8 +319,8 @@ class _Recorder(TorchDispatchMode):
                 fut = unboxed.get_future()
             except RuntimeError:  # gloo's reduce_scatter work has none ("Work::getFuture not implemented")
                 fut = None
-            if fut is None:
-                self._end(rec, None, state="issued", note="the backend's work has no future to wait on")
+            if fut is None:  # gloo's send, recv and reduce_scatter: asked until it says it is done
+                self._watch_work(rec, unboxed)
             else:
                 fut.add_done_callback(lambda f, rec=rec: self._end(rec, _future_error(f)))
         elif self._device is not None and self._device.type == "cuda":
@@ -318,9 +329,24 @@ class _Recorder(TorchDispatchMode):
             event.record(torch.cuda.current_stream(self._device))
             _watch(event, lambda note=None, rec=rec: self._end(
                 rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
-        else:
-            self._end(rec, None, state="issued", note="the backend returned no work to wait on")
         return out
+
+    def _watch_work(self, rec: dict[str, Any], work: Any) -> None:
+        """End ``rec`` when ``work`` (a CPU work without a future) says it is done; a synchronous call's also when
+        the thread goes on past it (``went_on``): gloo's reduce_scatter work never says so."""
+        item = _watch(_WorkQuery(work), lambda note=None, rec=rec: self._end(rec, _work_error(work)))
+        if not self._last_async:
+            self.unsaid.append((rec, item))
+
+    def went_on(self) -> None:
+        """The thread went on past its synchronous calls (its next call, the Python function's return): those
+        still watched ended there."""
+        unsaid, self.unsaid = self.unsaid, []
+        for rec, item in unsaid:
+            if _unwatch(item):
+                self._end(rec, None, note="its work never said it ended; its caller went on past it")
+        if _PENDING:  # the works that say so (a gloo send waited on) ended now, not at the watcher's next poll
+            _poll_once()
 
     def _wait(self, func, args, kwargs):
         rec = self.functional.pop(_key(args[0]), None) if args and isinstance(args[0], torch.Tensor) else None
@@ -350,6 +376,7 @@ class _Recorder(TorchDispatchMode):
 
     def finish(self) -> None:
         """Functional calls this step issued and never waited on: dispatched, their end unseen."""
+        self.went_on()
         if self._patched is not None:
             self._patched[0].wait_tensor = self._patched[1]
             self._patched = None
@@ -358,6 +385,7 @@ class _Recorder(TorchDispatchMode):
         self.functional.clear()
 
     def _start(self, func, args, kwargs) -> dict[str, Any]:
+        self.went_on()
         schema = func._schema
         raw = schema.name.split("::")[-1]
         bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)}
@@ -392,6 +420,7 @@ class _Recorder(TorchDispatchMode):
                 send = {"1": next(iter(send.values()))} if send else {}
                 recv = {"0": next(iter(recv.values()))} if recv else {}
         self._last_device = payload[0].device if payload else None
+        self._last_async = bool(bound.get("async_op", True))
         floor = backend_seq(pg, self._last_device) + 1 if self.backend_seq and pg is not None and raw not in P2P \
             else 0
         rec: dict[str, Any] = {
@@ -469,12 +498,24 @@ class _WorkQuery:
             return True
 
 
-def _watch(event: Any, done: Any) -> None:
+def _watch(event: Any, done: Any) -> tuple[Any, Any]:
+    item = (event, done)
     with _PENDING_LOCK:
-        _PENDING.append((event, done))
+        _PENDING.append(item)
         if not _WATCHER or not _WATCHER[0].is_alive():
             _WATCHER[:] = [threading.Thread(target=_poll_events, name="ledger-events", daemon=True)]
             _WATCHER[0].start()
+    return item
+
+
+def _unwatch(item: tuple[Any, Any]) -> bool:
+    """Stop watching ``item``; whether it was still watched (its end not yet written)."""
+    with _PENDING_LOCK:
+        for i, other in enumerate(_PENDING):
+            if other is item:
+                del _PENDING[i]
+                return True
+    return False
 
 
 def _poll_once() -> int:
@@ -629,6 +670,17 @@ def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, (list, tuple)):
         return [t for x in v for t in _tensors(x)]
     return []
+
+
+def _work_error(work: Any) -> BaseException | None:
+    """The error a finished work ended with (a gloo recv that timed out), or None."""
+    try:
+        if work.is_success():
+            return None
+        exc = work.exception()
+    except Exception as err:  # the binding raises the work's own exception where it cannot return it
+        return err
+    return exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
 
 
 def _future_error(fut: Any) -> BaseException | None:

@@ -23,9 +23,12 @@ Recorder gives, so what it recorded and this did not (DDP's reducer) are the gap
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_a
             "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
             "_broadcast_coalesced")
 _MARK = "__workbench_call_ledger__"
+COALESCING = ("_coalescing_manager",)  # a block whose calls go out as one at its exit
 # The calls a training step issues by the dozen (FSDP2's all-gathers and reduce-scatters, a gradient all-reduce),
 # by name -> where the group sits among their positional arguments. Where Flight Recorder records the group (an
 # NCCL group made with its buffer on: the capture turns it on before the job's first group), they pass straight
@@ -63,6 +67,12 @@ def collective_names(module: Any = dist) -> list[str]:
     return out
 
 
+def _works(out: Any) -> bool:
+    """Whether a collective function returned works its caller waits on (``async_op=True``, ``batch_isend_irecv``)."""
+    items = out if isinstance(out, (list, tuple)) else [out]
+    return any(isinstance(w, (dist.Work, torch._C.Future)) for w in items)
+
+
 class CallLedger:
     """Record into ``book`` every collective the job calls through ``torch.distributed``'s functions."""
 
@@ -78,12 +88,19 @@ class CallLedger:
 
     def install(self) -> CallLedger:
         _ledger.prepare()  # before any stack patches torch (DeepSpeed's ``zero.Init``): ``ledger.prepare`` says why
+        # One wrapper per function, whichever module names it: torch compares them by identity (``P2POp`` takes
+        # only ``isend``/``irecv`` as ``distributed_c10d`` names them, ``batch_isend_irecv`` tells a send by
+        # ``op.op is isend``), so ``dist.isend`` and ``distributed_c10d.isend`` stay one object.
+        wrapped: dict[int, Any] = {}
         for module in (dist, dist.distributed_c10d):
-            for name in collective_names(module):
-                original = getattr(module, name)
-                if getattr(original, _MARK, False):
+            for name in [*collective_names(module), *COALESCING]:
+                original = getattr(module, name, None)
+                if original is None or getattr(original, _MARK, False):
                     continue
-                setattr(module, name, self._wrap(original))
+                if id(original) not in wrapped:
+                    wrapped[id(original)] = self._wrap_coalescing(original) if name in COALESCING \
+                        else self._wrap(original)
+                setattr(module, name, wrapped[id(original)])
                 self._patched.append((module, name, original))
         _ledger._ACTIVE.append(self.recorder)  # _broadcast_coalesced's per-bucket context reads it
         return self
@@ -104,12 +121,45 @@ class CallLedger:
             self._local.inside = True
             try:
                 with self.recorder:
-                    return inner(*args, **kwargs)
+                    out = inner(*args, **kwargs)
+                if not _works(out):  # it returned no work to wait on: it waited on its own works
+                    self.recorder.went_on()
+                return out
             finally:
                 self._local.inside = False
 
         setattr(call, _MARK, True)
         return call
+
+    def _wrap_coalescing(self, original: Any) -> Any:
+        """``_coalescing_manager``: the calls in its block only queue (gloo); its exit issues them as one coalesced
+        call (``allreduce_coalesced``), outside every function wrapped here. Recorded there."""
+
+        @functools.wraps(original)
+        @contextlib.contextmanager
+        def manager(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            block = original(*args, **kwargs)
+            cm = block.__enter__()
+            try:
+                yield cm
+            except BaseException:
+                if not block.__exit__(*sys.exc_info()):
+                    raise
+                return
+            if getattr(self._local, "inside", False):  # batch_isend_irecv's own: recorded already
+                block.__exit__(None, None, None)
+                return
+            self._local.inside = True
+            try:
+                with self.recorder:
+                    block.__exit__(None, None, None)
+                if not kwargs.get("async_ops", args[2] if len(args) > 2 else False):
+                    self.recorder.went_on()
+            finally:
+                self._local.inside = False
+
+        setattr(manager, _MARK, True)
+        return manager
 
     def _in_record(self, args: tuple, kwargs: dict, at: int) -> bool:
         """Whether Flight Recorder records this call: a CUDA tensor on an NCCL group (its group's answer kept)."""
