@@ -5,12 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import MESH_TIMEOUT_S, ready
+from conftest import ready
 from torch import nn
 
 import workbench as wb
@@ -214,23 +213,22 @@ def both_roots(ctx):
     dist.broadcast(torch.full((4,), float(ctx.rank)), src=ctx.rank, group=ctx.pair)  # every rank its own root
 
 
-def _timed_run(cluster, scenario):
+def _two_steps(cluster, scenario):
     s = ready(cluster).session(scenario)
     s.step()
-    t0 = time.monotonic()
     frame = s.step()
-    return frame, s.diagnose(), time.monotonic() - t0
+    return frame, s.diagnose()
 
 
 @pytest.fixture(scope="module")
 def mesh_run(mesh4):
-    """The mesh scenario run once on 4 gloo ranks: (its last frame, its diagnosis, seconds the step took)."""
-    return _timed_run(mesh4, mesh)
+    """The mesh scenario run once on 4 gloo ranks: (its last frame, its diagnosis)."""
+    return _two_steps(mesh4, mesh)
 
 
 @pytest.mark.slow
 def test_a_root_reads_as_the_global_rank_the_user_passed(mesh_run):
-    _, d, _ = mesh_run
+    _, d = mesh_run
     # rank 2 wrote src=2; c10d's group rank (1) goes beside it, never in its place
     assert "rank 2: broadcast #1 float32 [4] 16 B src=2 (group rank 1) at " in d.sentence, d.sentence
     assert "rank 1: broadcast #1 float32 [4] 16 B src=1 (group rank 0) at " in d.sentence, d.sentence
@@ -238,7 +236,7 @@ def test_a_root_reads_as_the_global_rank_the_user_passed(mesh_run):
 
 @pytest.mark.slow
 def test_every_independent_failure_of_a_step_is_told_and_different_roots_are_released(mesh_run):
-    frame, d, took = mesh_run
+    frame, d = mesh_run
     # the raising pair's exception first (a cause), then the other pair's parted broadcast (its own story)
     assert d.sentence.startswith("ranks 0,3 raised ValueError at "), d.sentence
     assert "Global rank 1 is not part of group <ProcessGroup>" in d.sentence, d.sentence
@@ -253,21 +251,21 @@ def test_every_independent_failure_of_a_step_is_told_and_different_roots_are_rel
         assert "Connection closed" not in msg, msg
     # the call with different roots is declared and released from the ledgers, not left to the 20 s timeout
     assert sorted(frame.released) == [1, 2] and frame.hang.caught_by == "ledger deadlock"
-    # released before the group's 20 s timeout could have cut it (the figure is benchmarks/hang_cycles.py's)
+    # released by the workbench, before the group's 20 s timeout could have cut it: no rank's error is gloo's
+    # timeout (how soon is benchmarks/hang_cycles.py's figure, not a test's)
     assert not any("Timed out" in msg for msg in frame.rank_errors.values()), frame.rank_errors
-    assert took < MESH_TIMEOUT_S, took
 
 
 @pytest.mark.slow
 def test_two_groups_that_part_on_their_own_are_both_told_and_both_released(mesh4):
-    frame, d, took = _timed_run(mesh4, both_pairs)
+    frame, d = _two_steps(mesh4, both_pairs)
     assert sorted(frame.released) == [0, 1, 2, 3] and frame.hang.caught_by == "ledger deadlock", frame.rank_errors
     assert "different roots" in d.sentence and "; independently, on group " in d.sentence, d.sentence
     assert "rank 3: broadcast #1 float32 [4] 16 B src=3 (group rank 1)" in d.sentence, d.sentence  # pair (0,3)
     assert "rank 2: broadcast #1 float32 [4] 16 B src=2 (group rank 1)" in d.sentence, d.sentence  # pair (1,2)
     assert d.sentence.endswith("ranks 0-3 hung in broadcast #1 (released by the workbench)"), d.sentence
+    # released before the group's own timeout could have ended it: no rank's error is gloo's timeout
     assert not any("Timed out" in msg for msg in frame.rank_errors.values()), frame.rank_errors
-    assert took < MESH_TIMEOUT_S, took  # released before the group's own timeout could have ended it
 
 
 PIPED = '''
