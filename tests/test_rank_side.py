@@ -100,7 +100,7 @@ def test_every_engine_carries_the_clusters_lease_and_its_reaper_runs(healthy):
     assert own.reaper is not None and own.reaper.poll() is None and os.path.isfile(own.file)
 
 
-def test_the_probes_child_build_runs_once_and_says_why_it_built_nothing_without_cuda(monkeypatch):
+def test_the_probes_child_build_runs_once_and_says_why_it_built_nothing_without_cuda(monkeypatch, tmp_path):
     """``probe_child`` starts ``python -m workbench.rank._probe_build`` (the fused kernel's cold build, off the
     rank's threads) once per process; on a box without CUDA the child builds nothing and its line says why."""
     import torch
@@ -112,6 +112,7 @@ def test_the_probes_child_build_runs_once_and_says_why_it_built_nothing_without_
     monkeypatch.setattr(probe_child, "_BUILD", {})
     for k in ("WORKBENCH_PROBE_CHILD_BUILD", "WORKBENCH_PROBE_WARM", "WORKBENCH_PROBE_FUSED"):
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold cache: a cached kernel needs no child
     assert probe_child.prebuild_probe(0) is True
     child = probe_child._BUILD["proc"]
     assert child.args[1:] == ["-m", "workbench.rank._probe_build", "0"]
