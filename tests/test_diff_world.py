@@ -4,7 +4,7 @@ One user's script (``tests/jobs/diff_world_job.py``, no line of the workbench in
 real torchrun, gloo, CPU, each run once per module: as written at 2 ranks (right: its broadcast group ``[0, 1]``
 is every rank) and at 4 (ranks 2 and 3 never get the buffer ``scale``), and its fix at 2 and at 4. The FSDP2
 parameters are sharded 2 ways in one run and 4 in the other; the buffer is replicated; the forward's output is
-each rank's own (the automatic point declares it so).
+each rank's own (the automatic point declares it so). Then a right FSDP1 job (flat parameters, padded at 4).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ ENVS = ("WORKBENCH_CAPTURE", "WORKBENCH_JOB_ID", "WORKBENCH_CAPTURE_LEDGER", hoo
         hooks.ENV_POINTS, hooks.ENV_ATTACH, hooks.ENV_POISON, hooks.ENV_DEADLINE)
 
 
-def _job(out: Path, ranks: int, *args: str) -> None:
+def _job(out: Path, ranks: int, *args: str, script: Path = JOB) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ENVS}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
     cmd = [sys.executable, "-m", "workbench.cli", "job", str(out), "--", sys.executable, "-m",
-           "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(JOB), *args]
+           "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script), *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -130,3 +130,43 @@ def test_a_replicated_tensor_on_a_rank_only_the_larger_run_has_is_compared_with_
     d = wb.diff(a, b, labels=("two", "four"))
     assert d.first is not None and d.first["name"] == "model.scale" and d.first["ranks"] == [3], str(d)
     assert d.first["kind"] == "values"
+
+
+# -- FSDP1's flat parameter: 39 elements a rank at 2 ranks, 20 at 4 (2 of them padding) ---------------------------
+FSDP1_JOB = ROOT / "tests" / "jobs" / "diff_fsdp1_job.py"
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("flat")
+    for n in (2, 4):
+        _job(base / f"ws{n}", n, script=FSDP1_JOB)
+    return base
+
+
+def test_a_right_fsdp1_job_reads_clean_at_each_world_size(flat):
+    """The flat parameter is each rank's shard: torch makes it a ``Parameter`` marked ``_is_flat_param``, which the
+    rank read by its type's name alone as FSDP's replica ("`_flat_param` on ranks 1-3 differs from step ...")."""
+    for n in (2, 4):
+        rec = wb.load(flat / f"ws{n}").bug
+        assert set(rec.tensors["agree_by"]) == {"an FSDP flat parameter's shard"}
+        d = rec.diagnose()
+        assert d.clean, d.sentence
+
+
+def test_fsdp1_flat_shards_at_2_and_4_ranks_read_the_same_padding_and_all(flat, capsys):
+    d = wb.diff(flat / "ws2", flat / "ws4")
+    assert d.same, str(d)
+    cells = d.cells[d.cells["name"].str.endswith("_flat_param")]
+    assert len(cells) and set(cells["expect"]) == {"sharded"} and set(cells["kind"]) <= {"same", "within rounding"}
+    assert cli.main(["diff", str(flat / "ws2"), str(flat / "ws4")]) == 0
+    capsys.readouterr()
+    # a shard that really differs is still named: rank 3's values shifted
+    a, b = wb.load(flat / "ws2").bug, wb.load(flat / "ws4").bug
+    t = b.tensors
+    on3 = (t["rank"] == 3) & (t["step"] == "forward")
+    t.loc[on3, "mean"] = t.loc[on3, "mean"] + 0.5
+    t.loc[on3, "max"] = t.loc[on3, "max"] + 0.5
+    b.tensors = t
+    d = wb.diff(a, b, labels=("two", "four"))
+    assert d.first is not None and d.first["name"].endswith("_flat_param") and d.first["kind"] == "values", str(d)

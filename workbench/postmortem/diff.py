@@ -408,14 +408,18 @@ class _Diff:
         """A sharded tensor: each replica's shards added up (HSDP holds several), each of one run's replicas
         against the other run's first."""
         reps_a, reps_b = _replicas(ga), _replicas(gb)
-        verdicts = [self._combined(reps_a[0], g) for g in reps_b] + [self._combined(g, reps_b[0]) for g in reps_a[1:]]
+        pad = max(self.wa, self.wb) if _flat(ga) or _flat(gb) else 0
+        verdicts = [self._combined(reps_a[0], g, pad) for g in reps_b] + \
+            [self._combined(g, reps_b[0], pad) for g in reps_a[1:]]
         kind = min((v[0] for v in verdicts), key=KINDS.index)
         hits = [v for v in verdicts if v[0] == kind]
         ranks = sorted({r for v in hits for r in v[1]})
         return kind, ranks, hits[0][2]
 
-    def _combined(self, ga: pd.DataFrame, gb: pd.DataFrame) -> tuple[str, list[int], str]:
-        """A sharded tensor at two world sizes: its summaries added up across shards."""
+    def _combined(self, ga: pd.DataFrame, gb: pd.DataFrame, pad: int = 0) -> tuple[str, list[int], str]:
+        """A sharded tensor at two world sizes: its summaries added up across shards. ``pad``: FSDP1's flat
+        parameter, padded (with zeros) to a multiple of the world size: element counts that differ by less are
+        the padding, and the zeros add nothing to the sums."""
         A, B = self.labels
         ca, cb = _combine(ga), _combine(gb)
         ranks = sorted(set(int(r) for r in ga["rank"]) | set(int(r) for r in gb["rank"]))
@@ -425,8 +429,9 @@ class _Diff:
             return "dtype", ranks, self._dtype_words(ca["dtype"], cb["dtype"])
         shape_a, shape_b = ca["global_shape"] or f"{ca['numel']} elements", cb["global_shape"] or \
             f"{cb['numel']} elements"
+        slack = max(pad - 1, 0)  # a flat parameter's padding: fewer elements than the world size
         if (ca["global_shape"] and cb["global_shape"] and ca["global_shape"] != cb["global_shape"]) or \
-                ca["numel"] != cb["numel"]:
+                abs(ca["numel"] - cb["numel"]) > slack:
             return "shape", ranks, f"whole shape {shape_a} in {A}, {shape_b} in {B}"
         if ca["placement"] and cb["placement"] and ca["placement"] != cb["placement"]:
             return "placement", ranks, f"placed {ca['placement']} in {A}, {cb['placement']} in {B}"
@@ -760,6 +765,10 @@ def _reference(row: dict[str, Any], other: dict[int, dict[str, Any]], replicated
         if mates:
             return mates[0]
     return min(other)
+
+
+def _flat(g: pd.DataFrame) -> bool:
+    return "agree_by" in g and bool(g["agree_by"].map(lambda v: isinstance(v, str) and "flat parameter" in v).any())
 
 
 def _replicas(g: pd.DataFrame) -> list[pd.DataFrame]:

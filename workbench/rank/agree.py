@@ -254,12 +254,18 @@ def _cols(ranks: tuple[int, ...], how: str) -> dict[str, str]:
 OWN = {"agree": "", "agree_by": "", "replica": ""}
 
 
+def _is_flat(t: Any) -> bool:
+    """FSDP1's flat parameter: torch makes it a ``Parameter`` marked ``_is_flat_param`` (``FlatParameter`` is only
+    what ``isinstance`` answers to), so its type's name alone misses it."""
+    return bool(getattr(t, "_is_flat_param", False)) or type(t).__name__ == "FlatParameter"
+
+
 def of_tensor(t: Any, owned: Mapping[int, tuple[tuple[int, ...], str]] | None = None) -> dict[str, str]:
     """The columns of one tensor (see the module docstring for the order)."""
     p = placement(t)
     if p is not None:
         return p
-    if type(t).__name__ == "FlatParameter":
+    if _is_flat(t):
         return {**OWN, "agree_by": "an FSDP flat parameter's shard"}
     hit = (owned or {}).get(id(t))
     if hit is not None:
@@ -366,8 +372,8 @@ def _own_state(module: nn.Module, owned: Mapping[int, tuple[tuple[int, ...], str
     must agree (an expert's weights), never a shard of a whole (a DTensor, an FSDP flat parameter)."""
     out = []
     for t in [*module.parameters(), *module.buffers()]:
-        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
-            continue  # a DTensor or a FlatParameter: a shard of something that agrees
+        if (type(t) is not torch.Tensor and type(t) is not nn.Parameter) or _is_flat(t):
+            continue  # a DTensor or a flat parameter: a shard of something that agrees
         if of_tensor(t, owned)["agree"] == "":
             out.append(t)
     return out
