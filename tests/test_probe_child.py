@@ -40,3 +40,11 @@ def test_a_cache_with_other_kernels_only_is_cold(monkeypatch, tmp_path):
 def test_a_missing_cache_is_cold(monkeypatch, tmp_path):
     _fresh(monkeypatch, tmp_path / "nowhere")
     assert not probe_child.cache_holds_kernel()
+
+
+def test_a_capture_opening_where_no_gpu_is_seen_starts_no_child(monkeypatch, tmp_path):
+    """``prebuild_probe()`` with no index is a capture opening before torch is up: on a box without GPUs (or with
+    CUDA_VISIBLE_DEVICES emptied) a child would only import torch to say 'no CUDA device'."""
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert probe_child.prebuild_probe() is False and "proc" not in probe_child._BUILD

@@ -31,6 +31,8 @@ def prebuild_probe(device: int | str = "local") -> bool:
         return False
     if cache_holds_kernel():  # a warm cache: loading in-process takes ~0.5 s, a child's torch and CUDA ~4 s
         return False
+    if device == "local" and not _gpus_here():  # a capture opening on a CPU job: no child (its torch import costs)
+        return False
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,6 +47,16 @@ def prebuild_probe(device: int | str = "local") -> bool:
         return False
     _BUILD["t0"] = time.perf_counter()
     return True
+
+
+def _gpus_here() -> bool:
+    """Whether this process may see an NVIDIA GPU, read without CUDA (a capture asks before torch is up): a device
+    node, and CUDA_VISIBLE_DEVICES not emptied."""
+    import glob
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def cache_holds_kernel(name: str = "probe_all_kernel") -> bool:
