@@ -91,3 +91,15 @@ def test_an_unmodified_job_under_workbench_job_on_4_gpus():
         assert r["points"][:4] == ["fully_shard", "to_empty", "forward", "step1"], r["points"]
         assert "`inv_freq`, `original_inv_freq`" in r["sentence"] and "at step `to_empty`" in r["sentence"]
         assert "hung" not in r["sentence"], r["sentence"]
+
+
+def test_recording_of_a_point_every_step_left_on_has_every_way():
+    """scripts/gpu_job_leave_on.sh (issue 62): a check of the recording, not of its figures. Every way the job ran
+    (off, the in-code defaults, zero-code ``--every 1``) has its figure fresh, warm and compiled, and the in-code
+    job's first point on the job's thread is recorded."""
+    for path in sorted(GPU.glob("job_leave_on_*gpu.json")):
+        rec = json.loads(path.read_text())
+        for key in ("loop_ms", "fresh_loop_ms", "compiled_loop_ms"):
+            assert {"off", "defaults", "zero_code"} <= set(rec[key]), (path.name, key, rec[key])
+        assert "fresh" in rec["first_point_ms"], (path.name, rec["first_point_ms"])
+    assert any(GPU.glob("job_leave_on_*gpu.json"))

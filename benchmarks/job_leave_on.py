@@ -1,0 +1,303 @@
+"""A point every step, left on, as a user meets it (issue 62): off, in-code defaults and zero-code, fresh and warm.
+
+    python benchmarks/job_leave_on.py --shape tiny --steps 4 --rounds 2 --out /tmp/leave_on.json    # CPU dry run
+    python benchmarks/job_leave_on.py --out fixtures/gpu/job_leave_on_1gpu.json  # one GPU (scripts/gpu_job_leave_on.sh)
+
+The job (``--role job``, run by torchrun, one rank): a Llama-shaped model (``llama-3.2-1b``: hidden 2048, 16 layers,
+GQA 32/8, vocab 128256, tied embeddings; ``tiny`` on CPU), unsharded, bf16, built on meta and materialised with
+``to_empty`` then initialised from a seed; AdamW steps of ``--batch`` x ``--seq`` tokens. Three ways:
+``off`` (no line of the workbench), ``defaults`` (``wj.capture(dir)`` opened at the top, before the build, as a
+user writes it; points at ``meta``, after ``to_empty`` and after every step with ``model`` and ``logits``) and
+``zero_code`` (the ``off`` script under ``workbench job DIR --every 1 -- torchrun ...``). Each timed iteration is
+the job's step plus its point, synchronised; the figure is the median of steps 2 to the last. Then the same again
+with each decoder layer ``.compile()``-d (inductor on GPU, aot_eager on CPU), in the same process.
+
+The driver runs the three ways in ``--rounds`` interleaved rounds, each job a fresh process. Round 1 runs with
+fresh caches (empty ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``CUDA_CACHE_PATH`` for that process: a
+fresh machine's first job; eager only unless ``--fresh-compile``); later rounds share one warm copy of round 1's
+``defaults`` caches. Round 1 also runs ``prebuilt``: the in-code job whose capture starts the probe's kernel build
+(``rank/probe_child.prebuild_probe``) the moment it opens, which the capture itself does not do yet. It writes ``--out``
+(JSON): ``loop_ms`` (warm rounds, eager), ``fresh_loop_ms`` (round 1, eager), ``compiled_loop_ms`` (warm rounds),
+each keyed ``off``, ``defaults`` and ``zero_code``; the same ``_vs_off``; ``first_point_ms`` (the in-code job's
+first point on real tensors, on the job's thread, fresh and warm), the probe's build (the child's and the
+in-process load), and every job's per-step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=4096),
+}
+MODES = ("off", "defaults", "zero_code")
+CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH")
+
+
+# -- the job ---------------------------------------------------------------------------------------------------
+def job(args) -> None:
+    t_start = time.perf_counter()
+    cap = None
+    if args.mode == "defaults":  # opened at the top, before the build, as a user's script opens it
+        import workbench.job as wj
+
+        cap = wj.capture(args.capture)
+        if args.prebuild:  # what a capture would do if it started the probe's build when it opens (not yet so)
+            from workbench.rank import probe_child
+
+            probe_child.prebuild_probe()
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    config = LlamaConfig(attn_implementation="sdpa", **SHAPES[args.shape])
+    out = {"mode": args.mode, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+           "torch": torch.__version__, "imports_s": time.perf_counter() - t_start}
+    out["eager"] = run(args, cap, config, device, "", None)
+    if args.compile:
+        backend = "inductor" if gpu else "aot_eager"
+        out["compiled"] = run(args, cap, config, device, "c_", backend)
+        out["compile_backend"] = backend
+    if cap is not None:
+        cap.close()
+    out["probe_build"] = _build_facts()
+    out["wall_s"] = time.perf_counter() - t_start
+    dist.destroy_process_group()
+    Path(args.result).write_text(json.dumps(out))
+
+
+def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def point(name: str, **objects) -> float:
+        if cap is None:
+            return 0.0
+        sync()
+        t0 = time.perf_counter()
+        cap.point(name, **objects)
+        sync()
+        return time.perf_counter() - t0
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    meta_s = point(tag + "meta", model=model)
+    model.to_empty(device=device)
+    empty_s = point(tag + "to_empty", model=model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        for m in model.modules():  # rope's buffers: to_empty leaves them unwritten (written here: a right job)
+            if hasattr(m, "inv_freq"):
+                inv, _ = m.compute_default_rope_parameters(m.config)
+                m.inv_freq.copy_(inv.to(device))
+                m.original_inv_freq = m.inv_freq.clone()
+    if backend:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    loop, points, losses = [], [], []
+    steps_t0 = time.perf_counter()
+    for i in range(args.steps):
+        ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        sync()
+        t0 = time.perf_counter()
+        o = model(input_ids=ids, labels=ids)
+        o.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        p = point(f"{tag}step{i}", model=model, logits=o.logits)
+        sync()
+        loop.append(time.perf_counter() - t0)
+        points.append(p)
+        losses.append(float(o.loss))
+        del o
+    window = loop[2:] if len(loop) > 3 else loop[1:]
+    del model, opt
+    return {"loop_ms": 1e3 * statistics.median(window), "loop_ms_mean": 1e3 * statistics.fmean(window),
+            "loop_ms_all": [round(1e3 * x, 2) for x in loop], "point_ms_all": [round(1e3 * x, 2) for x in points],
+            "meta_point_ms": 1e3 * meta_s, "to_empty_point_ms": 1e3 * empty_s,
+            "first_point_ms": 1e3 * (empty_s if cap is not None else 0.0), "losses": losses[:3] + losses[-1:],
+            "steps_t0": steps_t0}
+
+
+def _build_facts() -> dict:
+    """What the probe's kernel build took in this process: the child's build and the in-process load (``child_t0``
+    and each run's ``steps_t0``: ``time.perf_counter`` of this process, when the child started, the steps began)."""
+    from workbench.rank import probe_child, probe_fused
+
+    r = dict(probe_fused._WARM.get("result") or {})
+    return {"in_process": r, "child": probe_child._BUILD.get("result"), "child_t0": probe_child._BUILD.get("t0"),
+            "triton": probe_fused._TRITON.get("why")}
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dict:
+    tag = f"{mode}-r{rnd}"
+    result = work / f"{tag}.json"
+    job_mode = {"zero_code": "off", "prebuilt": "defaults"}.get(mode, mode)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(Path(__file__).resolve()), "--role", "job", "--mode", job_mode,
+           "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--result", str(result), "--capture", str(work / f"cap-{tag}")]
+    if not args.compile or (rnd == 0 and not args.fresh_compile):
+        cmd.append("--no-compile")
+    if mode == "prebuilt":
+        cmd.append("--prebuild")
+    if mode == "zero_code":
+        cmd = [sys.executable, "-m", "workbench.cli", "job", str(work / f"cap-{tag}"), "--every", "1", "--", *cmd]
+    env = {**os.environ, **caches, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
+    took = time.perf_counter() - t0
+    got = json.loads(result.read_text()) if result.exists() else {}
+    got.update(rc=p.returncode, process_s=took, round=rnd, fresh=rnd == 0, mode_key=mode)
+    if p.returncode or not got.get("eager"):
+        got["log"] = (p.stdout[-1500:] + p.stderr[-3000:])
+    print(f"{tag}: rc {p.returncode} {took:.0f}s eager {_fmt(got, 'eager')} compiled {_fmt(got, 'compiled')} "
+          f"build {json.dumps(got.get('probe_build'))[:300]}", flush=True)
+    if got.get("log"):
+        print(got["log"], flush=True)
+    return got
+
+
+def _fmt(got: dict, part: str) -> str:
+    r = got.get(part)
+    return f"{r['loop_ms']:.1f} ms (mean {r['loop_ms_mean']:.1f})" if r else "-"
+
+
+def drive(args) -> int:
+    work = Path(tempfile.mkdtemp(prefix="wb-leave-on-"))
+    warm = {k: str(work / "warm" / k.lower()) for k in CACHES}
+    runs: list[dict] = []
+    t0 = time.perf_counter()
+    for rnd in range(args.rounds):
+        for mode in MODES + (("prebuilt",) if rnd == 0 and args.prebuilt else ()):
+            if time.perf_counter() - t0 > args.budget:
+                print(f"budget {args.budget}s spent: {mode} round {rnd} not run", flush=True)
+                continue
+            if rnd == 0:
+                caches = {k: str(work / f"fresh-{mode}" / k.lower()) for k in CACHES}
+                for d in caches.values():
+                    os.makedirs(d)
+            else:
+                caches = warm
+            runs.append(launch(args, mode, rnd, caches, work))
+            if rnd == 0 and mode == "defaults":  # the warm rounds start from what a first job left behind
+                for k in CACHES:
+                    shutil.copytree(caches[k], warm[k], dirs_exist_ok=True)
+    doc = summarise(args, runs)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(table(doc), flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r["rc"] == 0 for r in runs) else 1
+
+
+def _pooled(runs: list[dict], part: str, fresh: bool) -> dict:
+    """Per way: the median over every step of the window, pooled over the rounds chosen."""
+    out = {}
+    for mode in (*MODES, "prebuilt"):
+        xs = [x for r in runs if r["mode_key"] == mode and r["fresh"] == fresh and r.get(part)
+              for x in r[part]["loop_ms_all"][2:]]
+        if xs:
+            out[mode] = round(statistics.median(xs), 2)
+    return out
+
+
+def _ratios(ms: dict) -> dict:
+    off = ms.get("off")
+    return {k: round(v / off, 3) for k, v in ms.items()} if off else {}
+
+
+def summarise(args, runs: list[dict]) -> dict:
+    loop, fresh = _pooled(runs, "eager", False), _pooled(runs, "eager", True)
+    comp = _pooled(runs, "compiled", False) or _pooled(runs, "compiled", True)
+    first = {("fresh" if r["fresh"] else f"round{r['round'] + 1}") + ("_prebuilt" if r["mode_key"] == "prebuilt"
+             else ""): round(r["eager"]["first_point_ms"], 1)
+             for r in runs if r["mode_key"] in ("defaults", "prebuilt") and r.get("eager")}
+    dev = next((r.get("device") for r in runs if r.get("device")), None)
+    return {
+        "shape": args.shape, "config": SHAPES[args.shape], "device": dev, "gpus": 1,
+        "torch": next((r.get("torch") for r in runs if r.get("torch")), None),
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+        "window": f"median of steps 2-{args.steps - 1}, pooled over the rounds",
+        "loop_ms": loop, "loop_vs_off": _ratios(loop), "fresh_loop_ms": fresh, "fresh_vs_off": _ratios(fresh),
+        "compiled_loop_ms": comp, "compiled_vs_off": _ratios(comp),
+        "first_point_ms": first,
+        "probe_build": {f"{r['mode_key']}-r{r['round']}": r.get("probe_build") for r in runs},
+        "runs": [{k: r.get(k) for k in ("mode_key", "round", "fresh", "rc", "process_s", "imports_s", "wall_s",
+                                        "eager", "compiled", "log")} for r in runs],
+    }
+
+
+def table(doc: dict) -> str:
+    lines = [f"leave-on: {doc['shape']} unsharded on {doc['device']}, torch {doc['torch']}, {doc['batch']} x "
+             f"{doc['seq']} tokens, {doc['window']}; first point (job's thread) {doc['first_point_ms']}",
+             "| way | warm: step + point ms | vs off | fresh | vs off | compiled | vs off |", "| --- " * 7 + "|"]
+    for m in (*MODES, "prebuilt"):
+        cells = []
+        for key, rk in (("loop_ms", "loop_vs_off"), ("fresh_loop_ms", "fresh_vs_off"),
+                        ("compiled_loop_ms", "compiled_vs_off")):
+            v = doc[key].get(m)
+            cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk].get(m, 0):.3f}x" if v is not None else "-"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=("driver", "job"), default="driver")
+    ap.add_argument("--mode", choices=("off", "defaults"), default="off")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--steps", type=int, default=22)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (512; 32 for tiny)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
+    ap.add_argument("--no-prebuilt", dest="prebuilt", action="store_false",
+                    help="leave out the fresh in-code job whose capture starts the probe's build when it opens")
+    ap.add_argument("--prebuild", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
+    ap.add_argument("--job-timeout", type=float, default=240.0)
+    ap.add_argument("--out", default="job_leave_on.json")
+    ap.add_argument("--result", default=None)
+    ap.add_argument("--capture", default=None)
+    args = ap.parse_args()
+    if args.seq is None:
+        args.seq = 32 if args.shape == "tiny" else 512
+    if args.role == "job":
+        job(args)
+    else:
+        sys.exit(drive(args))
+
+
+if __name__ == "__main__":
+    main()

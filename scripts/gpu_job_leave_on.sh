@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 62's proof in one device call (any GPU kind; one GPU counts), from the repo root:
+#     WB_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_job_leave_on.sh
+# benchmarks/job_leave_on.py: off, in-code defaults and `workbench job --every 1` in interleaved rounds, each job a
+# fresh process, the first round with fresh Triton/inductor/CUDA caches; the Llama-3.2-1B shape unsharded, 2 x 512
+# tokens, a point every step. Leaves in $OUT: env.txt, job_leave_on_<N>gpu.json and .txt.
+# Device tool: run(command="WB_COMMIT=... bash scripts/gpu_job_leave_on.sh", carry=[".whl"]).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+export WB_COMMIT=${WB_COMMIT:-}
+n=1  # one rank: the job is unsharded, whatever the machine holds
+{
+  nvidia-smi -L 2>/dev/null
+  $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'triton', triton.__version__, \
+'main', '$WB_COMMIT')"
+} 2>&1 | tee "$OUT/env.txt"
+t0=$(date +%s)
+timeout -k 20 "${LIMIT:-540}" $PY benchmarks/job_leave_on.py --shape "${SHAPE:-llama-3.2-1b}" \
+  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-430}" \
+  --out "$OUT/job_leave_on_${n}gpu.json" 2>&1 | tee "$OUT/job_leave_on_${n}gpu.txt"
+rc=${PIPESTATUS[0]}
+echo "leave-on runs $(( $(date +%s) - t0 ))s, rc=$rc" | tee -a "$OUT/job_leave_on_${n}gpu.txt"
+exit $rc
