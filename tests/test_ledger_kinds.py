@@ -109,3 +109,50 @@ def test_no_row_ends_before_its_peer_joins(tmp_path, mode):
     for row in rows:
         first.setdefault(row.get("label"), row["op"])
     assert {k: first.get(k) for k in kinds} == {k: KINDS[k] for k in kinds}
+
+
+JOB = [sys.executable, "-m", "workbench.cli", "job"]
+
+
+def _job(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``data_runs_dry_job.py`` under ``workbench job``, nobody watching (no TTY): a proven deadlock is said and
+    ended after ``--attach-deadline``. Without the proof it would wait for gloo's own timeout (30 min): 300 s."""
+    env = _env(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    return subprocess.run([*JOB, str(out), "--hang-after", "2", "--attach-deadline", "5", "--", *TORCHRUN,
+                           str(JOBS / "data_runs_dry_job.py"), *args], capture_output=True, text=True, env=env,
+                          cwd=out.parent, stdin=subprocess.DEVNULL, timeout=300)
+
+
+def _report(out: Path) -> str:
+    got = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True, text=True,
+                         env=_env(), cwd=out.parent, timeout=300)
+    return got.stdout + got.stderr
+
+
+# what each rank waits in: rank 1's data ran dry a step early (3 batches to rank 0's 4), so rank 0's fourth call of
+# the loop meets rank 1's barrier, the fourth call of group 0 on rank 1
+PARTINGS = {"all_reduce": ("all_reduce #4 on group 0", ()), "send": ("recv #4 on group 0:1->0", ("send",))}
+
+
+@pytest.mark.parametrize("kind", PARTINGS)
+def test_a_deadlock_through_the_final_barrier_is_proven_named_and_ended(tmp_path, kind):
+    """Rank 1 waits in its final barrier while rank 0 waits in the step's all_reduce (or its recv from rank 1):
+    the ledgers prove it past --hang-after, the line names both ranks' calls, every rank ends (exit status 1) after
+    --attach-deadline, as docs/your-code.md promises, and the report's sentence names both. Before, the barrier's
+    row ended as it began: no proof, the job waited for gloo's timeout."""
+    out = tmp_path / "cap"
+    got = _job(out, *PARTINGS[kind][1])
+    zero = f"rank 0 waits in {PARTINGS[kind][0]}"
+    one = "rank 1 waits in barrier #4 on group 0"
+    assert got.returncode == 1, got.stderr[-3000:]
+    # the job's own output: the three steps both ranks took, printed by rank 0, and nothing of ours
+    assert [ln.split(" loss ")[0] for ln in got.stdout.splitlines()] == ["step 0", "step 1", "step 2"], got.stdout
+    proven = [ln for ln in got.stderr.splitlines() if ln.startswith("workbench: the ledgers proved a deadlock")]
+    assert len(proven) == 1 and zero in proven[0] and one in proven[0], got.stderr[-3000:]
+    for r in (0, 1):
+        assert f"workbench: rank {r} ends now (exit status 1): the ledgers proved a deadlock ({zero}" in got.stderr
+    pm = json.loads((out / "attach.json").read_text())
+    assert pm["status"] == "resumed" and pm["by"] == "deadline" and pm["post_mortem"]["reason"] == "deadlock"
+    sentence = _report(out)
+    assert "rank 0" in sentence and PARTINGS[kind][0].split(" on ")[0] in sentence, sentence
+    assert "rank 1" in sentence and "barrier #4" in sentence, sentence

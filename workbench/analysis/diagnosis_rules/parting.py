@@ -149,9 +149,12 @@ class PartFacts:
 
 def _dead(f: PartFacts) -> dict[int, str]:
     """The ranks a captured job's shards name dead (no close, the process gone): rank -> their line
-    (``postmortem/shards.py`` words it)."""
+    (``postmortem/shards.py`` words it). Not a rank whose ledger ends inside a call: it was waiting there when its
+    process ended (the workbench ends every rank of a deadlock its ledgers proved), and where it waits is the
+    fact (rank 1 in its final barrier while rank 0 waits for its send)."""
     job = f.run.manifest.get("job") or {}
-    return {int(r): str(d.get("line")) for r, d in (job.get("dead") or {}).items()}
+    waiting = {int(s["rank"]) for s in f.stuck}
+    return {int(r): str(d.get("line")) for r, d in (job.get("dead") or {}).items() if int(r) not in waiting}
 
 
 def when_rank_dead(f: PartFacts) -> bool:
