@@ -24,6 +24,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+# At import, not at first use: ``track`` runs inside a stack's own materialisation (Megatron-FSDP's per-module
+# ``to_empty``, DeepSpeed's ``zero.Init`` with its patched tensor constructors), where a first import is a risk
+# the job did not take (docs/stacks.md).
+from workbench.rank.fingerprint import _fingerprint
+
 # Signalling NaNs with a payload (0xA5...): computation quiets a NaN, so these bits only
 # survive in memory nobody wrote.
 POISON_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -101,8 +106,6 @@ def track(t: torch.Tensor, poison: bool) -> None:
         poison_(t)
         _TRACKED[t.data_ptr()] = (True, None, t.numel())
     else:
-        from workbench.rank.fingerprint import _fingerprint
-
         _TRACKED[t.data_ptr()] = (False, int(_fingerprint(t.reshape(-1))), t.numel())
     _STATE["materialized"] += 1
 
@@ -135,8 +138,6 @@ def written_state(t: torch.Tensor, poisoned: int | None = None, fingerprint: str
         return "never written" if n == t.numel() else ("partly written" if n else "written")
     if fingerprint is not None and len(fingerprint) == 16:  # not "meta"/"empty" (a complex tensor's)
         return "never written" if int(fingerprint, 16) == fp & _U64 else "written"  # fp: a signed int64
-    from workbench.rank.fingerprint import _fingerprint
-
     return "never written" if int(_fingerprint(t.reshape(-1))) == fp else "written"
 
 
