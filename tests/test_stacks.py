@@ -191,3 +191,23 @@ def test_no_run_built_a_deepspeed_op(stack):
     for run in runs:
         assert "deepspeed_shm_comm" not in run.stdout + run.stderr, _says(run)
     assert not stack["ext"].exists() or not any(stack["ext"].iterdir()), sorted(stack["ext"].rglob("*"))[:5]
+
+
+def test_megatron_fsdp_imports_on_cpu_and_materialises_module_by_module():
+    """Megatron-FSDP runs on CUDA only (its proof is a GPU recording); on CPU its code is imported and read: the
+    release in the lock still gives each meta-built module memory alone (``to_empty(recurse=False)``) and then
+    rewrites only what that module's ``reset_parameters`` writes, the mechanism its recording shows."""
+    import importlib.metadata
+    import inspect
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no Transformer Engine or Apex here: it says so and falls back
+        import megatron_fsdp
+        from megatron_fsdp import param_and_grad_buffer
+
+    assert importlib.metadata.version("megatron-fsdp") == "0.6.1"
+    assert callable(megatron_fsdp.fully_shard_model) and callable(megatron_fsdp.fully_shard_optimizer)
+    source = inspect.getsource(param_and_grad_buffer)
+    at = source.index("m.to_empty(device=self.device, recurse=False)")
+    assert "m.reset_parameters()" in source[at: at + 1200]
