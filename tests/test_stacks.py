@@ -141,15 +141,25 @@ def test_a_right_job_exits_0_reads_clean_and_prints_as_without_the_workbench(sta
         out, run = stack[label]
         assert run.returncode == 0, (label, _says(run))
         assert run.stdout == plain.stdout, (label, run.stdout, plain.stdout)  # the same losses, nothing added
-        rec = wb.load(out).bug
-        names = set(rec.tensors["name"])
-        assert "model.lm_head.weight" in names or "model.lm.lm_head.weight" in names, sorted(names)[:8]  # it looked
-        d = rec.diagnose()
+        d = wb.load(out).bug.diagnose()
         assert d.clean, (label, d.sentence)
     out, _ = stack["right 1"]
     report = _run([sys.executable, "-m", "workbench.cli", "report", str(out), "-o", str(stack["tmp"] / "r.html")],
                   stack["tmp"], timeout=300)
     assert report.returncode == 0 and "diagnosis: clean" in report.stdout, report.stdout + report.stderr
+
+
+@pytest.mark.slow
+def test_a_right_jobs_capture_read_the_models_values(stack, request):
+    """Clean means looked and found nothing: every point on the model read each rank's own values of it (ZeRO-3's
+    modules hold empty parameters; their values are in the optimizer's flat partitions)."""
+    if stack["name"] in NOT_YET:
+        request.applymarker(pytest.mark.xfail(strict=False, reason=NEEDS_D))
+    t = wb.load(stack["right 1"][0]).bug.tensors
+    head = t[t["name"].str.endswith("lm_head.weight")]
+    assert set(head["rank"]) == {0, 1} and len(head) >= 4, head[["rank", "step", "name", "numel"]]
+    assert (head["numel"] > 0).all() and head["fingerprint"].str.fullmatch(r"[0-9a-f]{16}").all(), (
+        head[["rank", "step", "name", "numel", "fingerprint"]].to_string())
 
 
 @pytest.mark.slow
