@@ -185,38 +185,48 @@ def _points(out: Path, rank: int) -> list[str]:
             if json.loads(ln).get("kind") == "point"]
 
 
-def test_a_nonfinite_loss_takes_the_next_steps_point_whatever_every_says(tmp_path):
-    run, line = _job(tmp_path / "cap", "--wrap", "none", "--fix", "--nan-at", "1", "--steps", "4")
+def test_a_nonfinite_loss_goes_with_the_next_point_every_rank_takes(tmp_path):
+    """Rank 0's loss is NaN at the second step: the step point after it carries the loss and says so; the ranks'
+    points stay paired (no point of its own on one rank)."""
+    run, line = _job(tmp_path / "cap", "--wrap", "none", "--fix", "--nan-at", "1", "--steps", "3", every=1)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert _points(tmp_path / "cap", 0) == ["step1", "step2"] and _points(tmp_path / "cap", 1) == ["step1"]
+    assert _points(tmp_path / "cap", 0) == _points(tmp_path / "cap", 1) == ["step1", "step2", "step3"]
     assert "from step `step2`" in line and "output `loss` on rank 0: 1 of 1 values NaN" in line, line
-
-
-def test_a_step_skipped_after_a_nonfinite_loss_takes_a_point_at_the_next_backward(tmp_path):
-    run, line = _job(tmp_path / "cap", "--wrap", "none", "--fix", "--nan-at", "1", "--steps", "4",
-                     "--skip-nonfinite")
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert _points(tmp_path / "cap", 0) == ["step1", "nonfinite_loss"]
-    assert "`nonfinite_loss`" in line and "output `loss` on rank 0" in line, line
 
 
 def test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad_one():
     from workbench.job import losses
 
-    taken: list = []
-    watch = losses.Losses(lambda name, outputs, note: taken.append((name, note)), lambda exc, where: None)
+    watch = losses.Losses(lambda exc, where: None)
     undo = watch.install()
     try:
         w = torch.ones(2, requires_grad=True)
         (w * 2).sum().backward()
-        assert watch.at_step() is None
+        watch.stepped()
+        assert watch.due() is None
         (w * float("nan")).sum().backward()
-        outputs, note = watch.at_step()
-        assert torch.isnan(outputs["loss"]) and note.startswith("nonfinite loss: backward() 2 ran from a loss that "
-                                                                "was nan, after optimizer step 1")
+        (w * 3).sum().backward()  # no optimizer step between: the stack skipped it
+        outputs, note = watch.due()
+        assert torch.isnan(outputs["loss"])
+        assert note == ("nonfinite loss: backward() 2 ran from a loss that was nan, after optimizer step 1; the stack "
+                        "then ran another backward without an optimizer step (a step skipped for overflow)")
         (w * float("inf")).sum().backward()
-        assert watch.at_step() is None and watch.done and not taken
+        assert watch.due() is None and watch.done
         assert w.grad is not None  # the job's own backward ran every time
     finally:
         undo()
     assert not getattr(torch.autograd.backward, "__workbench_losses__", False)
+
+
+# -- clean means looked ---------------------------------------------------------------------------------------
+def test_a_capture_that_probed_no_model_says_so_instead_of_clean(tmp_path):
+    out = tmp_path / "cap"
+    run = subprocess.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--", *TORCHRUN,
+                          str(ROOT / "tests" / "jobs" / "bare_params_job.py")], capture_output=True, text=True,
+                         timeout=300, env=_env(), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True,
+                            text=True, timeout=300, env=_env(), cwd=tmp_path)
+    line = report.stdout.splitlines()[0]
+    assert line.startswith("diagnosis: not looked: the capture probed only the optimizer's 1 flat tensor(s)"), line
+    assert "clean" not in line

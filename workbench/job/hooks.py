@@ -230,8 +230,9 @@ class Hooks:
 
         if self.cap is not None and getattr(self.cap, "enabled", False):
             self.cap.hooks = self
-        if _HERE not in ledger._PLUMBING:  # these wrappers sit between the user's line and torch: never the caller
-            ledger._PLUMBING += (_HERE,)
+        # these wrappers (and the detectors' around to_empty and backward) sit between the user's line and torch
+        ledger._PLUMBING += tuple(f for f in (_HERE, *map(os.path.abspath, (materialise.__file__, losses.__file__)))
+                                  if f not in ledger._PLUMBING)
         if "to_empty" in self.points:
             self.materialised = materialise.Materialisations(self._error)  # inside the point's wrapper: seen first
             self._undo.append(self.materialised.install())
@@ -243,7 +244,7 @@ class Hooks:
 
             handle = register_optimizer_step_post_hook(self._after_step)
             self._undo.append(handle.remove)
-            self.losses = losses.Losses(self._nonfinite, self._error)
+            self.losses = losses.Losses(self._error)
             self._undo.append(self.losses.install())
         if "load_weights" in self.points:
             self._subclasses(nn.Module)
@@ -409,20 +410,14 @@ class Hooks:
     def _stepped(self, optimizer: Any) -> None:
         n = self._steps.get(optimizer, 0) + 1
         self._steps[optimizer] = n
-        bad = self.losses.at_step() if self.losses else None  # a non-finite loss since: a point whatever --every
-        if n == 1 or (self.every and n % self.every == 0) or bad:
-            if bad:
-                self.cap.note(bad[1])
-            self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer), bad and bad[0])
+        if self.losses:
+            self.losses.stepped()
+        if n == 1 or (self.every and n % self.every == 0):
+            self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer))
 
     def _known(self) -> list[Any]:
         """The models the capture knows: those points probed (latest first), those to_empty materialised."""
         return [r() for r in reversed(self._roots)] + (self.materialised.roots() if self.materialised else [])
-
-    def _nonfinite(self, name: str, outputs: dict[str, Any], note: str) -> None:
-        """A point for the first non-finite loss, where no optimizer step came to take it."""
-        self.cap.note(note)
-        self.point(name, owners.model(self._known(), list(self._steps.keys())) or {}, outputs)
 
     def followed(self) -> dict[str, int]:
         """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
@@ -446,8 +441,7 @@ class Hooks:
                     self.cap.output(key, tensor.detach())
                 if outputs:  # a data-parallel root's forward: each rank's own batch, never compared with rank 0's
                     self.cap.local(*outputs)
-                for line in self.materialised.notes(inner) if self.materialised else ():
-                    self.cap.note(line)
+                _found(self, inner)
                 self.cap.point(name, model=inner)
             if isinstance(inner, torch.nn.Module) and not any(r() is inner for r in self._roots):
                 self._roots.append(weakref.ref(inner))
@@ -469,6 +463,18 @@ def _unwrapped(module: Any) -> Any:
         return owners.unwrapped(module)
     except Exception:
         return module
+
+
+def _found(hooks: Hooks, inner: Any) -> None:
+    """What the detectors found since the last point, for this one: the tensors to_empty clobbered under ``inner``
+    (``materialise.py``), the first non-finite loss (``losses.py``: the loss as this rank's own output)."""
+    for line in hooks.materialised.notes(inner) if hooks.materialised else ():
+        hooks.cap.note(line)
+    loss = hooks.losses.due() if hooks.losses else None
+    if loss:
+        hooks.cap.output("loss", loss[0]["loss"])
+        hooks.cap.local("loss")
+        hooks.cap.note(loss[1])
 
 
 def _outputs(output: Any) -> dict[str, Any]:

@@ -6,11 +6,13 @@ watch wraps ``torch.autograd.backward``: before each call it queues ``isfinite(l
 and, on a GPU, a non-blocking copy of that flag into pinned memory with an event behind it; the flag is read once
 the event says it landed (at the next backward or step, never waiting). On a CPU it is read at once.
 
-The first loss found non-finite takes a point, whatever ``--every`` says: the next optimizer step's point
-(``step<n>``, with the loss as an output), or, where the stack ran another backward without stepping (DeepSpeed
-skips the step on overflow: the optimizer is never called), a point ``nonfinite_loss`` at that backward. After
-the first one the watch passes every call straight through. The loss's value and the call's arguments are the
-job's own; a fault of the watch is a line in the shard's ``hook_errors``.
+The first loss found non-finite goes with the next point every rank takes (the loss as an output, a note saying
+which backward, after which optimizer step, and whether the stack then ran another backward without stepping, as
+DeepSpeed does on overflow). It never takes a point of its own: a point one rank takes and the others do not
+shifts that rank's later points and ledger steps against theirs (tried: DeepSpeed's job then read "rank 1 never
+issued call #99 that rank 0 issued in step `nonfinite_loss`", a false parting). After the first one the watch
+passes every call straight through. The loss's value and the call's arguments are the job's own; a fault of the
+watch is a line in the shard's ``hook_errors``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ _MARK = "__workbench_losses__"
 
 
 class Losses:
-    """The watch over ``torch.autograd.backward`` of one capture's hooks (``point(name, outputs)`` takes it)."""
+    """The watch over ``torch.autograd.backward`` of one capture: ``due()`` hands the next point what it found."""
 
-    def __init__(self, take: Callable[[str, dict[str, Any], str], None],
-                 errors: Callable[[BaseException, Any], None]) -> None:
-        self.take, self.errors = take, errors
+    def __init__(self, errors: Callable[[BaseException, Any], None]) -> None:
+        self.errors = errors
         self.backwards = 0  # backward calls seen
         self.steps = 0  # optimizer steps seen
         self.pending: tuple[Any, ...] | None = None  # (flag, host copy, event, loss, backward, steps then)
@@ -71,13 +72,16 @@ class Losses:
 
         self._resolve()
         if self.bad is not None and self.bad["steps"] == self.steps:  # no optimizer step since: it was skipped
-            self._report("nonfinite_loss", skipped=True)
+            self.bad["skipped"] = True
         loss = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
         self.backwards += 1
-        if self.done or not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.is_meta:
+        if self.bad is not None or not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or \
+                loss.is_meta:
             return
         loss = loss.detach()
         flag = torch.isfinite(loss).all()
+        if loss.device.type not in ("cuda", "cpu"):  # reading it would wait for that device: not watched
+            return
         if loss.device.type == "cuda":
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(flag, non_blocking=True)
@@ -88,14 +92,9 @@ class Losses:
             self.pending = (flag, flag, None, loss, self.backwards, self.steps)
             self._resolve()
 
-    def at_step(self) -> tuple[dict[str, Any], str] | None:
-        """Called by the optimizer step's hook: (the outputs, the note) a step point takes, whatever ``--every``
-        says, once, when a loss found non-finite has not been taken yet; else None."""
-        self._resolve()
+    def stepped(self) -> None:
+        """An optimizer step ran (the step hook's call)."""
         self.steps += 1
-        if self.bad is None:
-            return None
-        return self._report(None, skipped=False)
 
     def _resolve(self) -> None:
         """Read the pending flag when it is there (never waiting for the device)."""
@@ -109,18 +108,18 @@ class Losses:
             import torch
 
             kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
-            self.bad = {"loss": loss, "kind": kind, "backward": n, "steps": steps}
+            self.bad = {"loss": loss, "kind": kind, "backward": n, "steps": steps, "skipped": False}
 
-    def _report(self, name: str | None, skipped: bool) -> tuple[dict[str, Any], str] | None:
-        """The first non-finite loss's outputs and note, once: handed to ``take`` as point ``name``, or (``name``
-        None: the step's point takes them) returned."""
-        bad, self.bad, self.done, self.pending = self.bad, None, True, None
+    def due(self) -> tuple[dict[str, Any], str] | None:
+        """(the outputs, the note) for the point being taken, once, when a loss was found non-finite; else None."""
+        if self.done:
+            return None
+        self._resolve()
+        bad = self.bad
         if bad is None:
             return None
+        self.bad, self.done, self.pending = None, True, None
         note = (f"nonfinite loss: backward() {bad['backward']} ran from a loss that was {bad['kind']}, after "
-                f"optimizer step {bad['steps']}" + ("; the stack ran another backward without an optimizer step "
-                                                    "(a step skipped for overflow)" if skipped else ""))
-        if name is None:
-            return {"loss": bad["loss"]}, note
-        self.take(name, {"loss": bad["loss"]}, note)
-        return None
+                f"optimizer step {bad['steps']}" + ("; the stack then ran another backward without an optimizer "
+                                                    "step (a step skipped for overflow)" if bad["skipped"] else ""))
+        return {"loss": bad["loss"]}, note

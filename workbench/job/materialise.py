@@ -15,8 +15,8 @@ line), and a point that probes a module holding them names them by their path fr
 The diagnosis leads with that note (``workbench.analysis.findings.clobbered``). Everything here is a guest: the
 call's arguments, return value and the tensors it made are the stack's own; a fault of the watch is a line in the
 shard's ``hook_errors`` and the call goes on untouched. The cost is per ``to_empty`` call, at initialisation only:
-the names of the module's real tensors, a reference to each (kept for the call's length), and, for the few that
-were replaced, their first values.
+the module's real tensors (in a meta-built model, the few made with an explicit device) are named and read
+(zeros? their first values; one past a million elements only counted); nothing is held past the call.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 NOTE = "clobbered: "  # the note's head: what the diagnosis looks for
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MARK = "__workbench_materialise__"
+_READ = 1 << 20  # a real tensor up to this many elements is read before to_empty (zeros? its first values)
 
 
 @dataclass
@@ -93,25 +94,26 @@ class Materialisations:
             self.errors(exc, "to_empty watch")
             return None
 
-    def _before(self, module: Any, recurse: bool) -> dict[str, Any]:
-        """The module's real tensors (not meta) by local name, each held (a detached view: its old storage) until
-        the call returns."""
+    def _before(self, module: Any, recurse: bool) -> dict[str, tuple[int, str]]:
+        """The module's real tensors (not meta) by local name: (their storage's address, how they read). Nothing is
+        held: to_empty makes each new tensor while the old one is still the module's, so a replaced tensor has a
+        new address."""
         if id(module) not in self.seen:
             self.seen[id(module)] = weakref.ref(module)
-        return {name: t.detach() for name, t in _named(module, recurse) if not t.is_meta}
+        return {name: (_storage(t), describe(t)) for name, t in _named(module, recurse) if not t.is_meta and t.numel()}
 
     def _after(self, module: Any, recurse: bool, before: dict[str, Any], frame: Any) -> None:
         if not before:
             return
         now = dict(_named(module, recurse))
-        replaced = [(n, old) for n, old in before.items()
-                    if n in now and not now[n].is_meta and _storage(now[n]) != _storage(old) and old.numel()]
+        replaced = [(n, how) for n, (at, how) in before.items()
+                    if n in now and not now[n].is_meta and _storage(now[n]) != at]
         if not replaced:
             return
         library, user = lines(frame)
         call = "to_empty(recurse=False)" if not recurse else "to_empty()"
-        for name, old in replaced:
-            self.clobbered.append(Clobber(weakref.ref(module), name, describe(old), call, library, user))
+        for name, how in replaced:
+            self.clobbered.append(Clobber(weakref.ref(module), name, how, call, library, user))
 
     def notes(self, root: Any) -> list[str]:
         """The sentences, by path from ``root``, of the clobbered tensors under it not yet said."""
@@ -148,10 +150,14 @@ def _storage(t: Any) -> int:
 
 
 def describe(t: Any) -> str:
-    """How a tensor read: ``zeros``, ``all 1``, or its first values (one read of a small tensor, at init only)."""
+    """How a tensor read: ``zeros``, ``all 1``, or its first values (a read of a real tensor, at init only; one of
+    more than ``_READ`` elements is only counted)."""
     import torch
 
-    flat = t.reshape(-1)
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if t.numel() > _READ:
+        return f"{t.numel()} values"
+    flat = t.detach().reshape(-1)
     with torch.no_grad():
         if not flat.is_floating_point() and not flat.is_complex():
             head = flat[:4].tolist()

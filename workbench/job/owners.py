@@ -115,17 +115,3 @@ def _topmost(holders: list[Any], modules: list[Any], mine: set[int]) -> Any:
         tops[id(m)] = m
     return max(tops.values(), key=lambda m: sum(id(p) in mine for p in m.parameters()), default=None)
 
-
-def model(known: list[Any], optimizers: Iterable[Any]) -> Any:
-    """The model a loss came from, as well as the capture can tell: the owner of an optimizer it saw step, else of
-    any live optimizer (a stack that skipped every step), else the first module a point probed."""
-    import torch
-
-    optimizers = list(optimizers)
-    if not optimizers:
-        optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
-    for opt in optimizers:
-        found = owner(opt, known)
-        if found is not None:
-            return found
-    return next((unwrapped(m) for m in known if m is not None), None)

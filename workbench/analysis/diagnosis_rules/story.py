@@ -8,6 +8,7 @@ probed tensor agrees; else clean (so far, when fewer steps ran than planned).
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from typing import Any
 
@@ -201,6 +202,36 @@ def _planned(run: Run) -> int:
     return len(run.manifest.get("steps") or run.steps)
 
 
+_FLAT = re.compile(r"(?:^|\.)group\d+\.param\d+$")  # an optimizer's tensor no module owns (hooks' fallback names)
+
+
+def _model_rows(run: Run) -> int:
+    """How many tensors the points probed that belong to a model (not an optimizer's flat partitions)."""
+    t = run.tensors
+    if not len(t) or "name" not in t:
+        return 0
+    return int((~t["name"].astype(str).str.contains(_FLAT)).sum())
+
+
+def when_not_looked(f: RunFacts) -> bool:
+    """a captured job (``workbench job``) where nothing went wrong that the capture saw, but it probed no tensor of
+    a model (no point, or only an optimizer's flat partitions)"""
+    return isinstance(f.run.manifest.get("job"), dict) and _model_rows(f.run) == 0
+
+
+def says_not_looked(f: RunFacts) -> Diagnosis:
+    """not looked: the capture probed no tensor at all (or only the optimizer's K flat tensors no module owns), so
+    nothing says the model's state is right"""
+    run = f.run
+    flat = len(set(run.tensors["name"])) if len(run.tensors) and "name" in run.tensors else 0
+    what = (f"only the optimizer's {flat} flat tensor(s) no module owns, never the model's parameters or buffers"
+            if flat else "no tensor at all")
+    return Diagnosis("not-looked", [said(f"not looked: the capture probed {what}, "
+                                         "so nothing says the model's state is right (a manual "
+                                         "`cap.point(..., model=model)` probes it)"), floor_clause(run),
+                                    *_unfollowed(run)], None)
+
+
 def when_clean_so_far(f: RunFacts) -> bool:
     """fewer steps ran than the run plans"""
     return len(f.run.steps) < _planned(f.run)
@@ -240,6 +271,7 @@ RULES: tuple[Rule, ...] = (
     Rule("story", "hang", when_hung, says_hung),
     Rule("story", "tensors-wrong", when_tensors_wrong, says_tensors_wrong),
     Rule("story", "outputs-only", when_outputs_only, says_outputs_only),
+    Rule("story", "not-looked", when_not_looked, says_not_looked),
     Rule("story", "clean-so-far", when_clean_so_far, says_clean_so_far),
     Rule("story", "clean", always, says_clean),
 )
