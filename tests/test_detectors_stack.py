@@ -230,3 +230,13 @@ def test_a_capture_that_probed_no_model_says_so_instead_of_clean(tmp_path):
     line = report.stdout.splitlines()[0]
     assert line.startswith("diagnosis: not looked: the capture probed only the optimizer's 1 flat tensor(s)"), line
     assert "clean" not in line
+
+
+def test_an_optimizer_whose_parameters_name_their_model_is_probed_as_that_model():
+    """Megatron-FSDP's distributed parameters carry ``_megatron_fsdp_model``: the optimizer's tensors no live module
+    holds still lead to the model (unwrapped)."""
+    net = nn.Linear(2, 2)
+    wrapper = _Engine(net)
+    flat = torch.nn.Parameter(torch.zeros(3))
+    flat._megatron_fsdp_model = wrapper
+    assert owners.owner(torch.optim.SGD([flat], lr=0.1), []) is net

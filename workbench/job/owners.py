@@ -94,7 +94,7 @@ def _search(optimizer: Any, mine: set[int]) -> Any:
     if drivers:
         return unwrapped(drivers[0])
     if not holders:
-        return None
+        return _named_by_params(optimizer)
     top = _topmost(holders, modules, mine)
     return unwrapped(top) if top is not None else None
 
@@ -115,3 +115,15 @@ def _topmost(holders: list[Any], modules: list[Any], mine: set[int]) -> Any:
         tops[id(m)] = m
     return max(tops.values(), key=lambda m: sum(id(p) in mine for p in m.parameters()), default=None)
 
+
+def _named_by_params(optimizer: Any) -> Any:
+    """The model a parameter of the optimizer names in its own attributes (Megatron-FSDP's distributed parameters
+    carry ``_megatron_fsdp_model``), unwrapped; None when none does."""
+    from torch import nn
+
+    for group in optimizer.param_groups:
+        for p in group["params"][:4]:
+            for value in getattr(p, "__dict__", {}).values():
+                if isinstance(value, nn.Module):
+                    return unwrapped(value)
+    return None
