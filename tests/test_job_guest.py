@@ -201,6 +201,15 @@ def test_who_watches_and_the_help_says_both():
     assert "Ctrl-C ends the wait" in text and "--hang-after S" in text, text
 
 
+def test_a_job_that_sets_the_capture_itself_is_read_as_unwatched():
+    """WORKBENCH_CAPTURE set by hand (no `workbench job`, so no attach word): nobody asked for a notebook."""
+    from workbench.job import hooks
+
+    assert hooks.options({})["attach"] == "on-deadlock"
+    assert hooks.options({hooks.ENV_ATTACH: "post-mortem"})["attach"] == "post-mortem"
+    assert hooks.options({hooks.ENV_ATTACH: "off"})["attach"] is None
+
+
 # -- the user's own job under workbench job --------------------------------------------------------------
 @pytest.mark.slow
 def test_nobody_watches_a_raise_fails_at_once_its_traceback_once(tmp_path):

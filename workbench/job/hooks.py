@@ -46,7 +46,7 @@ from workbench.job import losses, materialise, owners
 ENV = "WORKBENCH_CAPTURE"  # a directory: capture every rank into it (the job package's ENV_OFF)
 ENV_EVERY = "WORKBENCH_CAPTURE_EVERY"  # a point every N-th optimizer step (after the first)
 ENV_POINTS = "WORKBENCH_CAPTURE_POINTS"  # the automatic points to take, comma-separated (default: all)
-ENV_ATTACH = "WORKBENCH_CAPTURE_ATTACH"  # post-mortem (default), on-error, on-deadlock, off
+ENV_ATTACH = "WORKBENCH_CAPTURE_ATTACH"  # post-mortem, on-error, on-deadlock (default unset), off
 ENV_DEADLINE = "WORKBENCH_CAPTURE_DEADLINE"  # seconds a post-mortem attach waits for a notebook
 ENV_HANG_AFTER = "WORKBENCH_CAPTURE_HANG_AFTER"  # seconds a call waits before the ledgers may call it stuck
 ENV_POISON = "WORKBENCH_CAPTURE_POISON"  # to_empty (default), all, off
@@ -107,7 +107,9 @@ def options(env: dict[str, str] | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown automatic point(s) {', '.join(unknown)}; the points: {', '.join(POINTS)}")
     poison = {"to_empty": "to_empty", "all": True, "off": False}.get(env.get(ENV_POISON, "to_empty"), "to_empty")
-    attach = env.get(ENV_ATTACH, "post-mortem")
+    # `workbench job` always sets it (post-mortem at a terminal, on-deadlock where nobody watches); a job that sets
+    # WORKBENCH_CAPTURE itself is read as unwatched: a raise fails at once, nobody waits for a notebook unasked
+    attach = env.get(ENV_ATTACH, "on-deadlock")
     return {"every": every, "points": names or list(POINTS), "poison": poison,
             "attach": None if attach == "off" else attach,
             "attach_deadline": float(env.get(ENV_DEADLINE, "600") or 600),
