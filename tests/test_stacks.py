@@ -92,15 +92,18 @@ def test_fsdp2_frees_what_a_forward_point_probed():
 class Stack(NamedTuple):
     script: str
     bug: str  # the flag that plants the stack's init-path bug
-    bug_every: str  # the --every its bug runs under (Lightning's crashed under 1; the others' default 0)
+    bug_job: list[str]  # the workbench flags its bug runs under
     env: dict[str, str]
 
 
 STACKS = {
-    # DS_ACCELERATOR: DeepSpeed's CPU accelerator, told (it guesses from installed packages otherwise)
-    "deepspeed": Stack("stack_deepspeed.py", "--unwritten-buffer", "0", {"DS_ACCELERATOR": "cpu"}),
-    "lightning": Stack("stack_lightning.py", "--empty-init", "1", {}),
-    "accelerate": Stack("stack_accelerate.py", "--forget-inv-freq", "0", {}),
+    # DS_ACCELERATOR: DeepSpeed's CPU accelerator, told (it guesses from installed packages otherwise). Its buffer's
+    # memory comes from torch.empty inside zero.Init, no to_empty: the default poison (what to_empty hands out)
+    # leaves it the allocator's, which may be anything, zeros on both ranks included; `--poison all` makes it NaN.
+    "deepspeed": Stack("stack_deepspeed.py", "--unwritten-buffer", ["--every", "0", "--poison", "all"],
+                       {"DS_ACCELERATOR": "cpu"}),
+    "lightning": Stack("stack_lightning.py", "--empty-init", ["--every", "1"], {}),  # it crashed under --every 1
+    "accelerate": Stack("stack_accelerate.py", "--forget-inv-freq", ["--every", "0"], {}),
 }
 NEEDS_D = "needs the stack-agnostic detectors (issue 60)"
 NOT_YET = {"deepspeed"}  # stacks whose planted bug waits for those detectors
@@ -113,7 +116,7 @@ def _launch(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Comple
 @pytest.fixture(scope="module", params=sorted(STACKS))
 def stack(request, tmp_path_factory) -> dict[str, Any]:
     """One stack's five runs, shared by its tests: its script right and with the bug, plain (torchrun alone), and
-    under ``workbench job`` (right with ``--every 0`` and ``1``, the bug with one)."""
+    under ``workbench job`` (right with ``--every 0`` and ``1``, the bug with the stack's own flags)."""
     name = request.param
     s = STACKS[name]
     tmp = tmp_path_factory.mktemp(name)
@@ -123,9 +126,10 @@ def stack(request, tmp_path_factory) -> dict[str, Any]:
     runs: dict[str, Any] = {"name": name, "tmp": tmp, "ext": ext}
     for label, args in (("right", []), ("bug", [s.bug])):
         runs[f"plain {label}"] = _launch([*TORCHRUN, script, *args], tmp, env)
-    for label, every, args in (("right 0", "0", []), ("right 1", "1", []), ("bug", s.bug_every, [s.bug])):
+    for label, flags, args in (("right 0", ["--every", "0"], []), ("right 1", ["--every", "1"], []),
+                               ("bug", s.bug_job, [s.bug])):
         out = tmp / label.replace(" ", "")
-        runs[label] = (out, _launch([*JOB, str(out), "--every", every, "--", *TORCHRUN, script, *args], tmp, env))
+        runs[label] = (out, _launch([*JOB, str(out), *flags, "--", *TORCHRUN, script, *args], tmp, env))
     return runs
 
 
