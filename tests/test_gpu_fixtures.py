@@ -149,3 +149,29 @@ def test_a_users_own_fsdp2_job_on_nccl_reads_right_as_clean_and_names_its_buffer
             assert sentence.startswith("`scale` on rank 1 differs"), sentence
         else:
             assert rec.diagnose().clean, (name, sentence)
+
+
+def test_recording_of_megatron_fsdp_on_gpu_names_the_clobbered_router_bias_and_its_fix_reads_clean(tmp_path):
+    """`bash scripts/gpu_megatron_fsdp.sh` on one H200 (fixtures/gpu/megatron_fsdp_1gpu.*, issue 60): a user's MoE job
+    on the real megatron-fsdp 0.6.1, unmodified, under `workbench job`. Its router's `expert_bias`, made real (zeros)
+    inside the meta context, is replaced by Megatron-FSDP's `to_empty(recurse=False)`: plainly the job runs on with
+    leftover memory there; under the capture (poison) its losses are NaN. The workbench's diagnosis, re-run here on
+    the recorded shards, names the buffer by module path and the `to_empty` that clobbered it, with the defaults and
+    with `--every 1`; the fix (the buffer made on meta, written in `reset_parameters`) reads clean both ways."""
+    import tarfile
+
+    rec = json.loads((GPU / "megatron_fsdp_1gpu.json").read_text())
+    runs = rec["runs"]
+    assert rec["megatron_fsdp"] == "0.6.1" and all(r["rc"] == 0 for r in runs.values()), rec
+    assert any(v != 0.0 for v in runs["plain-bug"]["result"]["expert_bias"][0])  # the silent part: not its zeros
+    assert runs["fix"]["result"]["expert_bias"] == [[0.0] * 8] * 2
+    with tarfile.open(GPU / "megatron_fsdp_1gpu.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    for name in ("bug", "bug-every1"):
+        sentence = wb.load(tmp_path / name).bug.diagnose().sentence
+        assert sentence.startswith("`blocks.0.router.expert_bias` was real (zeros) before `to_empty(recurse=False)`"), \
+            (name, sentence)
+        assert "`blocks.1.router.expert_bias`" in sentence, (name, sentence)
+    for name in ("fix", "fix-every1"):
+        diagnosis = wb.load(tmp_path / name).bug.diagnose()
+        assert diagnosis.clean, (name, diagnosis.sentence)
