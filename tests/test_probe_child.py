@@ -48,3 +48,25 @@ def test_a_capture_opening_where_no_gpu_is_seen_starts_no_child(monkeypatch, tmp
     _fresh(monkeypatch, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert probe_child.prebuild_probe() is False and "proc" not in probe_child._BUILD
+
+
+def test_a_capture_closing_while_the_child_builds_loads_nothing_and_waits_for_none(monkeypatch, tmp_path):
+    """A job shorter than the cold build closes its capture while the warm-up waits for the child: the close
+    (``settle_warm``) returns without joining it, and the warm-up then loads nothing in-process. A real child runs
+    (on this CUDA-less box it says 'no CUDA device'); the test holds the warm-up's lock so that the close comes,
+    for certain, while the warm-up is still at the child's step."""
+    import torch
+
+    from workbench.rank import probe_fused
+
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setattr(probe_fused, "_WARM", {})
+    with probe_fused._WARM_LOCK:
+        t = probe_fused.warm_async(torch.device("cuda", 0), plain_meanwhile=True)
+        assert t is not None
+        assert probe_fused.settle_warm(600) is True  # returned at once: it did not join the thread
+    t.join(300)
+    assert not t.is_alive()
+    assert probe_fused._WARM["result"] == {"warm": False, "why": "the capture closed before the build ended"}
+    if not torch.cuda.is_available():
+        assert probe_fused._WARM["child"]["why"] == "no CUDA device"  # the child ran, for real

@@ -43,6 +43,7 @@ _HALF_SHIFTS = np.array([0, 16], dtype=np.uint32)
 _TRITON: dict[str, Any] = {}
 _KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
 _WARM: dict[str, Any] = {}  # the warm-up: its thread while it runs, then what it took
+_WARM_LOCK = threading.RLock()  # orders the warm-up's step from the child's build to the load with a closing capture
 
 
 def fused_enabled() -> bool:
@@ -235,12 +236,17 @@ def warm_async(device: torch.device | str | int | None = None,
     def run() -> None:
         try:
             _WARM["child"] = _build_aside(device)
+            with _WARM_LOCK:
+                if _WARM.get("closing"):  # the job closed its capture while the child built: nothing to load
+                    _WARM["result"] = {"warm": False, "why": "the capture closed before the build ended"}
+                    return
+                _WARM["phase"] = "load"
             _WARM["result"] = warm(device)
         except Exception as exc:  # the probe's own path still works (and reports) without it
             _WARM["result"] = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
 
     t = threading.Thread(target=run, name="workbench-probe-warm", daemon=True)
-    _WARM["thread"] = t
+    _WARM["thread"], _WARM["phase"] = t, "child"
     t.start()
     return t
 
@@ -261,10 +267,17 @@ def _build_aside(device: torch.device | str | int) -> dict[str, Any] | None:
 
 
 def settle_warm(limit: float) -> bool:
-    """Wait up to ``limit`` seconds for a job's warm-up still building (``plain_meanwhile``); whether none runs now."""
+    """Wait up to ``limit`` seconds for a job's warm-up still building (``plain_meanwhile``); whether none runs now.
+    A warm-up still waiting for its child build is told to load nothing and not waited for: the child builds
+    in a process of its own, which the job's exit does not leave mid-build (a short job on a fresh machine
+    would otherwise wait ~10 s at its close for a kernel it will never use)."""
     t = _WARM.get("thread")
     if t is None or not _WARM.get("plain_meanwhile") or t is threading.current_thread():
         return True
+    with _WARM_LOCK:
+        _WARM["closing"] = True
+        if _WARM.get("phase") == "child":
+            return True
     t.join(limit)
     return not t.is_alive()
 
