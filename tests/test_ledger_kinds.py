@@ -156,3 +156,39 @@ def test_a_deadlock_through_the_final_barrier_is_proven_named_and_ended(tmp_path
     sentence = _report(out)
     assert "rank 0" in sentence and PARTINGS[kind][0].split(" on ")[0] in sentence, sentence
     assert "rank 1" in sentence and "barrier #4" in sentence, sentence
+
+
+# -- the same parting in a live session: declared from the ledgers while the step runs, and released -----------
+def _dry(ctx) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == 1:  # its data ran dry: it goes to the final barrier
+        dist.barrier()
+    elif ctx.kind == "send":
+        dist.recv(torch.zeros(()), src=1)
+    else:
+        dist.all_reduce(torch.ones(()))
+
+
+def test_in_a_live_session_the_barrier_parting_is_declared_and_released(healthy, kind="all_reduce"):
+    """docs/collectives.md: a deadlock is declared from the ledgers, not waited for, and only the calls that can
+    never complete are released; through a barrier too (before, its row ended as it began: gloo's timeout). The
+    recv-against-barrier parting is a cycle across two groups (the channel 0:1->0 and group 0), which the live
+    watch (``analysis/deadlock.find``) does not prove yet: there gloo's timeout ends it."""
+    import workbench as wb
+
+    sc = wb.Scenario(f"dry-{kind}", probe=None)
+
+    def step(ctx) -> None:
+        ctx.kind = kind
+        _dry(ctx)
+
+    sc.step(step, name="last")
+    s = healthy.session(sc)
+    frame = s.step()
+    assert frame.hang is not None and frame.hang.caught_by == "ledger deadlock", frame.rank_errors
+    assert sorted(frame.released) == [0, 1] and set(frame.hang.stuck) == {0, 1}, frame.rank_errors
+    d = s.diagnose()
+    assert "barrier #" in d.sentence and PARTINGS[kind][0].split(" #")[0] in d.sentence, d.sentence
+    assert healthy.wait_idle(5) and not healthy.dead_ranks()  # no rank is left inside its call
