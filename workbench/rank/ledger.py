@@ -11,10 +11,13 @@ collective. Flight Recorder covers part of this (gloo entries stay "scheduled", 
 send/recv, and its dump needs the rank to answer), so it is only a cross-check here:
 ``flight_recorder()`` returns its entries when the rank can answer.
 
-Completion: gloo and async NCCL ops return a Work whose future marks the end; a
-synchronous NCCL op returns none (it runs on the current stream), so a CUDA event recorded
-after it, polled by one watcher thread, marks it. Measured on 2 x H200 (torch 2.11, NCCL
-2.28.9, ``benchmarks/ledger_nccl.py``): in the eval-loop hang each rank's earliest open
+Completion: gloo and async NCCL ops return a Work (alone, or after their tensors) whose future marks the
+end; the op only queues it, the caller waits on it after, so a row never ends as the op returns (a barrier
+did: a deadlock through it was never proven). A gloo work without a future (send, recv, reduce_scatter) is
+asked by the watcher thread below, and a synchronous one also ends where its thread goes on past it (gloo's
+reduce_scatter work never says it is done). A synchronous NCCL op returns none (it runs on the current
+stream), so a CUDA event recorded after it, polled by one watcher thread, marks it. Measured on 2 x H200
+(torch 2.11, NCCL 2.28.9, ``benchmarks/ledger_nccl.py``): in the eval-loop hang each rank's earliest open
 call is the mismatched pair (all_reduce #13 vs all_gather_into_tensor #13, rank 1 had
 queued 3 more behind it).
 

@@ -5,7 +5,8 @@ Python check, and while any Python dispatch mode is on ``torch.compile`` runs th
 (measured on CPU: a compiled module's first call 0.02 s instead of compiling). A training job
 wants neither. ``CallLedger`` instead wraps the collective functions of ``torch.distributed``
 (``all_reduce``, ``all_gather_single`` (FSDP2's), ``reduce_scatter_single``, ``broadcast``,
-``_broadcast_coalesced`` (FSDP1's ``sync_module_states``), the object and point-to-point calls, ...)
+``_broadcast_coalesced`` (FSDP1's ``sync_module_states``), the object and point-to-point calls, the exit of
+``_coalescing_manager``, ...)
 and turns the same recorder on for the length of each call: the rows are the dispatch mode's own
 (op, dtypes, shapes, traffic, the user's line, per-dtype buckets of ``_broadcast_coalesced``), a
 call's start line is on disk before it runs, an async call ends when its work does.
