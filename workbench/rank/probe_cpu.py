@@ -37,13 +37,14 @@ Member = tuple[dict[str, Any], torch.Tensor]  # a row to fill, its tensor flatte
 
 
 def batchable(flat: torch.Tensor) -> bool:
-    """A contiguous CPU float tensor of whole 32-bit words (the fingerprint's words then never straddle two
+    """A plain (no subclass: a DTensor's memory is its local shard's, read by the plain path), contiguous CPU float
+    tensor of whole 32-bit words (the fingerprint's words then never straddle two
     tensors of a batch), at a word-aligned address (one alone is read in place), up to a batch in size (a
     larger one costs its bytes, not its dispatch: the plain path reads it as fast)."""
     es = flat.element_size()
     nbytes = flat.numel() * es
-    return (flat.device.type == "cpu" and flat.dtype in DTYPES and flat.is_contiguous() and nbytes % 4 == 0
-            and nbytes <= BATCH_BYTES and (flat.storage_offset() * es) % 4 == 0)
+    return (type(flat) is torch.Tensor and flat.device.type == "cpu" and flat.dtype in DTYPES and flat.is_contiguous()
+            and nbytes % 4 == 0 and nbytes <= BATCH_BYTES and (flat.storage_offset() * es) % 4 == 0)
 
 
 def fill(members: list[Member]) -> list[Member]:
@@ -153,12 +154,27 @@ def host(t: torch.Tensor, dtype: Any = None) -> np.ndarray:
     (``dtype``: its bytes read as another numpy dtype, ``t.view(...).numpy()``) but leaving its storage
     resizable: ``Tensor.numpy()`` marks a storage not resizable for ever, and FSDP2 (or any owner of that
     memory) resizes it later."""
+    if type(t) is not torch.Tensor:  # a subclass has no memory of its own (data_ptr 0): read a plain tensor
+        t = _plain(t)
     dtype = np.dtype(dtype if dtype is not None else _NUMPY[t.dtype])
     if t.device.type != "cpu":
         raise TypeError(f"host() reads a CPU tensor, not one on {t.device}")
     if not t.numel():
         return np.empty(0, dtype=dtype)
     return np.asarray(_Held(t.contiguous())).view(dtype)  # strided: read from a copy
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass as a plain tensor of the same values: a DTensor its local shard, anything else (a TP
+    output still an ``AsyncCollectiveTensor``) a copy, which its dispatch hands back plain (waiting first)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if type(t) is not torch.Tensor:
+        with torch.no_grad():
+            t = t.clone()
+    if type(t) is not torch.Tensor:
+        raise TypeError(f"host() cannot read a {type(t).__name__}")
+    return t.reshape(-1)
 
 
 def _scratch(name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
