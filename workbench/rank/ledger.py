@@ -155,6 +155,10 @@ class Ledger:
         # (``ledger_fr.Complement``: it prunes them as it accounts for them)
         self.seen: dict[str, set[int]] = {}
         self.track_seen = False
+        # group -> the backend's numbers its point-to-point calls took (gloo counts them with the collectives;
+        # Flight Recorder's ``collective_seq_id`` does not): kept where ``track_seen`` is
+        self.p2p_taken: dict[str, set[int]] = {}
+        self.p2p_before: dict[str, int] = {}  # group -> how many such numbers lie below those kept (pruned)
         self._closing = False
         # A guest in someone's job (``workbench.job``): ``guest(exc)`` hears of the recorder's own failures (a full
         # disk, a bug) instead of the job, and the ledger goes ``off`` (its modes pass every call through).
@@ -256,6 +260,7 @@ class _Recorder(TorchDispatchMode):
         self._patched: tuple[Any, Any] | None = None  # (functional collectives module, its own wait_tensor)
         self._device: torch.device | None = None
         self._last_device: torch.device | None = None
+        self._p2p: tuple[Any, str, int] | None = None  # a point-to-point call's group and its backend count before
         self._last_async = True  # the call's own ``async_op`` (False: its caller waits on it before going on)
         # synchronous calls whose work gives no future, watched until ``is_completed()``: the thread going on past
         # them (its next call, the Python function's return) says they ended where the work never does
@@ -280,12 +285,15 @@ class _Recorder(TorchDispatchMode):
             self.ledger.fail(exc)  # raises, unless a guest's: then the call runs unrecorded
             return func(*args, **kwargs)
         self._device = self._last_device
+        p2p, self._p2p = self._p2p, None
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
             self._end(rec, exc)
             raise
         try:
+            if p2p is not None:
+                self._took(*p2p)
             return self._after(func, rec, out)
         except Exception as exc:
             self.ledger.fail(exc)
@@ -333,6 +341,13 @@ class _Recorder(TorchDispatchMode):
             _watch(event, lambda note=None, rec=rec: self._end(
                 rec, None, device=True, **({'state': 'issued', 'note': note} if note else {})))
         return out
+
+    def _took(self, pg: Any, name: str, before: int) -> None:
+        """The number a point-to-point call took in its group's backend count, where it took one."""
+        after = backend_seq(pg, self._last_device)
+        if after > before:
+            with self.ledger._lock:
+                self.ledger.p2p_taken.setdefault(name, set()).add(after)
 
     def _watch_work(self, rec: dict[str, Any], work: Any) -> None:
         """End ``rec`` when ``work`` (a CPU work without a future) says it is done; a synchronous call's also when
@@ -389,6 +404,7 @@ class _Recorder(TorchDispatchMode):
 
     def _start(self, func, args, kwargs) -> dict[str, Any]:
         self.went_on()
+        self._p2p = None
         schema = func._schema
         raw = schema.name.split("::")[-1]
         bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(schema.arguments)}
@@ -424,6 +440,8 @@ class _Recorder(TorchDispatchMode):
                 recv = {"0": next(iter(recv.values()))} if recv else {}
         self._last_device = payload[0].device if payload else None
         self._last_async = bool(bound.get("async_op", True))
+        if raw in P2P and pg is not None and self.ledger.track_seen:
+            self._p2p = (pg, pg.group_name or "default_pg", backend_seq(pg, self._last_device))
         floor = backend_seq(pg, self._last_device) + 1 if self.backend_seq and pg is not None and raw not in P2P \
             else 0
         rec: dict[str, Any] = {

@@ -204,7 +204,8 @@ class Complement:
                 # block): its numbers are no longer Flight Recorder's, so a gap is no missed call
                 self._account(name, n)
                 continue
-            missing = {s for s in range(lo + 1, n + 1) if s not in seen}
+            taken = self._taken(name)  # a point-to-point call's number: the ledger has its row on its channel
+            missing = {s for s in range(lo + 1, n + 1) if s not in seen and s not in taken}
             if missing:
                 out[name] = (pg, missing, n)
             else:
@@ -216,12 +217,27 @@ class Complement:
         with self.book._lock:
             return set(self.book.seen.get(name, ()))
 
+    def _taken(self, name: str) -> set[int]:
+        with self.book._lock:
+            return set(self.book.p2p_taken.get(name, ()))
+
+    def _fr_id(self, name: str, q: int, taken: set[int]) -> int:
+        """Flight Recorder's ``collective_seq_id`` of the backend's number ``q``: gloo numbers point-to-point calls
+        with the collectives, Flight Recorder's collective count does not (without this, a job's barrier after a
+        send was written again from the record as a C++ call: ``barrier #1`` beside the ledger's ``barrier #2``)."""
+        return q - self.book.p2p_before.get(name, 0) - sum(1 for p in taken if p < q)
+
     def _account(self, name: str, n: int) -> None:
         self.done[name] = n
         with self.book._lock:
             seen = self.book.seen.get(name)
             if seen:
                 seen.difference_update([s for s in seen if s <= n])
+            taken = self.book.p2p_taken.get(name)
+            if taken:
+                below = [p for p in taken if p <= n]
+                taken.difference_update(below)
+                self.book.p2p_before[name] = self.book.p2p_before.get(name, 0) + len(below)
 
     def fill(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
         """Write the rows the ledger lacks; returns how many. ``when``: what read them ("before point `step3`", "at
@@ -247,12 +263,17 @@ class Complement:
         if not gaps:
             return 0
         self.dumps += 1
+        # each gap's number as Flight Recorder counts -> the backend's (the ledger's) number
+        wanted = {}
+        for name, (_, missing, _) in gaps.items():
+            taken = self._taken(name)
+            wanted[name] = {self._fr_id(name, q, taken): q for q in missing}
         by_group: dict[str, list[dict[str, Any]]] = {}
         for e in dump():
             pgid = e.get("process_group")
             name = str(pgid[0]) if isinstance(pgid, (list, tuple)) and pgid else str(pgid)
-            if name in gaps and not e.get("is_p2p") and e.get("collective_seq_id") in gaps[name][1]:
-                by_group.setdefault(name, []).append(e)
+            if name in gaps and not e.get("is_p2p") and e.get("collective_seq_id") in wanted[name]:
+                by_group.setdefault(name, []).append({**e, "collective_seq_id": wanted[name][e["collective_seq_id"]]})
         written = 0
         out: list[dict[str, Any]] = []  # every row of this read, written at once
         for name, (pg, missing, n) in gaps.items():
