@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.rank import mesh_facts
+from workbench.rank import mesh_facts, probe_cpu
 
 COLUMNS = ("agree", "agree_by", "replica")
 _CAP = 200_000  # storages remembered; the oldest go first
@@ -352,7 +352,7 @@ def _digest(v: Any, h: Any) -> None:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         if t.device.type != "meta":
             flat = t.reshape(-1)[: 1 << 20].contiguous().cpu()
-            h.update(flat.view(torch.uint8).numpy().tobytes())
+            h.update(probe_cpu.host(flat, "uint8").tobytes())  # Tensor.numpy() would pin the job's storage
     elif isinstance(v, (list, tuple)):
         for x in v:
             _digest(x, h)

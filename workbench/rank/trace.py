@@ -110,7 +110,9 @@ def _host_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _as_float(flat: torch.Tensor) -> np.ndarray:
-    return (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).numpy()
+    """Through ``probe_cpu.host``: ``Tensor.numpy()`` would mark the job's storage not resizable (FSDP2 frees by
+    resizing)."""
+    return probe_cpu.host(flat if flat.dtype in (torch.float32, torch.float64) else flat.float())
 
 
 def _nonfinite_host(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -149,7 +151,7 @@ def _out_stats_host(ts: list[torch.Tensor]) -> torch.Tensor | None:
         absmax = max(absmax, float(ax.max()))
         abs_sum += float(torch.from_numpy(ax).sum(dtype=torch.float64))
         count += n_finite
-        fp ^= fingerprint_host(flat.view(torch.uint8).numpy().view(np.uint32)) * (2 * i + 1) & _U64
+        fp ^= fingerprint_host(probe_cpu.host(flat, np.uint32)) * (2 * i + 1) & _U64
     some = count > 0
     return torch.tensor([nan, inf, absmax if some else math.nan, abs_sum / max(count, 1.0) if some else math.nan,
                          float((fp >> 32) & 0xFFFFFFFF), float(fp & 0xFFFFFFFF)], dtype=torch.float64)
