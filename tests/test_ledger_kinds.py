@@ -178,11 +178,12 @@ def _dry(ctx) -> None:
         dist.all_reduce(torch.ones(()))
 
 
-def test_in_a_live_session_the_barrier_parting_is_declared_and_released(healthy, kind="all_reduce"):
+@pytest.mark.parametrize("kind", PARTINGS)
+def test_in_a_live_session_the_barrier_parting_is_declared_and_released(healthy, kind):
     """docs/collectives.md: a deadlock is declared from the ledgers, not waited for, and only the calls that can
     never complete are released; through a barrier too (before, its row ended as it began: gloo's timeout). The
-    recv-against-barrier parting is a cycle across two groups (the channel 0:1->0 and group 0), which the live
-    watch (``analysis/deadlock.find``) does not prove yet: there gloo's timeout ends it."""
+    recv-against-barrier parting is a cycle across two groups (the channel 0:1->0 and group 0): no group proves
+    it alone (before, gloo's timeout ended it)."""
     import workbench as wb
 
     sc = wb.Scenario(f"dry-{kind}", probe=None)

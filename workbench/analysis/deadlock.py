@@ -94,7 +94,45 @@ def _each(ledger: pd.DataFrame, done: Iterable[int], ranks: Iterable[int]) -> li
         d = _group_deadlock(str(group), part, open_by_rank, done, ranks)
         if d is not None and not set(d.waiting) & {r for x in out for r in x.waiting}:
             out.append(d)
+    if not out:
+        d = _across_groups(ledger, open_by_rank, ranks)
+        out += [d] if d is not None else []
     return out
+
+
+def _across_groups(ledger: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]], ranks: set[int]) -> Deadlock | None:
+    """Waiters blocked on each other across groups (a recv on the channel 0:1->0 against a barrier on group 0):
+    each waits in a call for a member of that call's group who waits in another call, in a cycle, so none of
+    those calls can ever complete (``job/triggers._prove``'s rule, on the live ledgers). No group proves it
+    alone: every group holds a member blocked elsewhere."""
+    members = {str(g): set(group_ranks(part)) & ranks for g, part in ledger.groupby("group", sort=True)}
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return str(a["group"]) == str(b["group"]) and int(a["seq"]) == int(b["seq"]) and not mismatch_kind(a, b)
+
+    waits = {r: [p for p in sorted(members.get(str(c["group"]), set())) if p != r and p in open_by_rank
+                 and not same(c, open_by_rank[p])] for r, c in open_by_rank.items()}
+    cycle = _cycle(waits)
+    if not cycle:
+        return None
+    here = {r: open_by_rank[r] for r in cycle}
+    pairs = "; ".join(f"rank {r} waits in {describe(c)} on group {c['group']} for rank(s) "
+                      f"{','.join(map(str, waits[r]))}" for r, c in sorted(here.items()))
+    groups = ",".join(sorted({str(c["group"]) for c in here.values()}))
+    return Deadlock(groups, here, {}, f"the open calls wait on each other across groups: {pairs}")
+
+
+def _cycle(waits: dict[int, list[int]]) -> list[int]:
+    """The ranks of one cycle in the wait-for graph, sorted (empty when there is none)."""
+    for start in sorted(waits):
+        path, seen, r = [start], {start}, start
+        while waits.get(r):
+            r = waits[r][0]
+            if r in seen:
+                return sorted(path[path.index(r):])
+            path.append(r)
+            seen.add(r)
+    return []
 
 
 def _group_deadlock(group: str, part: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]], done: set[int],
