@@ -186,18 +186,33 @@ def _points(out: Path, rank: int) -> list[str]:
 
 
 def test_a_nonfinite_loss_goes_with_the_next_point_every_rank_takes(tmp_path):
-    """Rank 0's loss is NaN at the second step: the step point after it carries the loss and says so; the ranks'
-    points stay paired (no point of its own on one rank)."""
-    run, line = _job(tmp_path / "cap", "--wrap", "none", "--fix", "--nan-at", "1", "--steps", "3", every=1)
+    """Rank 0's loss is NaN at the second step: the step point after it carries the loss and says so, and every rank
+    takes the ``nonfinite_loss`` point before the next backward (agreed over the store: rank 1's loss was finite),
+    so the ranks' points stay paired. DDP: its all-reduce in each backward keeps the ranks within a backward."""
+    run, line = _job(tmp_path / "cap", "--wrap", "ddp", "--fix", "--nan-at", "1", "--steps", "3", every=1)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert _points(tmp_path / "cap", 0) == _points(tmp_path / "cap", 1) == ["step1", "step2", "step3"]
-    assert "from step `step2`" in line and "output `loss` on rank 0: 1 of 1 values NaN" in line, line
+    assert _points(tmp_path / "cap", 0) == _points(tmp_path / "cap", 1) == [
+        "forward", "step1", "step2", "nonfinite_loss", "step3"]
+    assert "nan from step `step2`" in line and "output `loss` on rank" in line, line
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_every_rank_takes_a_point_after_the_first_nonfinite_loss_whatever_every_says(tmp_path, skip):
+    """``--every 0``: no step point after step 1, yet rank 0's NaN loss at the second step takes a point on both
+    ranks before the third backward, the loss with it. With every step after it skipped (a loss scaler's
+    "OVERFLOW! Skipping step" on rank 0) the point still comes: it waits for no optimizer step."""
+    args = ("--skip-nonfinite",) if skip else ()
+    run, line = _job(tmp_path / "cap", "--wrap", "ddp", "--fix", "--nan-at", "1", "--steps", "3", *args, every=0)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _points(tmp_path / "cap", 0) == _points(tmp_path / "cap", 1) == ["forward", "step1", "nonfinite_loss"]
+    assert "`nonfinite_loss`" in line and "output `loss` on rank 0: 1 of 1 values NaN" in line, line
 
 
 def test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad_one():
     from workbench.job import losses
 
-    watch = losses.Losses(lambda exc, where: None)
+    taken: list = []
+    watch = losses.Losses(lambda exc, where: None, take=lambda loss: taken.append((watch.backwards, loss.item())))
     undo = watch.install()
     try:
         w = torch.ones(2, requires_grad=True)
@@ -210,8 +225,9 @@ def test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad
         assert torch.isnan(outputs["loss"])
         assert note == ("nonfinite loss: backward() 2 ran from a loss that was nan, after optimizer step 1; the stack "
                         "then ran another backward without an optimizer step (a step skipped for overflow)")
+        assert taken == [(3, 6.0)]  # one process: the point before the backward after the bad one, its loss
         (w * float("inf")).sum().backward()
-        assert watch.due() is None and watch.done
+        assert watch.due() is None and watch.found and watch.taken and len(taken) == 1
         assert w.grad is not None  # the job's own backward ran every time
     finally:
         undo()

@@ -61,7 +61,8 @@ POINTS = {
     "load_state_dict": "after nn.Module.load_state_dict",
     "set_model_state_dict": "after torch.distributed.checkpoint's set_model_state_dict",
     "forward": "after the first forward of each wrapped root (fully_shard, FSDP1, DDP), its output as an output",
-    "step": "after the first optimizer.step() (step1), then every N-th (--every N: step<N>, step<2N>, ...)",
+    "step": "after the first optimizer.step() (step1), then every N-th (--every N: step<N>, step<2N>, ...); "
+            "nonfinite_loss: on every rank, before the backward after the first non-finite loss",
     "load_weights": "after a weight-sync receiver's load_weights (an nn.Module class that defines one)",
 }
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
@@ -246,7 +247,7 @@ class Hooks:
 
             handle = register_optimizer_step_post_hook(self._after_step)
             self._undo.append(handle.remove)
-            self.losses = losses.Losses(self._error)
+            self.losses = losses.Losses(self._error, take=self._loss_point)
             self._undo.append(self.losses.install())
         if "load_weights" in self.points:
             self._subclasses(nn.Module)
@@ -416,6 +417,19 @@ class Hooks:
             self.losses.stepped()
         if n == 1 or (self.every and n % self.every == 0):
             self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer))
+
+    def _loss_point(self, loss: Any) -> None:
+        """The point every rank takes after the first non-finite loss (``losses.py``): the model this backward's
+        loss was computed by (its graph's parameters), else the latest model the capture knows."""
+        known = self._known()
+        module = None
+        if loss is not None:
+            try:
+                module = owners.of_loss(loss, known)
+            except Exception as exc:
+                self._error(exc, "nonfinite_loss")
+        module = module if module is not None else next((m for m in known if m is not None), None)
+        self.point("nonfinite_loss", module)
 
     def _known(self) -> list[Any]:
         """The models the capture knows: those points probed (latest first), those to_empty materialised."""

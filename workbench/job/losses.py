@@ -6,13 +6,20 @@ watch wraps ``torch.autograd.backward``: before each call it queues ``isfinite(l
 and, on a GPU, a non-blocking copy of that flag into pinned memory with an event behind it; the flag is read once
 the event says it landed (at the next backward or step, never waiting). On a CPU it is read at once.
 
-The first loss found non-finite goes with the next point every rank takes (the loss as an output, a note saying
-which backward, after which optimizer step, and whether the stack then ran another backward without stepping, as
-DeepSpeed does on overflow). It never takes a point of its own: a point one rank takes and the others do not
-shifts that rank's later points and ledger steps against theirs (tried: DeepSpeed's job then read "rank 1 never
-issued call #99 that rank 0 issued in step `nonfinite_loss`", a false parting). After the first one the watch
-passes every call straight through. The loss's value and the call's arguments are the job's own; a fault of the
-watch is a line in the shard's ``hook_errors``.
+The first loss found non-finite takes a point by the next backward, whatever ``--every`` says, on every rank, so
+the ranks' points stay paired (they pair by position: a point one rank takes alone shifts its later points and
+ledger steps against the others', and the reader then blames a collective; tried: "rank 1 never issued call #99
+that rank 0 issued in step `nonfinite_loss`"). The rank that found it agrees the backward over the job's c10d store
+(``compare_set`` of ``KEY``: the backward after the one it is in; the first rank to set it wins); every rank looks
+for the key at each backward with ``store.check``, which never waits (one round trip to the store, no device sync),
+and takes the point, named ``nonfinite_loss``, before that backward runs (or the first one after it, should it
+have read the key late: no point comes between, so the positions still pair). A rank whose loss stayed finite
+takes it too: DeepSpeed's overflow decision is global, so every rank skipped that step, and no torch optimizer
+step (nor its step point) ever runs again in such a job. Without a process group (one process) the point is
+this process's own. The loss itself goes with the first point taken after it was found (this one, or a step
+point before it): the loss as this rank's output, a note saying which backward, after which optimizer step, and
+whether the stack then ran another backward without stepping (a step skipped for overflow). The loss's value and
+the call's arguments are the job's own; a fault of the watch is a line in the shard's ``hook_errors``.
 """
 
 from __future__ import annotations
@@ -22,18 +29,25 @@ from collections.abc import Callable
 from typing import Any
 
 _MARK = "__workbench_losses__"
+KEY = "workbench/nonfinite_loss"  # in the job's c10d store: the backward before which every rank takes the point
 
 
 class Losses:
-    """The watch over ``torch.autograd.backward`` of one capture: ``due()`` hands the next point what it found."""
+    """The watch over ``torch.autograd.backward`` of one capture: ``take(loss)`` takes the point every rank takes
+    (``loss``: the tensor this backward runs from), ``due()`` hands the next point what this rank found."""
 
-    def __init__(self, errors: Callable[[BaseException, Any], None]) -> None:
-        self.errors = errors
+    def __init__(self, errors: Callable[[BaseException, Any], None],
+                 take: Callable[[Any], None] | None = None, key: str = KEY) -> None:
+        self.errors, self.take, self.key = errors, take, key
         self.backwards = 0  # backward calls seen
         self.steps = 0  # optimizer steps seen
         self.pending: tuple[Any, ...] | None = None  # (flag, host copy, event, loss, backward, steps then)
         self.bad: dict[str, Any] | None = None  # the first non-finite loss, until a point took it
-        self.done = False
+        self.found = False  # this rank found its first non-finite loss: no more flags
+        self.agreed: int | None = None  # the backward before which every rank takes the point
+        self.taken = False  # that point taken (or none will be)
+        self.failed = False
+        self._store: Any = None
 
     def install(self) -> Callable[[], None]:
         import torch.autograd
@@ -45,7 +59,7 @@ class Losses:
 
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not watch.done:
+            if not watch.failed and not (watch.found and watch.taken):
                 watch._guard(watch._before_backward, tensors)
             return original(tensors, *args, **kwargs)
 
@@ -62,7 +76,7 @@ class Losses:
         try:
             return fn(*args)
         except Exception as exc:
-            self.done = True  # a watch that failed once steps aside
+            self.failed = True  # a watch that failed once steps aside
             self.errors(exc, "loss watch")
             return None
 
@@ -70,18 +84,18 @@ class Losses:
     def _before_backward(self, tensors: Any) -> None:
         import torch
 
+        self.backwards += 1
         self._resolve()
         if self.bad is not None and self.bad["steps"] == self.steps:  # no optimizer step since: it was skipped
             self.bad["skipped"] = True
         loss = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
-        self.backwards += 1
-        if self.bad is not None or not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or \
-                loss.is_meta:
+        self._agree(loss)
+        if self.found or not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.is_meta:
+            return
+        if loss.device.type not in ("cuda", "cpu"):  # reading it would wait for that device: not watched
             return
         loss = loss.detach()
         flag = torch.isfinite(loss).all()
-        if loss.device.type not in ("cuda", "cpu"):  # reading it would wait for that device: not watched
-            return
         if loss.device.type == "cuda":
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(flag, non_blocking=True)
@@ -104,21 +118,61 @@ class Losses:
         if event is not None and not event.query():
             return
         self.pending = None
-        if self.bad is None and not bool(host):
+        if not self.found and not bool(host):
             import torch
 
             kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
             self.bad = {"loss": loss, "kind": kind, "backward": n, "steps": steps, "skipped": False}
+            self.found = True
+            self._publish()
+
+    # -- the point every rank takes -------------------------------------------------------------------------
+    def _group_store(self) -> tuple[bool, Any]:
+        """(whether a process group runs, the job's c10d store or None)."""
+        if self._store is not None:
+            return True, self._store
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False, None
+        if dist.get_world_size() < 2:
+            return False, None
+        self._store = dist.distributed_c10d._get_default_store()
+        return True, self._store
+
+    def _publish(self) -> None:
+        """Agree the backward after this one with the other ranks (the first rank to set the key wins)."""
+        if self.taken or self.agreed is not None:
+            return
+        want = self.backwards + 1
+        group, store = self._group_store()
+        if not group:
+            self.agreed = want  # one process: its own
+        elif store is not None:
+            self.agreed = int(store.compare_set(self.key, "", str(want)))
+
+    def _agree(self, loss: Any) -> None:
+        """Take the point every rank takes, before the agreed backward (or the first after it)."""
+        if self.taken:
+            return
+        if self.agreed is None:
+            group, store = self._group_store()
+            if group and store is not None and store.check([self.key]):  # never waits for the key
+                self.agreed = int(store.get(self.key))
+        if self.agreed is not None and self.backwards >= self.agreed:
+            self.taken = True
+            if self.take is not None:
+                self.take(loss)
 
     def due(self) -> tuple[dict[str, Any], str] | None:
         """(the outputs, the note) for the point being taken, once, when a loss was found non-finite; else None."""
-        if self.done:
+        if self.failed:
             return None
         self._resolve()
         bad = self.bad
         if bad is None:
             return None
-        self.bad, self.done, self.pending = None, True, None
+        self.bad, self.pending = None, None
         note = (f"nonfinite loss: backward() {bad['backward']} ran from a loss that was {bad['kind']}, after "
                 f"optimizer step {bad['steps']}" + ("; the stack then ran another backward without an optimizer "
                                                     "step (a step skipped for overflow)" if bad["skipped"] else ""))

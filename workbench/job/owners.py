@@ -78,6 +78,41 @@ def owner(optimizer: Any, known: Iterable[Any]) -> Any:
     return found
 
 
+def of_loss(loss: Any, known: Iterable[Any]) -> Any:
+    """The module a loss was computed by (unwrapped), or None: the leaves its autograd graph accumulates into are
+    parameters; the first of ``known`` holding any of them, else the topmost live module holding most of them
+    (once: a non-finite loss is looked at once)."""
+    mine = _leaves(getattr(loss, "grad_fn", None))
+    if not mine:
+        return None
+    for module in known:
+        if module is not None and any(id(p) in mine for p in module.parameters()):
+            return unwrapped(module)
+    from torch import nn
+
+    modules = [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)]
+    holders = [m for m in modules if any(id(p) in mine for p in m.parameters(recurse=False))]
+    top = _topmost(holders, modules, mine) if holders else None
+    return unwrapped(top) if top is not None else None
+
+
+def _leaves(fn: Any, limit: int = 100_000) -> set[int]:
+    """id() of the tensors a graph's ``AccumulateGrad`` nodes write (its parameters), walking at most ``limit``
+    nodes."""
+    out: set[int] = set()
+    todo, seen = [fn], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.add(id(variable))
+        todo.extend(nxt for nxt, _ in getattr(node, "next_functions", ()))
+    return out
+
+
 def _search(optimizer: Any, mine: set[int]) -> Any:
     """The topmost live module holding most of the optimizer's parameters; else the one driving this optimizer
     (an engine whose ``optimizer`` or ``optimizer.optimizer`` it is), unwrapped."""

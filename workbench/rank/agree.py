@@ -171,6 +171,22 @@ def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
     return None
 
 
+def _zero(model: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
+    """(ranks, how, how for buffers) when ``model`` holds ZeRO-3 partitioned parameters (``ds_id``): they are shards
+    (``of_tensor``), its buffers stay whole on every rank of the parameters' group, so they are replicated."""
+    import torch.distributed as dist
+
+    zero = next((p for p in model.parameters() if "ds_id" in p.__dict__), None)
+    if zero is None:
+        return None
+    try:
+        group = zero.__dict__.get("ds_process_group")
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else _world()
+    except Exception:
+        ranks = _world()
+    return ranks, "ZeRO-3", "ZeRO-3 (a buffer: replicated)"
+
+
 def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]:
     """id(tensor) -> (ranks, how) for every tensor a wrapper or a declaration makes a replica."""
     out: dict[int, tuple[tuple[int, ...], str]] = {}
@@ -182,7 +198,7 @@ def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]
             if id(mod) in seen:
                 continue
             seen.add(id(mod))
-            w = _wrapper(mod)
+            w = _wrapper(mod) or (_zero(mod) if mod is obj else None)
             if w is None and mod in _DECLARED:
                 ranks, how = _DECLARED[mod]
                 w = (ranks, how, how)
@@ -260,6 +276,15 @@ def _is_flat(t: Any) -> bool:
     return bool(getattr(t, "_is_flat_param", False)) or type(t).__name__ == "FlatParameter"
 
 
+def _is_zero_partition(t: Any) -> bool:
+    """ZeRO-3's flat partition of a parameter (its ``ds_tensor``: ``ds_numel`` and a ``status``), or a partitioned
+    parameter itself (``ds_id`` with a ``ds_tensor``): by the attributes ZeRO sets, not DeepSpeed's classes."""
+    held = getattr(t, "__dict__", {})
+    if "ds_id" in held:
+        return "ds_tensor" in held
+    return "ds_numel" in held and "status" in held
+
+
 def of_tensor(t: Any, owned: Mapping[int, tuple[tuple[int, ...], str]] | None = None) -> dict[str, str]:
     """The columns of one tensor (see the module docstring for the order)."""
     p = placement(t)
@@ -267,6 +292,8 @@ def of_tensor(t: Any, owned: Mapping[int, tuple[tuple[int, ...], str]] | None = 
         return p
     if _is_flat(t):
         return {**OWN, "agree_by": "an FSDP flat parameter's shard"}
+    if _is_zero_partition(t):
+        return {**OWN, "agree_by": "a ZeRO-3 partition (this rank's shard)"}
     hit = (owned or {}).get(id(t))
     if hit is not None:
         return _cols(*hit)

@@ -54,7 +54,7 @@ def named_tensors(module: nn.Module, prefix: str = "",
     bufs: list[tuple[str, str, torch.Tensor]] = []
     plain = type(module).named_parameters is nn.Module.named_parameters  # wrappers (FSDP) rename theirs
     if not plain:
-        params = [(prefix + name, "parameter", p) for name, p in module.named_parameters()]
+        params = [(prefix + name, "parameter", partition(p)) for name, p in module.named_parameters()]
     seen: dict[int, str] = {}
     for mod_name, mod in module.named_modules():
         pre = f"{prefix}{mod_name}." if mod_name else prefix
@@ -68,13 +68,23 @@ def named_tensors(module: nn.Module, prefix: str = "",
                         ties.setdefault(first, []).append(pre + local)
                     continue
                 seen[id(p)] = pre + local
-                params.append((pre + local, "parameter", p))
+                params.append((pre + local, "parameter", partition(p)))
         if mod._buffers:
             nonpers = mod._non_persistent_buffers_set
             for local, b in mod._buffers.items():
                 if b is not None:
                     bufs.append((pre + local, "non-persistent buffer" if local in nonpers else "buffer", b))
     return params + bufs
+
+
+def partition(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as the probe reads it: ZeRO-3's partitioned parameter (``ds_id``; empty outside the forward that
+    gathers it) through ``ds_tensor``, this rank's flat partition of it, always (gathered or not: a shard, never
+    compared whole across ranks, ``agree.of_tensor``); any other tensor as it is. Keyed on the attributes ZeRO
+    puts on the parameter, not on an import of DeepSpeed."""
+    held = p.__dict__
+    part = held.get("ds_tensor") if "ds_id" in held else None
+    return part if isinstance(part, torch.Tensor) else p
 
 
 # Set while a rank serves beside a main thread stuck in a collective (the job's post mortem on GPUs): that thread's
@@ -560,6 +570,8 @@ class _Entry(NamedTuple):
 def _build_plan(module: nn.Module, prefix: str) -> _Entry | None:
     ties: dict[str, list[str]] = {}
     named = named_tensors(module, prefix, ties)
+    if any("ds_id" in p.__dict__ for p in module.parameters()):
+        return None  # ZeRO-3's partitions are read in their parameters' place: the cache key names the parameters
     items = [(name, kind, _local(t)) for name, kind, t in named]
     if not items or not all(map(_pf.fusable, (t for _, _, t in items))) or len({t.device for _, _, t in items}) > 1:
         return None
