@@ -164,6 +164,12 @@ def test_a_right_jobs_capture_read_the_models_values(stack, request):
     assert set(head["rank"]) == {0, 1} and len(head) >= 4, head[["rank", "step", "name", "numel"]]
     assert (head["numel"] > 0).all() and head["fingerprint"].str.fullmatch(r"[0-9a-f]{16}").all(), (
         head[["rank", "step", "name", "numel", "fingerprint"]].to_string())
+    if stack["name"] == "deepspeed":  # ZeRO-3: each rank reads its own partition, a shard; the buffers stay whole
+        assert (head["agree"] == "").all() and head["agree_by"].str.contains("ZeRO-3 partition").all(), (
+            head[["rank", "step", "agree", "agree_by"]].to_string())
+        assert (head.groupby("step")["fingerprint"].nunique() == 2).all()  # two ranks, two different partitions
+        scale = t[t["name"].str.endswith("logit_scale")]
+        assert len(scale) == len(head) and (scale["agree"] == "0,1").all(), scale[["rank", "agree"]].to_string()
 
 
 @pytest.mark.slow
