@@ -45,6 +45,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         accelerator.print(f"step {step} loss {loss.item():.6f}")
+    accelerator.wait_for_everyone()  # no rank tears the group down while a peer is still in it
     accelerator.end_training()
 
 
