@@ -275,7 +275,8 @@ def test_the_readme_is_one_screen_with_one_picture():
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert len(images) == 1 and (ROOT / images[0]).stat().st_size < 200_000
     # the set-up commands .ci/run and the Makefile stand behind
-    assert "make demo" in text and "make test   # the whole test suite (what .ci/run calls)" in text
+    assert "make demo" in text and "make test    # the whole test suite: what CI runs (.ci/run)" in text
+    assert "make check   # a few minutes, for every change" in text
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
