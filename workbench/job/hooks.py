@@ -62,7 +62,7 @@ POINTS = {
     "set_model_state_dict": "after torch.distributed.checkpoint's set_model_state_dict",
     "forward": "after the first forward of each wrapped root (fully_shard, FSDP1, DDP), its output as an output",
     "step": "after the first optimizer.step() (step1), then every N-th (--every N: step<N>, step<2N>, ...); "
-            "nonfinite_loss: on every rank, before the backward after the first non-finite loss",
+            "nonfinite_loss: on every rank, once the backward after the one a first non-finite loss ran returned",
     "load_weights": "after a weight-sync receiver's load_weights (an nn.Module class that defines one)",
 }
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",

@@ -6,14 +6,18 @@ watch wraps ``torch.autograd.backward``: before each call it queues ``isfinite(l
 and, on a GPU, a non-blocking copy of that flag into pinned memory with an event behind it; the flag is read once
 the event says it landed (at the next backward or step, never waiting). On a CPU it is read at once.
 
-The first loss found non-finite takes a point by the next backward, whatever ``--every`` says, on every rank, so
+The first loss found non-finite takes a point at the next backward, whatever ``--every`` says, on every rank, so
 the ranks' points stay paired (they pair by position: a point one rank takes alone shifts its later points and
 ledger steps against the others', and the reader then blames a collective; tried: "rank 1 never issued call #99
 that rank 0 issued in step `nonfinite_loss`"). The rank that found it agrees the backward over the job's c10d store
 (``compare_set`` of ``KEY``: the backward after the one it is in; the first rank to set it wins); every rank looks
 for the key at each backward with ``store.check``, which never waits (one round trip to the store, no device sync),
-and takes the point, named ``nonfinite_loss``, before that backward runs (or the first one after it, should it
-have read the key late: no point comes between, so the positions still pair). A rank whose loss stayed finite
+and takes the point, named ``nonfinite_loss``, once that backward returned (or the first one after it, should it
+have read the key late: no point comes between, so the positions still pair). After the backward, not before: a
+stack's state has settled there (FSDP2 resharded its root, ZeRO-3 partitioned again), as at a step point, so the
+point reads each tensor as the points around it do (a point before it read FSDP2's unsharded root parameters, and
+the diagnosis lost the poisoned `norm.weight` of Lightning's job at `to_empty`). The point waits for no optimizer
+step; it comes before the step of the backward it follows. A rank whose loss stayed finite
 takes it too: DeepSpeed's overflow decision is global, so every rank skipped that step, and no torch optimizer
 step (nor its step point) ever runs again in such a job. Without a process group (one process) the point is
 this process's own. The loss itself goes with the first point taken after it was found (this one, or a step
@@ -29,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 _MARK = "__workbench_losses__"
-KEY = "workbench/nonfinite_loss"  # in the job's c10d store: the backward before which every rank takes the point
+KEY = "workbench/nonfinite_loss"  # in the job's c10d store: the backward after which every rank takes the point
 
 
 class Losses:
@@ -44,7 +48,7 @@ class Losses:
         self.pending: tuple[Any, ...] | None = None  # (flag, host copy, event, loss, backward, steps then)
         self.bad: dict[str, Any] | None = None  # the first non-finite loss, until a point took it
         self.found = False  # this rank found its first non-finite loss: no more flags
-        self.agreed: int | None = None  # the backward before which every rank takes the point
+        self.agreed: int | None = None  # the backward after which every rank takes the point
         self.taken = False  # that point taken (or none will be)
         self.failed = False
         self._store: Any = None
@@ -59,9 +63,13 @@ class Losses:
 
         @functools.wraps(original)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            due = None
             if not watch.failed and not (watch.found and watch.taken):
-                watch._guard(watch._before_backward, tensors)
-            return original(tensors, *args, **kwargs)
+                due = watch._guard(watch._before_backward, tensors)
+            result = original(tensors, *args, **kwargs)
+            if due is not None and watch.take is not None:  # after the backward: a stack's own state settled
+                watch._guard(watch.take, due[0])
+            return result
 
         setattr(backward, _MARK, True)
         torch.autograd.backward = backward
@@ -81,7 +89,8 @@ class Losses:
             return None
 
     # -- the calls ----------------------------------------------------------------------------------------
-    def _before_backward(self, tensors: Any) -> None:
+    def _before_backward(self, tensors: Any) -> tuple[Any] | None:
+        """Watch this backward's loss; (its loss,) when the point every rank takes comes after this backward."""
         import torch
 
         self.backwards += 1
@@ -89,11 +98,11 @@ class Losses:
         if self.bad is not None and self.bad["steps"] == self.steps:  # no optimizer step since: it was skipped
             self.bad["skipped"] = True
         loss = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors), None)
-        self._agree(loss)
+        due = (loss,) if self._agree() else None
         if self.found or not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.is_meta:
-            return
+            return due
         if loss.device.type not in ("cuda", "cpu"):  # reading it would wait for that device: not watched
-            return
+            return due
         loss = loss.detach()
         flag = torch.isfinite(loss).all()
         if loss.device.type == "cuda":
@@ -105,6 +114,7 @@ class Losses:
         else:
             self.pending = (flag, flag, None, loss, self.backwards, self.steps)
             self._resolve()
+        return due
 
     def stepped(self) -> None:
         """An optimizer step ran (the step hook's call)."""
@@ -151,18 +161,18 @@ class Losses:
         elif store is not None:
             self.agreed = int(store.compare_set(self.key, "", str(want)))
 
-    def _agree(self, loss: Any) -> None:
-        """Take the point every rank takes, before the agreed backward (or the first after it)."""
+    def _agree(self) -> bool:
+        """Whether the point every rank takes comes after this backward: the agreed one (or the first after it)."""
         if self.taken:
-            return
+            return False
         if self.agreed is None:
             group, store = self._group_store()
             if group and store is not None and store.check([self.key]):  # never waits for the key
                 self.agreed = int(store.get(self.key))
         if self.agreed is not None and self.backwards >= self.agreed:
             self.taken = True
-            if self.take is not None:
-                self.take(loss)
+            return True
+        return False
 
     def due(self) -> tuple[dict[str, Any], str] | None:
         """(the outputs, the note) for the point being taken, once, when a loss was found non-finite; else None."""
