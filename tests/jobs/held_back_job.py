@@ -80,6 +80,8 @@ def states(kind: str) -> list[str]:
     rows: dict[tuple, str] = {}
     with open(book) as f:
         for line in f:
+            if not line.endswith("\n"):
+                break  # rank 0 is writing this line now: read it next time (json.loads would raise on half a line)
             ev = json.loads(line)
             key = (ev.get("group"), ev.get("seq"))
             if ev["ev"] == "start" and ev.get("label") == kind:
