@@ -255,7 +255,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/rank/ledger_fr.py",
     ),
     "tests/test_deadlock.py::test_a_finished_rank_whose_call_was_another_size_leaves_its_peer_waiting": (
-        "workbench/analysis/deadlock.py",
+        "workbench/analysis/deadlock.py", "workbench/rank/waitfor.py",
     ),
     "tests/test_detectors.py::test_divergence_names_the_diverging_rank_only": (
         "workbench/analysis/findings.py",

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from workbench.analysis.collectives import OPEN, describe, group_ranks, mismatch_kind
+from workbench.rank import waitfor
 
 
 @dataclass
@@ -112,7 +113,7 @@ def _across_groups(ledger: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]]
 
     waits = {r: [p for p in sorted(members.get(str(c["group"]), set())) if p != r and p in open_by_rank
                  and not same(c, open_by_rank[p])] for r, c in open_by_rank.items()}
-    cycle = _cycle(waits)
+    cycle = waitfor.cycle(waits)
     if not cycle:
         return None
     here = {r: open_by_rank[r] for r in cycle}
@@ -120,19 +121,6 @@ def _across_groups(ledger: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]]
                       f"{','.join(map(str, waits[r]))}" for r, c in sorted(here.items()))
     groups = ",".join(sorted({str(c["group"]) for c in here.values()}))
     return Deadlock(groups, here, {}, f"the open calls wait on each other across groups: {pairs}")
-
-
-def _cycle(waits: dict[int, list[int]]) -> list[int]:
-    """The ranks of one cycle in the wait-for graph, sorted (empty when there is none)."""
-    for start in sorted(waits):
-        path, seen, r = [start], {start}, start
-        while waits.get(r):
-            r = waits[r][0]
-            if r in seen:
-                return sorted(path[path.index(r):])
-            path.append(r)
-            seen.add(r)
-    return []
 
 
 def _group_deadlock(group: str, part: pd.DataFrame, open_by_rank: dict[int, dict[str, Any]], done: set[int],

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from workbench.job import engine, guest
+from workbench.rank import waitfor
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
@@ -553,7 +554,7 @@ def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
             calls[r] = got[0]  # its earliest open call
     waits = {r: [p for p in (c.get("group_ranks") or range(world)) if p != r and p in calls
                  and not _same(c, calls[p])] for r, c in calls.items()}
-    cycle = _cycle(waits)
+    cycle = waitfor.cycle(waits)
     if not cycle:
         return None
     now = time.time()
@@ -563,32 +564,6 @@ def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
                      for r in cycle)
     return {"kind": "mismatched collectives", "ranks": cycle, "calls": {str(r): calls[r] for r in cycle},
             "waits_for": {str(r): waits[r] for r in cycle}, "line": line}
-
-
-def _cycle(waits: dict[int, list[int]]) -> list[int]:
-    """The ranks of one cycle in the wait-for graph, sorted (empty when there is none)."""
-    state: dict[int, int] = {}  # 1: on the path, 2: done
-
-    def visit(r: int, path: list[int]) -> list[int]:
-        state[r] = 1
-        path.append(r)
-        for p in waits.get(r, []):
-            if state.get(p) == 1:
-                return path[path.index(p):]
-            if p not in state:
-                found = visit(p, path)
-                if found:
-                    return found
-        path.pop()
-        state[r] = 2
-        return []
-
-    for r in sorted(waits):
-        if r not in state:
-            found = visit(r, [])
-            if found:
-                return sorted(found)
-    return []
 
 
 # -- serving -----------------------------------------------------------------------------------------
