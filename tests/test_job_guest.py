@@ -67,6 +67,14 @@ def _said_once_per_rank(text: str, pattern: str) -> None:
         assert len(got) == 1, (r, pattern, text[-3000:])
 
 
+def _both_took(out: Path, point: str) -> bool:
+    """Whether every rank's shard holds ``point``'s line."""
+    try:
+        return all(f'"point": "{point}"' in (out / f"rank{r}" / "points.jsonl").read_text() for r in (0, 1))
+    except OSError:
+        return False
+
+
 def _the_api_lines(text: str, out: Path, attach: str) -> None:
     """What the script's own capture lines make each rank say, once: its path replaced, its options dropped, an
     object by position refused (nothing recorded)."""
@@ -182,6 +190,34 @@ def test_a_second_capture_and_the_environment_say_what_they_drop_once(alone, tmp
         cap.close()
 
 
+def test_close_waits_for_the_watcher_in_a_store_call(alone, tmp_path, monkeypatch):
+    """The post-mortem watcher asks the store from a daemon thread. One still inside that C++ call when the
+    interpreter finalizes is ended by Python mid-call, and the rank aborts ('terminate called without an active
+    exception': a clean job's exit status 1, seen in a fresh clone's CI). Close (at exit, before finalization)
+    waits for it; here one call takes 1.5 s, as on a loaded box."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from workbench.job import engine
+
+    inside, store = threading.Event(), HashStore()
+    real = triggers._has
+
+    def slow(store, key):
+        inside.set()
+        time.sleep(1.5)
+        return real(store, key)
+
+    monkeypatch.setattr(engine, "job_store", lambda: store)
+    monkeypatch.setattr(triggers, "_has", slow)
+    cap = wj.capture(tmp_path / "cap", ledger=False, poison=False, attach="on-error")
+    thread = cap.watch.thread
+    assert inside.wait(30), "the watcher never asked the store"
+    cap.close()
+    assert not thread.is_alive(), "close returned with the watcher still inside a store call"
+
+
 def test_who_watches_and_the_help_says_both():
     master, slave = os.openpty()
     try:
@@ -261,8 +297,10 @@ def test_at_a_terminal_the_traceback_then_one_line_then_ctrl_c_ends_the_wait(tmp
                     text += os.read(fd, 65536)
                 except OSError:  # the pty closed: every process on it is gone
                     pass
-            if not sent and RAISED.encode() in text:
-                os.write(fd, b"\x03")  # Ctrl-C, as the line says
+            if not sent and RAISED.encode() in text and _both_took(out, "step0"):
+                # Ctrl-C, as the line says, once rank 0 is past its first point: the line may come while rank 0
+                # still writes it (a loaded CI box), and Ctrl-C there ends rank 0 before its point is written
+                os.write(fd, b"\x03")
                 sent = True
             done, st = os.waitpid(pid, os.WNOHANG)
             status = os.waitstatus_to_exitcode(st) if done else None

@@ -57,6 +57,7 @@ from workbench.rank import waitfor
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
          True: ("error", "deadlock")}
 ABORT_WAIT_S = 5.0  # how long a waiting rank gives the abort of its communicators before it serves without
+END_JOIN_S = 10.0  # how long close waits for the watcher's store call in flight (~ms; seconds under load)
 END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
 
 
@@ -83,9 +84,15 @@ class Watch:
     device_held: str | None = None  # why the abort of its communicators failed (its device stays held)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the role: its thread and its main thread
 
-    def end(self) -> None:
-        """Stop the watcher thread (at its next poll)."""
+    def end(self, wait: float = END_JOIN_S) -> None:
+        """Stop the polling watcher thread and wait up to ``wait`` seconds for a store call it is in: a daemon
+        thread still inside a C++ call when the interpreter finalizes is ended mid-call and the rank aborts
+        ('terminate called without an active exception', exit status 1 on a clean job)."""
         self.stop.set()
+        thread = self.thread
+        if thread is None or thread is threading.current_thread() or self.role is not None:
+            return  # a thread that serves a post mortem ends with it (its deadline, the notebook, Ctrl-C)
+        thread.join(wait)
 
 
 class Watched(engine.Host, Protocol):
