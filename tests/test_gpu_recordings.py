@@ -19,7 +19,7 @@ from pathlib import Path
 GPU = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
 
 
-def test_order_desync_at_4_ranks_lists_no_unregistered_group():
+def test_recording_of_order_desync_at_4_ranks_lists_no_unregistered_group():
     text = (GPU / "order_desync_trace_4gpu.txt").read_text()
     assert "is not registered" not in text and "ValueError" not in text
     deliver = text.split("== 7:deliver_2", 1)[1].split("\n== 8:", 1)[0]
@@ -27,7 +27,7 @@ def test_order_desync_at_4_ranks_lists_no_unregistered_group():
     assert "no default group" not in text  # every rank keeps its groups after the release
 
 
-def test_recovery_at_4_ranks_still_right_with_the_registry_kept():
+def test_recording_of_recovery_at_4_ranks_still_right_with_the_registry_kept():
     cycles = json.loads((GPU / "hang_cycles_nccl_4gpu.json").read_text())["rows"]
     hangs = [c for c in cycles if not c.get("death")]
     assert len(hangs) >= 20 and all(c["check_ok"] and not c["restarted"] for c in hangs)
@@ -35,7 +35,7 @@ def test_recovery_at_4_ranks_still_right_with_the_registry_kept():
     assert "frame state: 4/4 cycles right" in (GPU / "frame_state_nccl_4gpu.txt").read_text()
 
 
-def test_real_size_rows_and_diagnosis():
+def test_recording_of_real_size_rows_and_diagnosis():
     runs = {r["ranks"]: r for r in json.loads((GPU / "real_size_round1.json").read_text())["runs"]}
     base = json.loads((GPU / "real_size_nowarm.json").read_text())["runs"][0]
     assert sorted(runs) == [2, 4]
@@ -51,23 +51,26 @@ def _run(name: str) -> dict:
     return json.loads((GPU / name).read_text())["runs"][0]
 
 
-def test_first_probe_on_one_machine_three_times():
+def test_recording_of_first_probe_on_one_machine_three_times():
     runs = [_run(f"real_size_4gpu_run{i}.json") for i in (1, 2, 3)]
     assert [r["triton_cache_cold"] for r in runs] == [True, False, True]
     assert all(len(r["warm_after_run"]) == r["ranks"] for r in runs)  # every rank says how it warmed
 
 
-def test_a_probe_pause_is_a_full_collection():
-    """The reading behind the GC pause: the step's spike is the probe's collection (the rest of the step is
-    the same as its neighbours'), and the prototype run is the one that says it froze the collector."""
+def test_recording_of_a_probe_pause_names_the_gc_probe_step():
+    """The reading behind the GC pause, as recorded: every step has its overhead and its slowest GC probe, the
+    step with the spike is the one whose GC probe was slowest, and the prototype run is the one that says it froze
+    the collector. How long the pause may be is a speed target: benchmarks/gpu_recorded.py, not a test."""
     plain, frozen = _run("real_size_gc.json"), _run("real_size_gc_freeze.json")
     steps = plain["cold"][3:] + plain["warm"]
-    spike = max(steps, key=lambda s: s["overhead_s"])
-    assert spike["overhead_s"] - spike["slowest_gc_probe_s"] < 0.05
+    for key in ("overhead_s", "slowest_gc_probe_s"):  # timings: present and positive; their bounds live in benchmarks/
+        assert all(isinstance(s[key], (int, float)) and s[key] > 0 for s in steps), key
+    spike = max(range(len(steps)), key=lambda i: steps[i]["overhead_s"])
+    assert spike == max(range(len(steps)), key=lambda i: steps[i]["slowest_gc_probe_s"])  # the same step, by index
     assert frozen["gc_freeze_prototype"] and not plain["gc_freeze_prototype"]
 
 
-def test_real_size_with_the_gc_pause_at_2_and_4_gpus():
+def test_recording_of_real_size_with_the_gc_pause_at_2_and_4_gpus():
     """The product's path (no prototype): the warm-up and the rank's GC pause; four warm passes."""
     runs = {r["ranks"]: r for r in json.loads((GPU / "real_size.json").read_text())["runs"]}
     assert sorted(runs) == [2, 4]
@@ -81,7 +84,7 @@ def test_real_size_with_the_gc_pause_at_2_and_4_gpus():
     assert all(c["check_ok"] and not c["replayed_hung"] for c in gc_pause)
 
 
-def test_an_unmodified_job_under_workbench_job_on_4_gpus():
+def test_recording_of_an_unmodified_job_under_workbench_job_on_4_gpus():
     """scripts/gpu_job_zero_code.sh: the Llama-3.2-1B-shaped FSDP2 job with no workbench line, plain and under the
     wrapper; every run ended 0, the captured runs took the automatic points and their reports name inv_freq."""
     rec = json.loads((GPU / "job_zero_code_4gpu.json").read_text())
