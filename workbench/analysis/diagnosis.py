@@ -36,15 +36,8 @@ import pandas as pd
 
 from workbench.analysis.diagnosis_rules import RULES, diagnose_run, rules
 from workbench.analysis.diagnosis_run import BAD, Run
-from workbench.analysis.diagnosis_words import (
-    EVIDENCE_COLUMNS,
-    GRID_COLUMNS,
-    GRID_STATUSES,
-    Clause,
-    Diagnosis,
-    dt,
-    short,
-)
+from workbench.analysis.diagnosis_type import EVIDENCE_COLUMNS, GRID_COLUMNS, Clause, Diagnosis
+from workbench.analysis.diagnosis_words import GRID_STATUSES, dt, short
 from workbench.analysis.frames import fmt
 from workbench.analysis.rankgroups import ranks_words as _ranks
 

@@ -11,7 +11,6 @@ first exception) are computed when first asked for. The functions below answer o
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -50,16 +49,13 @@ class Run:
         the same tables, manifest and notes; ``rec`` itself when it is a ``Run``."""
         if isinstance(rec, Run):
             return rec
-        key = _key(rec)
-        hit = _RUNS.get(id(rec))
-        if hit is not None and hit[0]() is rec and _same(hit[1], key):
-            return hit[2]
-        run, at = cls._read(rec), id(rec)
-        try:
-            ref = weakref.ref(rec, lambda _: _RUNS.pop(at, None))
-        except TypeError:  # a record that cannot be referred to weakly is read each time
-            return run
-        _RUNS[at] = (ref, key, run)
+        key, own = _key(rec), _own(rec)
+        hit = own.get(CACHED) if own is not None else None
+        if hit is not None and _same(hit[0], key):
+            return hit[1]
+        run = cls._read(rec)
+        if own is not None:  # a record without an instance dict of its own is read each time
+            own[CACHED] = (key, run)
         return run
 
     @classmethod
@@ -122,7 +118,15 @@ class Run:
         return first_error(self)
 
 
-_RUNS: dict[int, tuple[weakref.ref, tuple, Run]] = {}  # id(record) -> (the record, what it held, its Run)
+CACHED = "_wb_diagnosis_run"  # the record's own slot for (what it held when read, its Run)
+
+
+def _own(rec: Any) -> dict[str, Any] | None:
+    """The record's instance dict, where its ``Run`` is kept: the cache lives and dies with the record (no global
+    table keyed by ``id()``, which a new object may reuse), and is written past ``__setattr__`` so a frozen
+    dataclass or an unhashable one (``RunRecord``) holds it too; None when the record has no dict of its own."""
+    own = getattr(rec, "__dict__", None)
+    return own if type(own) is dict else None
 
 
 def _key(rec: Any) -> tuple:

@@ -32,7 +32,7 @@ import pandas as pd
 from workbench.analysis.diagnosis_rules import exception, parting, rule, story, tensor
 from workbench.analysis.diagnosis_rules.rule import Rule
 from workbench.analysis.diagnosis_run import Run
-from workbench.analysis.diagnosis_words import Diagnosis
+from workbench.analysis.diagnosis_type import Diagnosis
 
 STAGES = {"story": story, "parting": parting, "tensor": tensor, "exception": exception}
 

@@ -17,7 +17,8 @@ from workbench.analysis import cause
 from workbench.analysis.diagnosis_rules import parting
 from workbench.analysis.diagnosis_rules.rule import Rule, always, walk
 from workbench.analysis.diagnosis_run import Run, parted_members
-from workbench.analysis.diagnosis_words import Diagnosis, from_error, lead, said, told
+from workbench.analysis.diagnosis_type import Diagnosis
+from workbench.analysis.diagnosis_words import from_error, lead, said, told
 from workbench.analysis.rankgroups import ranks_words
 
 OUTCOMES = ("rank-died", "hang")  # stories about ranks, which already name who raised

@@ -16,10 +16,9 @@ from workbench.analysis import collectives, findings
 from workbench.analysis.collectives import is_number
 from workbench.analysis.diagnosis_rules.rule import Rule, always, outcome_rows, walk
 from workbench.analysis.diagnosis_run import Run, bucket_names, independent, split_before
+from workbench.analysis.diagnosis_type import Clause, Diagnosis
 from workbench.analysis.diagnosis_words import (
     PART_WORDS,
-    Clause,
-    Diagnosis,
     by_value,
     calls_by_group,
     dt,

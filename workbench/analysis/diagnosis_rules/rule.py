@@ -13,7 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.analysis.diagnosis_words import Diagnosis, said
+from workbench.analysis.diagnosis_type import Diagnosis
+from workbench.analysis.diagnosis_words import said
 
 
 @dataclass(frozen=True)

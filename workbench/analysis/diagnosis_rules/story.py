@@ -18,9 +18,8 @@ from workbench.analysis import cause, collectives
 from workbench.analysis.diagnosis_rules import parting, tensor
 from workbench.analysis.diagnosis_rules.rule import Rule, always, outcome_rows, then, walk
 from workbench.analysis.diagnosis_run import Run, first_faults, last_call, persistent_faults
+from workbench.analysis.diagnosis_type import Clause, Diagnosis
 from workbench.analysis.diagnosis_words import (
-    Clause,
-    Diagnosis,
     ev_frame,
     floor_clause,
     from_error,

@@ -16,9 +16,8 @@ from workbench.analysis import weightsync
 from workbench.analysis.collectives import is_number
 from workbench.analysis.diagnosis_rules.rule import Rule, always, walk
 from workbench.analysis.diagnosis_run import Run, broken_tie
+from workbench.analysis.diagnosis_type import Clause, Diagnosis
 from workbench.analysis.diagnosis_words import (
-    Clause,
-    Diagnosis,
     dt,
     ev_frame,
     named,
