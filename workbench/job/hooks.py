@@ -233,9 +233,9 @@ class Hooks:
 
         if self.cap is not None and getattr(self.cap, "enabled", False):
             self.cap.hooks = self
+            self.cap.on_close(self.uninstall)  # close and a fault give torch back as they found it
         # these wrappers (and the detectors' around to_empty and backward) sit between the user's line and torch
-        ledger._PLUMBING += tuple(f for f in (_HERE, *map(os.path.abspath, (materialise.__file__, losses.__file__)))
-                                  if f not in ledger._PLUMBING)
+        self._undo.append(ledger.add_plumbing([_HERE, *map(os.path.abspath, (materialise.__file__, losses.__file__))]))
         if "to_empty" in self.points:
             self.materialised = materialise.Materialisations(self._error)  # inside the point's wrapper: seen first
             self._undo.append(self.materialised.install())

@@ -58,6 +58,7 @@ import time
 import traceback
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +331,10 @@ class NoCapture:
         return 0
 
     @_takes()
+    def on_close(self, undo: Callable[[], Any]) -> None:
+        return None
+
+    @_takes()
     def close(self) -> None:
         return None
 
@@ -534,6 +539,15 @@ class Capture:
     def _forget(self) -> None:
         if _CURRENT and _CURRENT[0] is self:
             _CURRENT.clear()
+
+    @_takes()
+    def on_close(self, undo: Callable[[], Any]) -> None:
+        """Run ``undo`` when the capture closes or a fault stops it, before what it installed itself is undone
+        (last registered, first run): what a caller patched on the capture's behalf goes with it."""
+        if self._closed:
+            undo()
+        else:
+            self._stack.callback(undo)
 
     def _unwind(self) -> None:
         """Every install step undone, last first (each runs whatever the others do; the first error is raised

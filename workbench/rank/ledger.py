@@ -43,7 +43,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -631,8 +631,19 @@ def before_destroy(fn: Callable[[], Any]) -> Callable[[], None]:
     def remove() -> None:
         with contextlib.suppress(ValueError):
             _BEFORE_DESTROY.remove(fn)
+        _unwatch_destroy()
 
     return remove
+
+
+def _unwatch_destroy() -> None:
+    """The job's own ``destroy_process_group`` back, once nothing is left for the wrapper to do (no reader before
+    it, no ledger closed with calls still running, no device call watched)."""
+    if not _DESTROY or _BEFORE_DESTROY or _CLOSING or _PENDING:
+        return
+    wrapper = dist.destroy_process_group
+    if getattr(wrapper, "__wrapped__", None) is _DESTROY[0]:  # not one a later patch put over ours
+        dist.destroy_process_group = _DESTROY.pop()
 
 
 def _watch_destroy() -> None:
@@ -657,6 +668,21 @@ def _watch_destroy() -> None:
         return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
+
+
+
+def add_plumbing(paths: Iterable[str]) -> Callable[[], None]:
+    """Name more files as plumbing (a call's caller is the first frame outside them: a wrapper between the user's
+    line and torch is not that line). Returns what takes them off again (the capture's close)."""
+    global _PLUMBING
+    added = tuple(p for p in dict.fromkeys(paths) if p not in _PLUMBING)
+    _PLUMBING += added
+
+    def remove() -> None:
+        global _PLUMBING
+        _PLUMBING = tuple(p for p in _PLUMBING if p not in added)
+
+    return remove
 
 
 P2P = ("send", "recv_", "isend", "irecv")

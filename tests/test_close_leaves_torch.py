@@ -1,0 +1,140 @@
+"""``close()`` leaves torch as it found it (``guest.py``: "its modes, wrappers, hooks ... go"): every function,
+method and global hook the capture or its automatic points patched is the original again, no mode is left on
+torch's stacks, the process's own hooks (excepthook, import finders) are back, and no thread of the capture
+is alive. A job that closes its capture and trains on (or a notebook that opens a second one) runs plain torch.
+
+A single-rank gloo group in this process, so the ledger and the post-mortem watcher install as in a job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import workbench.job as wj
+from workbench.job import hooks, shard
+
+pytestmark = pytest.mark.check
+
+# Where a capture patches: modules and classes whose attributes are compared by identity before and after.
+SPOTS = ["torch", "torch.Tensor", "torch.nn.Module", "torch.autograd", "torch.distributed",
+         "torch.distributed.distributed_c10d", "torch.optim.Optimizer", "torch.nn.parallel.DistributedDataParallel",
+         "torch.distributed.fsdp", "torch.distributed.fsdp.FullyShardedDataParallel",
+         "torch.distributed.checkpoint.state_dict", "torch.nn.modules.module"]
+GLOBAL_HOOKS = ["torch.optim.optimizer._global_optimizer_post_hooks",
+                "torch.optim.optimizer._global_optimizer_pre_hooks",
+                "torch.nn.modules.module._global_forward_hooks",
+                "torch.nn.modules.module._global_forward_pre_hooks",
+                "torch.nn.modules.module._global_backward_hooks"]
+
+
+def _resolve(path: str):
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def _state() -> dict[str, object]:
+    """Taken after ``import torch._dynamo`` (the ledger imports it at install; dynamo's import itself rewraps
+    ``torch.manual_seed``, a change of torch's, not the capture's).
+
+    Every attribute of the spots by identity, the global hook tables by their keys, the modes, the process's
+    hooks and the threads."""
+    import torch._dynamo
+
+    out: dict[str, object] = {}
+    for spot in SPOTS:
+        obj = _resolve(spot)
+        names = vars(obj) if isinstance(obj, type) else {n: getattr(obj, n, None) for n in dir(obj)}
+        for name, value in dict(names).items():
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
+                out[f"{spot}.{name}"] = id(value)
+    for table in GLOBAL_HOOKS:
+        out[table] = sorted(_resolve(table).keys())
+    out["torch function modes"] = torch._C._len_torch_function_stack()
+    out["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()
+    out["sys.excepthook"] = id(sys.excepthook)
+    out["sys.meta_path"] = [id(f) for f in sys.meta_path]
+    out["threads"] = sorted(t.name for t in threading.enumerate())
+    return out
+
+
+def _diff(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    return [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+
+
+@pytest.fixture
+def group(tmp_path, monkeypatch):
+    for k in ("WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_PID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(shard, "_SAID", set())
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_close_gives_back_every_patch_mode_hook_and_thread(group, tmp_path):
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp
+
+    before = _state()
+    cap = wj.capture(tmp_path / "cap", poison="all", ledger="full", attach="post-mortem")
+    hk = hooks.Hooks(cap, every=1).install()
+    assert _diff(before, _state()), "nothing was patched: the test would prove nothing"
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        _train(model, opt)
+    cap.point("after", model=model)
+    taken = list(cap.points)
+    assert {"to_empty", "step1", "step2", "after"} <= set(taken), taken  # the hooks were on: they took points
+    cap.close()
+    left = _diff(before, _state())
+    assert left == [], f"close left these as the capture made them: {left}"
+    _train(model, opt)  # the job trains on, plain: no automatic point, no hook error
+    assert cap.points == taken and hk.errors == []
+
+
+def test_a_fault_gives_them_back_too(group, tmp_path, capfd):
+    import torch.distributed.fsdp  # noqa: F401
+
+    before = _state()
+    cap = wj.capture(tmp_path / "cap", attach="on-error")
+    hooks.Hooks(cap, every=1).install()
+    cap._fault("at a test's planted fault", RuntimeError("planted"))
+    assert "capture stopped at a test's planted fault" in capfd.readouterr().err
+    left = _diff(before, _state())
+    assert left == [], f"a fault left these as the capture made them: {left}"
+    assert os.path.exists(tmp_path / "cap")
