@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,70 @@ _USER_PREFIXES = (_SHIPPED, "<ipython-input", os.path.join(os.path.dirname(_HERE
 # library that issued a call: past them no frame issued anything.
 _MACHINERY = re.compile(r"[/\\](ipyparallel|ipykernel|IPython|tornado|zmq|traitlets|jupyter_client)[/\\]"
                         r"|^<frozen runpy>")  # not asyncio: a library's own event loop may sit below the user's line
+
+
+class StartRow(TypedDict, total=False):
+    """A call's start line (``ev: start``), written before the call runs: what the readers key on."""
+
+    ev: str
+    rank: int
+    session: str
+    attempt: int
+    step: str | None
+    group: str
+    group_ranks: list[int]
+    seq: int
+    op: str
+    c10d_op: str
+    dtypes: list[str]
+    shapes: list[list[int]]
+    numel: int
+    bytes: int
+    device: str
+    src: int | None
+    dst: int | None
+    group_src: int | None
+    group_dst: int | None
+    tag: Any
+    t: float
+    send: dict[str, Any]
+    recv: dict[str, Any]
+    caller: str
+    user_frame: str
+    stack: list[str]
+    library_frame: str
+    label: str | None
+    source: str  # where a row not seen by the wrapper came from (Flight Recorder's)
+    via: str
+    bucket: int
+    bucket_tensors: int | None
+
+
+class EndRow(TypedDict, total=False):
+    """A call's end line (``ev: end``), matched to its start by (session, attempt, group, seq)."""
+
+    ev: str
+    rank: int
+    session: str
+    attempt: int
+    group: str
+    seq: int
+    state: str  # completed | failed | timed out | issued (its end never seen)
+    error: str | None
+    t: float
+    note: str | None
+    source: str
+
+
+def end_row(start: StartRow | dict[str, Any], state: str, *, error: str | None = None, note: str | None = None,
+            source: str | None = None) -> EndRow:
+    """The end line of the call ``start`` opened: the one place an end row is built."""
+    row: EndRow = {"ev": "end", "rank": start.get("rank"), "session": start.get("session"),
+                   "attempt": start.get("attempt"), "group": start.get("group"), "seq": start.get("seq"),
+                   "state": state, "error": error, "t": time.time(), "note": note}
+    if source is not None:
+        row["source"] = source
+    return row
 
 
 def ledger_path(directory: str, rank: int) -> str:
@@ -240,9 +304,7 @@ class Ledger:
         with self._lock:
             left = list(self._open.values())
         for rec in left:
-            self.write({"ev": "end", "rank": rec.get("rank"), "session": rec.get("session"),
-                        "attempt": rec.get("attempt"), "group": rec.get("group"), "seq": rec.get("seq"),
-                        "state": "issued", "error": None, "t": time.time(), "note": note})
+            self.write(end_row(rec, "issued", note=note))
         with self._lock:
             self._open.clear()
             if not self._file.closed:
@@ -444,7 +506,7 @@ class _Recorder(TorchDispatchMode):
             self._p2p = (pg, pg.group_name or "default_pg", backend_seq(pg, self._last_device))
         floor = backend_seq(pg, self._last_device) + 1 if self.backend_seq and pg is not None and raw not in P2P \
             else 0
-        rec: dict[str, Any] = {
+        rec: StartRow = {
             "ev": "start", "rank": self.ledger.rank, "session": self.ledger.session,
             "attempt": self.ledger.attempt, "step": self.ledger.step, "group": group,
             "group_ranks": ranks, "seq": self.ledger.next_seq(group, floor), "op": OP_NAMES.get(raw, raw),
@@ -490,12 +552,7 @@ class _Recorder(TorchDispatchMode):
             state, text = "failed", f"aborted by the workbench's recovery ({text})"
         elif device and state == "completed" and control.aborted():  # an NCCL kernel that ended only at the abort
             state, text = "failed", "aborted by the workbench's recovery (its work ended at the abort, not done)"
-        self.ledger.write({
-            "ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
-            "group": rec["group"], "seq": rec["seq"], "state": state,
-            "error": text, "t": time.time(),
-            "note": note,
-        })
+        self.ledger.write(end_row(rec, state, error=text, note=note))
 
 
 _PENDING: list[tuple[Any, Any]] = []  # (cuda event, callback) polled by one watcher thread
