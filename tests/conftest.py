@@ -234,6 +234,9 @@ CHECK_END_TO_END: tuple[str, ...] = (
     "tests/test_job_zero_code.py::test_the_fsdp2_job_unmodified_reads_as_the_manual_points_do",
 )
 CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
+    "tests/test_capture_config.py::test_to_env_reads_back_as_it_was": (
+        "workbench/job/config.py",
+    ),
     "tests/test_cli.py::test_run_writes_json_in_the_frames_vocabulary_and_a_report": (
         "workbench/cli.py", "workbench/lab/__init__.py", "workbench/lab/buffers.py", "workbench/lab/fsdp_cpu.py",
         "workbench/rank/__init__.py", "workbench/rank/trace.py", "workbench/scenario.py",

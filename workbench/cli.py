@@ -553,11 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from workbench.job import config  # its words: the environment reads what the command line takes
+
     j.add_argument("--every", type=int, default=0, metavar="N", help="a point every N-th optimizer step "
                    "(default: the first step only)")
     j.add_argument("--points", nargs="?", const="", default=None, metavar="NAMES",
                    help="only these automatic points, comma-separated; alone: list them")
-    j.add_argument("--attach", default=None, choices=["post-mortem", "on-error", "on-deadlock", "off"],
+    j.add_argument("--attach", default=None, choices=[*config.ATTACH, "off"],
                    help="every rank attachable from a notebook (wb.connect(job=DIR)) once a rank raises (on-error) or "
                    "the ledgers prove a deadlock (on-deadlock); post-mortem: both. Default at a terminal (stdin and "
                    "stderr a TTY, CI unset): post-mortem; a rank that raises prints its traceback at once, then one "
@@ -570,9 +572,9 @@ def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
     j.add_argument("--hang-after", type=positive_seconds, default=60.0, metavar="S",
                    help="seconds a collective may stay open before the ledgers may call it stuck (default 60): a "
                    "deadlock is proven (and, with the attach, served and ended) that much sooner")
-    j.add_argument("--poison", default="to_empty", choices=["to_empty", "all", "off"],
+    j.add_argument("--poison", default="to_empty", choices=[m.value for m in config.Poison],
                    help="NaN in what to_empty hands out (default), in every allocation too, or none")
-    j.add_argument("--ledger", default="calls", choices=["calls", "full", "off"],
+    j.add_argument("--ledger", default="calls", choices=[m.value for m in config.Ledger],
                    help="the collective record: around torch.distributed's calls (default), every op, or none "
                    "(then post mortem on error only)")
     j.add_argument("--site", action="store_true", help="print the site hook's directory (for PYTHONPATH, with "
@@ -609,7 +611,7 @@ def watched(env: dict[str, str] | None = None, streams: tuple[Any, ...] | None =
 def cmd_job(args: argparse.Namespace) -> int:
     """Exec the launcher with the site hook on its ``PYTHONPATH`` and the capture's options in its environment:
     from then on its exit status, output and signals are the launcher's own (``workbench/job/hooks.py``)."""
-    from workbench.job import hooks, triggers
+    from workbench.job import config, hooks
 
     rest = list(args.rest)
     head, command = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
@@ -634,10 +636,10 @@ def cmd_job(args: argparse.Namespace) -> int:
                              "train.py")
     if args.every < 0:
         raise WorkbenchError(f"--every takes a number of steps (0: the first only); got {args.every}")
-    names = [p.strip() for p in (args.points or "").split(",") if p.strip()]
-    unknown = [p for p in names if p not in hooks.POINTS]
-    if unknown:
-        raise WorkbenchError(f"unknown point(s) {', '.join(unknown)}; the points: {', '.join(hooks.POINTS)}")
+    try:
+        names = config.check_points(p.strip() for p in (args.points or "").split(",") if p.strip())
+    except ValueError as exc:
+        raise WorkbenchError(str(exc)) from None
     asked = args.attach is not None
     if not asked:  # nobody who did not ask for a notebook waits for one unless someone watches the run
         args.attach = "post-mortem" if watched() else "on-deadlock"
@@ -646,20 +648,20 @@ def cmd_job(args: argparse.Namespace) -> int:
             raise WorkbenchError("--attach on-deadlock reads the ledger: drop --ledger off, or --attach on-error")
         args.attach = "on-error" if args.attach != "on-deadlock" else "off"
     env = dict(os.environ)
-    env.pop(hooks.ENV_PID, None)
-    env.update({
-        hooks.ENV: str(Path(args.dir).resolve()), hooks.ENV_EVERY: str(args.every), hooks.ENV_POINTS: ",".join(names),
-        hooks.ENV_ATTACH: args.attach, hooks.ENV_DEADLINE: str(args.attach_deadline), hooks.ENV_POISON: args.poison,
-        hooks.ENV_HANG_AFTER: str(args.hang_after),
-        triggers.ENV_LAUNCHER: str(os.getpid()),  # the launcher's, once exec'd: what the wait line names
-        "WORKBENCH_CAPTURE_LEDGER": {"calls": "calls", "full": "1", "off": "0"}[args.ledger],
-        "WORKBENCH_CAPTURE_HOME": str(package.parent.parent),
-        "PYTHONPATH": os.pathsep.join([str(package / "site"), *filter(None, [env.get("PYTHONPATH")])]),
-    })
-    if not any(k in env for k in ("WORKBENCH_JOB_ID", "SLURM_PROCID")):  # one id every rank reads from its start
+    env.pop(config.ENV_PID, None)  # the rank that captures sets it
+    job = None
+    if not any(k in env for k in (config.ENV_JOB, "SLURM_PROCID")):  # one id every rank reads from its start
         import uuid
 
-        env["WORKBENCH_JOB_ID"] = f"job-{uuid.uuid4().hex[:12]}"
+        job = f"job-{uuid.uuid4().hex[:12]}"
+    env.update(config.CaptureConfig(
+        directory=str(Path(args.dir).resolve()), job=job, poison=config.Poison(args.poison),
+        ledger=config.Ledger(args.ledger), every=args.every, points=names or tuple(config.POINTS),
+        attach=None if args.attach == "off" else args.attach, attach_deadline=args.attach_deadline,
+        hang_after=args.hang_after, home=str(package.parent.parent),
+        launcher_pid=os.getpid(),  # the launcher's, once exec'd: what the wait line names
+    ).to_env())
+    env["PYTHONPATH"] = os.pathsep.join([str(package / "site"), *filter(None, [env.get("PYTHONPATH")])])
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.job.config import CaptureConfig
 from workbench.job.debug_server import ask, ask_all, fetch
 from workbench.job.engine import here
 from workbench.job.shard import ENV_OFF, Capture, NoCapture, capture
 
-__all__ = ["ENV_OFF", "Capture", "NoCapture", "ask", "ask_all", "capture", "fetch", "here", "load", "merge"]
+__all__ = ["ENV_OFF", "Capture", "CaptureConfig", "NoCapture", "ask", "ask_all", "capture", "fetch", "here", "load",
+           "merge"]
 
 
 def load(path: Any) -> Any:

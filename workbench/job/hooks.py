@@ -41,30 +41,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import losses, materialise, owners
+from workbench.job import config, losses, materialise, owners
 
-ENV = "WORKBENCH_CAPTURE"  # a directory: capture every rank into it (the job package's ENV_OFF)
-ENV_EVERY = "WORKBENCH_CAPTURE_EVERY"  # a point every N-th optimizer step (after the first)
-ENV_POINTS = "WORKBENCH_CAPTURE_POINTS"  # the automatic points to take, comma-separated (default: all)
-ENV_ATTACH = "WORKBENCH_CAPTURE_ATTACH"  # post-mortem, on-error, on-deadlock (default unset), off
-ENV_DEADLINE = "WORKBENCH_CAPTURE_DEADLINE"  # seconds a post-mortem attach waits for a notebook
-ENV_HANG_AFTER = "WORKBENCH_CAPTURE_HANG_AFTER"  # seconds a call waits before the ledgers may call it stuck
-ENV_POISON = "WORKBENCH_CAPTURE_POISON"  # to_empty (default), all, off
-ENV_PID = "WORKBENCH_CAPTURE_PID"  # the process that captures: its children (workers) do not
-OFF = ("", "0", "off", "false", "no", "1", "on", "true", "yes")  # words, not directories
-
-POINTS = {
-    "to_empty": "after nn.Module.to_empty (recurse=True): the module materialised",
-    "fully_shard": "after FSDP2's fully_shard of a root (a module with sharded submodules)",
-    "FullyShardedDataParallel": "after FSDP1's construction (the outermost wrap; its sync_module_states "
-                                "in the point's note)",
-    "load_state_dict": "after nn.Module.load_state_dict",
-    "set_model_state_dict": "after torch.distributed.checkpoint's set_model_state_dict",
-    "forward": "after the first forward of each wrapped root (fully_shard, FSDP1, DDP), its output as an output",
-    "step": "after the first optimizer.step() (step1), then every N-th (--every N: step<N>, step<2N>, ...); "
-            "nonfinite_loss: on every rank, once the backward after the one a first non-finite loss ran returned",
-    "load_weights": "after a weight-sync receiver's load_weights (an nn.Module class that defines one)",
-}
+# the variables, the words and the points are config.py's (the one place that reads the environment)
+ENV, ENV_EVERY, ENV_POINTS, ENV_ATTACH = config.ENV, config.ENV_EVERY, config.ENV_POINTS, config.ENV_ATTACH
+ENV_DEADLINE, ENV_HANG_AFTER, ENV_POISON, ENV_PID = (config.ENV_DEADLINE, config.ENV_HANG_AFTER, config.ENV_POISON,
+                                                      config.ENV_PID)
+OFF = config.WORDS  # words, not directories
+POINTS = config.POINTS
 LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
              "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner")
 _MARK = "__workbench_hook__"
@@ -75,8 +59,7 @@ _INSTALLED: list[Hooks] = []
 # -- in which process, with what: read from the environment --------------------------------------------
 def directory(env: dict[str, str] | None = None) -> str | None:
     """The capture directory ``WORKBENCH_CAPTURE`` names, or None (absent, ``0``, or a word like ``1``)."""
-    value = (os.environ if env is None else env).get(ENV, "").strip()
-    return None if value.lower() in OFF else value
+    return config.from_env(env).directory
 
 
 def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pid: int | None = None) -> bool:
@@ -87,7 +70,8 @@ def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pi
     pid = os.getpid() if pid is None else pid
     if not (("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)):
         return False
-    if env.get(ENV_PID) and env[ENV_PID] != str(pid):
+    capturing = config.from_env(env).pid
+    if capturing is not None and capturing != pid:
         return False  # a worker a rank started: its parent captures
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv):
@@ -100,21 +84,12 @@ def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pi
 
 
 def options(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The wrapper's options, from the environment ``workbench job`` set."""
-    env = os.environ if env is None else env
-    every = int(env.get(ENV_EVERY, "0") or 0)
-    names = [p.strip() for p in env.get(ENV_POINTS, "").split(",") if p.strip()]
-    unknown = [p for p in names if p not in POINTS]
-    if unknown:
-        raise ValueError(f"unknown automatic point(s) {', '.join(unknown)}; the points: {', '.join(POINTS)}")
-    poison = {"to_empty": "to_empty", "all": True, "off": False}.get(env.get(ENV_POISON, "to_empty"), "to_empty")
-    # `workbench job` always sets it (post-mortem at a terminal, on-deadlock where nobody watches); a job that sets
-    # WORKBENCH_CAPTURE itself is read as unwatched: a raise fails at once, nobody waits for a notebook unasked
-    attach = env.get(ENV_ATTACH, "on-deadlock")
-    return {"every": every, "points": names or list(POINTS), "poison": poison,
-            "attach": None if attach == "off" else attach,
-            "attach_deadline": float(env.get(ENV_DEADLINE, "600") or 600),
-            "hang_after": float(env.get(ENV_HANG_AFTER, "60") or 60)}
+    """The wrapper's options, from the environment ``workbench job`` set (a bad value: said once, its default used).
+    ``workbench job`` always sets the attach (post-mortem at a terminal, on-deadlock where nobody watches); a job that
+    sets ``WORKBENCH_CAPTURE`` itself is read as unwatched: a raise fails at once, nobody waits for a notebook."""
+    from workbench.job import shard
+
+    return shard.say_problems(config.from_env(env)).options()
 
 
 # -- waiting for torch: a finder that runs callbacks once a module has been executed --------------------
@@ -196,10 +171,10 @@ def start() -> Hooks | None:
     try:
         from workbench.job import shard
 
-        opts = options()
-        cap = shard.capture(directory(), poison=opts["poison"], ledger="calls", attach=opts["attach"],
-                            attach_deadline=opts["attach_deadline"], hang_after=opts["hang_after"])
-        return Hooks(cap, every=opts["every"], points=opts["points"]).install()
+        got = shard.say_problems(config.from_env())
+        cap = shard.capture(got.directory, poison=got.poison.arg, ledger="calls", attach=got.attach,
+                            attach_deadline=got.attach_deadline, hang_after=got.hang_after)
+        return Hooks(cap, every=got.every, points=list(got.points)).install()
     except Exception as exc:
         _say(f"workbench: capture off in this process: {type(exc).__name__}: {exc}")
         return None
@@ -210,9 +185,7 @@ class Hooks:
     """The automatic points of one capture: ``install()`` wraps the calls, ``uninstall()`` gives them back."""
 
     def __init__(self, cap: Any, every: int = 0, points: list[str] | tuple[str, ...] | None = None):
-        unknown = [p for p in points or () if p not in POINTS]
-        if unknown:
-            raise ValueError(f"unknown automatic point(s) {', '.join(unknown)}; the points: {', '.join(POINTS)}")
+        config.check_points(points or ())
         if every < 0:
             raise ValueError(f"every must be 0 (only the first step) or a positive number of steps; got {every}")
         self.cap, self.every = cap, int(every)

@@ -62,13 +62,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.job import debug_server, engine, guest, triggers, writer
+from workbench.job import config, debug_server, engine, guest, triggers, writer
 from workbench.job.launcher import launcher_env
 from workbench.postmortem import shards
 
-ENV_OFF = "WORKBENCH_CAPTURE"  # "0", "off", "false", "no": capture is a no-op; a directory: capture into it
-ENV_JOB = "WORKBENCH_JOB_ID"
-ENV_LEDGER = "WORKBENCH_CAPTURE_LEDGER"  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none
+ENV_OFF = config.ENV  # an OFF word ("0", "off", "false", "no"): capture is a no-op; a directory: capture into it
+ENV_JOB = config.ENV_JOB
+ENV_LEDGER = config.ENV_LEDGER  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none (config.Ledger)
 _CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
@@ -104,21 +104,23 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     """
     given = {k: v for k, v in locals().items() if k in _DEFAULTS and v != _DEFAULTS[k]}  # what the call asked
     on = triggers.modes(attach)
-    where = os.environ.get(ENV_OFF, "1").strip()
+    env = config.from_env()
     if enabled is None:
-        enabled = where.lower() not in ("0", "off", "false", "no")
-    if enabled and where.lower() not in ("", "1", "on", "true", "yes"):  # a directory: capture there
-        _replaced(path, where)
-        path = where
+        enabled = env.enabled
+    if enabled and env.directory:  # a directory: capture there
+        _replaced(path, env.directory)
+        path = env.directory
     if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
         _dropped(_CURRENT[0], given)
         return _CURRENT[0]
-    ledger = _ledger_mode(ledger, strict) if enabled else ledger
-    if poison not in POISON_MODES:
+    if enabled:
+        ledger = _ledger_mode(env, ledger, strict)
+    poison_mode, ledger_mode = config.Poison.of_arg(poison), config.Ledger.of_arg(ledger)
+    if poison_mode is None:
         raise ValueError(f"poison must be 'to_empty', 'all' (or True) or False; got {poison!r}")
-    if ledger not in LEDGER_ARGS:
+    if ledger_mode is None:
         raise ValueError(f"ledger must be 'calls', 'full' (or True) or False; got {ledger!r}")
-    poison, ledger = POISON_MODES[poison], LEDGER_ARGS[ledger]
+    poison, ledger = poison_mode.arg, ledger_mode.arg
     if "deadlock" in on and not ledger:
         raise ValueError("attach='on-deadlock' reads the ledger: it needs ledger='calls' or 'full'")
     if not (isinstance(attach_deadline, (int, float)) and attach_deadline > 0 and hang_after > 0):
@@ -216,29 +218,22 @@ def _takes(nothing: Any = None) -> Any:
     return wrap
 
 
-LEDGER_MODES = {"calls": "calls", "default": "calls", "full": True, "1": True, "on": True, "true": True, "yes": True,
-                "0": False, "off": False, "false": False, "no": False}
-# the script's own values: True stays the full ledger and the allocator-wide poison (what they meant before the
-# defaults became the cheap ones); the manifest keeps True for them
-LEDGER_ARGS: dict[Any, bool | str] = {"calls": "calls", "full": True, True: True, False: False}
-POISON_MODES: dict[Any, bool | str] = {"to_empty": "to_empty", "all": True, True: True, False: False}
+def _ledger_mode(env: config.CaptureConfig, ledger: bool | str, strict: bool) -> bool | str:
+    """``WORKBENCH_CAPTURE_LEDGER`` over the script's ``ledger``. The environment's bad values are said once and
+    ignored (a bad ledger: the script's own choice stands, not silently the most expensive mode); ``strict``: the
+    first raises instead."""
+    if strict and env.problems:
+        raise ValueError(next(iter(env.problems.values())))
+    say_problems(env)
+    return ledger if env.ledger is None else env.ledger.arg
 
 
-def _ledger_mode(ledger: bool | str, strict: bool) -> bool | str:
-    """``WORKBENCH_CAPTURE_LEDGER`` over the script's ``ledger``; a value it does not know is refused in one line
-    (the script's own choice stands: not silently the most expensive mode)."""
-    raw = os.environ.get(ENV_LEDGER, "")
-    if not raw.strip():
-        return ledger
-    got = LEDGER_MODES.get(raw.strip().lower())
-    if got is not None:
-        return got
-    line = (f"{ENV_LEDGER}={raw!r} is not a ledger mode (calls or default, full or 1, off or 0): refused; the script's "
-            f"ledger={ledger!r} stands")
-    if strict:
-        raise ValueError(line)
-    guest.say(f"workbench: rank {_rank_word()}: {line}")
-    return ledger
+def say_problems(env: config.CaptureConfig) -> config.CaptureConfig:
+    """The environment's bad values (``config.py``: each ignored, its default used), each said once per process
+    however often the environment is read; returns ``env``."""
+    for line in env.problems.values():
+        say_once(f"workbench: rank {_rank_word()}: {line}")
+    return env
 
 
 def _rank_word() -> str:
@@ -359,9 +354,10 @@ def _where_quietly() -> tuple[int, int]:
 
 
 def _launcher_job() -> str | None:
+    job = config.from_env().job
+    if job:
+        return job
     env = os.environ
-    if env.get(ENV_JOB):
-        return env[ENV_JOB]
     if env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}" + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else "")
     run = env.get("TORCHELASTIC_RUN_ID")
