@@ -22,7 +22,8 @@ from workbench.analysis.diagnosis_rules.rule import Rule, always
 from workbench.analysis.diagnosis_rules.story import RunFacts
 from workbench.analysis.diagnosis_rules.tensor import TensorFacts
 from workbench.analysis.diagnosis_run import Run, persistent_faults
-from workbench.analysis.diagnosis_type import Diagnosis, said
+from workbench.analysis.diagnosis_type import Diagnosis
+from workbench.analysis.diagnosis_words import said
 from workbench.analysis.frames import COLUMNS, EVENT_COLUMNS, OUTPUT_COLUMNS, table
 from workbench.rank.poison import poison_
 from workbench.rank.probe import probe_tensors
