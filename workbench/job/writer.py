@@ -28,7 +28,9 @@ DRAIN_S = 30.0  # the longest the job's thread waits for points still being writ
 def wanted(on_gpu: bool, strict: bool) -> bool:
     """Whether points are finished on the writer thread: on a GPU job by default, never in strict mode (its faults
     raise into the job at the point that caused them); ``WORKBENCH_CAPTURE_WRITER`` overrides the default."""
-    how = os.environ.get(ENV, "").strip().lower()
+    from workbench.job.config import from_env
+
+    how = from_env().writer or ""  # ENV through the config: a bad value is said by the capture, ignored here
     if strict or how == "inline":
         return False
     return how == "thread" or on_gpu
