@@ -8,13 +8,15 @@ reference value), poison of what ``to_empty`` and the Python allocators hand out
 notes), so a point's rows are a live step's rows.
 
 A rank's shard of the run before moves to ``<dir>/previous/rank<r>`` (an elastic restart keeps
-its hung attempt). Durability: each point is one JSON line appended to ``points.jsonl`` and flushed before
-``point`` returns; the ledger writes a call's start line (flushed) before the call runs and its
-end line when the backend says it ended. A job that hangs in a collective, or is killed in
-one, leaves that start line with no end: the reader names it as the stuck call. Nothing runs
-in the background. An exception that ends the job is one more line (``sys.excepthook``), and
-``kill -USR1`` writes every thread's Python stacks into ``stacks.txt`` (faulthandler; left
-alone where the job has its own SIGUSR1 handler).
+its hung attempt). Durability: each point is one JSON line appended to ``points.jsonl``: on CPU written and
+flushed before ``point`` returns; on a GPU job handed to the writer thread (``writer.py``), which writes it while
+the device works (close, a breakpoint and the job's exception wait for it). The ledger writes a call's start line
+(flushed) before the call runs and its end line when the backend says it ended. A job that hangs in a collective,
+or is killed in one, leaves that start line with no end: the reader names it as the stuck call. What runs in the
+background: that writer (GPU jobs), the post-mortem watcher (``triggers.py``: it polls the job's store; close
+joins it) and the ledger's watcher of device calls. An exception that ends the job is one more line
+(``sys.excepthook``), and ``kill -USR1`` writes every thread's Python stacks into ``stacks.txt`` (faulthandler;
+left alone where the job has its own SIGUSR1 handler).
 
 Where the job runs PyTorch's debug server, a handler of the capture's own answers with this rank's
 latest point and its open calls while the job runs or hangs (``debug_server.py``, with the client that
@@ -24,9 +26,10 @@ What it costs the job: a point is the probe's own time (CPU: 27 tensors 1-6 ms, 
 bare probe) and 10-45 KB of JSON. Between points the defaults keep nothing on the job's ops: the ledger wraps
 ``torch.distributed``'s collective functions (``ledger="calls"``, ``rank/ledger_calls.py``) and is completed by
 PyTorch's Flight Recorder for the collectives issued from C++ (DDP's reducer; ``rank/ledger_fr.py``: read at each
-point, at close, at the job's exception, at a hang and post mortem, and only where the ledger's numbers have a gap),
-and poison fills what ``to_empty`` hands out (``poison="to_empty"``), so ``torch.compile`` compiles. The expensive
-modes stay a choice: ``ledger="full"`` (or ``True``) puts a ``TorchDispatchMode`` over every aten op (a tiny Qwen3
+point on CPU and every ``FR_READ_EVERY`` (8) points on a GPU job, or sooner where its ring could wrap; at close,
+at the job's exception, at a hang and post mortem, and only where the ledger's numbers have a gap), and poison
+fills what ``to_empty`` hands out (``poison="to_empty"``), so ``torch.compile`` compiles. The expensive modes stay
+a choice: ``ledger="full"`` (or ``True``) puts a ``TorchDispatchMode`` over every aten op (a tiny Qwen3
 forward 1.3 -> 4 ms; ``torch.compile`` then runs the model eagerly: the first call 0.02 s instead of a 60 s
 compile) and ``poison="all"`` (or ``True``) a ``TorchFunctionMode`` that fills every Python-level ``torch.empty``
 the job makes (FSDP2's all-gather buffers included). ``benchmarks/job_capture.py`` measures each mode.
