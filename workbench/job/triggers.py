@@ -42,6 +42,7 @@ the attach a released rank ends in one line, exit status 1 (``Capture._excepthoo
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import sys
@@ -59,6 +60,7 @@ MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("
 ABORT_WAIT_S = 5.0  # how long a waiting rank gives the abort of its communicators before it serves without
 END_JOIN_S = 10.0  # how long close waits for the watcher's store call in flight (~ms; seconds under load)
 END_WAIT_S = 2.0  # after a deadlock's attach: how long a released main thread has to end the rank itself
+STORE_LOST_AFTER = 3  # consecutive polls the job's store fails before the watcher calls it lost (a blip passes)
 
 
 class Released(BaseException):
@@ -66,6 +68,23 @@ class Released(BaseException):
     communicators aborted once the account was taken): the rank stops there, waits until the notebook is done
     and ends with exit status 1 (``shard.Capture._excepthook``). A ``BaseException``, so the job's own
     ``except Exception`` does not take it for one of its errors."""
+
+
+class Role(enum.Enum):
+    """Where this rank stands in the post mortem (string values: what a rank publishes of itself reads the same)."""
+
+    RAISED = "raised"  # its main thread serves, for its own error
+    WAITING = "waiting"  # its watcher thread serves, for another rank's error or a deadlock
+    SERVED = "served"  # its serving is over (or there was none to be had)
+
+
+class StoreDown(RuntimeError):
+    """The job's store failed a call (a dead ``TCPStore``'s client: connection refused, reset): not a key that is
+    absent. The watcher counts these and, once they persist, says so and stops."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(guest.cause(exc))
+        self.cause = exc
 
 
 @dataclass
@@ -79,10 +98,32 @@ class Watch:
     device: Any = None  # the main thread's CUDA device at install (a point records it again as it goes)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
-    role: str | None = None  # "raised" | "waiting" while this rank serves; "served" after
+    role: Role | None = None  # RAISED | WAITING while this rank serves; SERVED after (set only by ``take``)
     released: dict[str, Any] | None = None  # what ``_release`` freed: rank, call, held, groups, abort_s
     device_held: str | None = None  # why the abort of its communicators failed (its device stays held)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the role: its thread and its main thread
+    served: threading.Event = field(default_factory=threading.Event)  # set once the role is SERVED
+    said: set[str] = field(default_factory=set)  # the faults said already (``say_once``)
+
+    def take(self, role: Role) -> Role | None:
+        """Become ``role`` unless this rank stands somewhere already; SERVED is always taken (the end of any
+        serving) and wakes whoever waits for it. Returns the role it had before (None: it is ``role`` now). The
+        one place the role is set: the main thread (its error) and the watcher (another's) race for it."""
+        with self.lock:
+            before = self.role
+            if before is None or role is Role.SERVED:
+                self.role = role
+                if role is Role.SERVED:
+                    self.served.set()
+            return before
+
+    def say_once(self, what: str, line: str) -> None:
+        """One line on stderr (``guest.say``) for a fault of kind ``what``, once per watch however often it recurs."""
+        with self.lock:
+            if what in self.said:
+                return
+            self.said.add(what)
+        guest.say(line)
 
     def end(self, wait: float = END_JOIN_S) -> None:
         """Stop the polling watcher thread and wait up to ``wait`` seconds for a store call it is in: a daemon
@@ -151,17 +192,41 @@ def _key(cap: engine.Host) -> str:
 
 
 def _has(store: Any, key: str) -> bool:
+    """Whether ``key`` is in the store (False: absent); a store that fails the call raises ``StoreDown``."""
     try:
         return bool(store.check([key]))
-    except Exception:
-        return False
+    except Exception as exc:
+        raise StoreDown(exc) from exc
 
 
 def _get(store: Any, key: str) -> Any:
+    """``key``'s JSON value; None where the key is absent (the store's get waits for one until its timeout: ask
+    ``_has`` first) or its value is not JSON. A store that fails the call raises ``StoreDown``."""
     try:
-        return json.loads(store.get(key).decode())
-    except Exception:
+        raw = store.get(key)
+    except Exception as exc:
+        if not _has(store, key):  # the get timed out on an absent key (``_has`` raises for a store that is down)
+            return None
+        raise StoreDown(exc) from exc
+    try:
+        return json.loads(raw.decode())
+    except (ValueError, AttributeError):
         return None
+
+
+def _peek(store: Any, key: str) -> Any:
+    """``key``'s value if it is there, None otherwise or where the store fails (serving: the account goes on)."""
+    try:
+        return _get(store, key) if _has(store, key) else None
+    except StoreDown:
+        return None
+
+
+def _there(store: Any, key: str) -> bool:
+    try:
+        return _has(store, key)
+    except StoreDown:
+        return False
 
 
 # -- the rank that raised ------------------------------------------------------------------------
@@ -180,22 +245,16 @@ def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any,
     for how long, how to attach and how to end the wait now (``wait_line``)."""
     if not may_wait(watch, exc):
         return None
-    with watch.lock:
-        if watch.role:  # this rank serves already (its thread, for another rank's error) or did
-            busy = watch.role != "served"
-        else:
-            busy = None
-            watch.role = "raised"
-    if busy is not None:
-        if busy:  # wait for that attach to end, then fail as the job would have
-            while watch.role != "served":
-                time.sleep(0.1)
+    had = watch.take(Role.RAISED)
+    if had is not None:  # this rank serves already (its thread, for another rank's error) or did
+        if had is not Role.SERVED:  # wait for that attach to end, then fail as the job would have
+            watch.served.wait()
         return None
     store = engine.job_store()  # where another rank raised first, this one serves too, as a rank that raised
     if store is None and cap.world_size > 1:  # no process group (not yet, or destroyed): no way to the others
         sys.__stderr__.write("workbench: no post-mortem attach: the job's process group is not initialized, so "
                              "the other ranks cannot be told\n")
-        watch.role = "served"
+        watch.take(Role.SERVED)
         return None
     key = _key(cap)
     error = _error(exc, tb)
@@ -204,19 +263,28 @@ def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any,
     frame = _failing_frame(tb)
     objects = dict(frame.f_locals) if frame is not None else {}
     objects.update(exc=exc, tb=tb, frame=frame)
-    me = {"rank": cap.rank, "role": "raised", "error": error, "where": error["where"],
+    me = {"rank": cap.rank, "role": Role.RAISED.value, "error": error, "where": error["where"],
           "open_calls": _open_calls(cap)}
     first = store is None
     if store is not None:
-        with contextlib.suppress(Exception):
+        try:
             store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
             if store.add(f"{key}/claim", 1) == 1:
                 store.set(f"{key}/go", json.dumps(trigger))
                 first = True
+        except Exception as exc:
+            _not_started(cap, watch, exc)
     if first:
         guest.say(wait_line(cap, watch, f"rank {cap.rank} raised {trigger['error'].splitlines()[0][:200]}"))
     return _serve(cap, watch, objects, trigger if store is None else None,
                   on_stuck=lambda: _fail_now(cap, exc, tb, told))
+
+
+def _not_started(cap: engine.Host, watch: Watch, exc: BaseException) -> None:
+    """The trigger could not be published in the job's store: the other ranks never learn of it, so the post
+    mortem does not start from this rank. Said once; the job goes on as it would have."""
+    watch.say_once("publish", f"workbench: rank {cap.rank}: the post mortem could not be started: the job's store "
+                              f"did not take its trigger ({guest.cause(exc)}); the job goes on as it would have")
 
 
 ENV_LAUNCHER = "WORKBENCH_CAPTURE_LAUNCHER_PID"  # the launcher's pid (``workbench job`` execs it: its own pid)
@@ -320,10 +388,13 @@ def _watch(cap: Watched, watch: Watch, poll: float) -> None:
 
 
 def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
+    """Poll the job's store until a post mortem starts (this rank then serves), the capture closes, or the store
+    stays down ``STORE_LOST_AFTER`` polls in a row (said once; post mortem off on this rank)."""
     key = _key(cap)
     tail = ledger_reader(cap.ledger_path) if "deadlock" in watch.triggers else None
-    published = None
+    state: dict[str, Any] = {"published": None}
     store = None
+    down = 0  # consecutive polls the store failed
     while not watch.stop.wait(poll):
         if cap.closed:
             return
@@ -332,47 +403,74 @@ def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
                 store = engine.job_store()
             if store is None:
                 continue
-        if _has(store, f"{key}/go"):
-            trigger = _get(store, f"{key}/go") or {}
-            with watch.lock:
-                if watch.role:
-                    return  # this rank raised (its main thread serves) or served already
-                watch.role = "waiting"
-            frame = _main_frame()
-            objects = dict(frame.f_locals) if frame is not None else {}
-            objects["frame"] = frame
-            me = {"rank": cap.rank, "role": "waiting", "where": _where(frame) if frame is not None else "?",
-                  "open_calls": _open_calls(cap)}
-            with contextlib.suppress(Exception):
-                store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
-            del frame
-            _release(cap, watch, me)  # its part of the account is taken: free its stream so its device reads
-            _off_the_stuck_stream(cap, watch)
-            served = _serve(cap, watch, objects, None, trigger=trigger)
-            if trigger.get("reason") == "deadlock" and served.get("by") in ("client", "deadline"):
-                _end_after_deadlock(cap, watch, trigger, store, key)
-            return
-        if tail is None:
+        try:
+            if _poll(cap, watch, store, key, tail, state):
+                return
+        except StoreDown as exc:
+            down += 1
+            if down >= STORE_LOST_AFTER:
+                _store_lost(cap, exc)
+                return
             continue
-        with contextlib.suppress(Exception):  # a call only Flight Recorder saw (DDP's reducer) may be the one
-            cap.watch_flight_recorder(min(1.0, watch.hang_after / 2))
-        now = time.time()
-        calls = open_calls(tail)
-        old = [c for c in calls if now - float(c.get("t") or now) > watch.hang_after]
-        mine = json.dumps(old[:4], default=str) if old else "[]"
-        if mine != published:
-            with contextlib.suppress(Exception):
-                store.set(f"{key}/open/{cap.rank}", mine)
-                published = mine
-        if cap.rank == 0 and old:
-            proof = _prove(store, key, cap.world_size)
-            if proof is not None:
-                with contextlib.suppress(Exception):
-                    if store.add(f"{key}/claim", 1) == 1:
-                        store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
-                                                           "t": time.time()}))
-                        guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
-                                            "every rank then ends, exit status 1"))
+        down = 0
+
+
+def _store_lost(cap: Watched, exc: StoreDown) -> None:
+    """The job's store stays down: one line, unless the job has no process group any more (it destroyed its
+    groups: no post mortem is left to lose, and a store gone with them is no fault)."""
+    gone = False
+    with contextlib.suppress(Exception):
+        gone = engine.job_store() is None
+    if not gone:
+        guest.say(f"workbench: rank {cap.rank}'s post-mortem watcher lost the job's store: {exc}; post mortem off "
+                  "on this rank")
+
+
+def _poll(cap: Watched, watch: Watch, store: Any, key: str, tail: Any, state: dict[str, Any]) -> bool:
+    """One poll of the store; True once the watcher is done (it served, or its rank serves already). A store that
+    fails raises ``StoreDown``."""
+    if _has(store, f"{key}/go"):
+        trigger = _get(store, f"{key}/go") or {}
+        if watch.take(Role.WAITING) is not None:
+            return True  # this rank raised (its main thread serves) or served already
+        frame = _main_frame()
+        objects = dict(frame.f_locals) if frame is not None else {}
+        objects["frame"] = frame
+        me = {"rank": cap.rank, "role": Role.WAITING.value, "where": _where(frame) if frame is not None else "?",
+              "open_calls": _open_calls(cap)}
+        with contextlib.suppress(Exception):
+            store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
+        del frame
+        _release(cap, watch, me)  # its part of the account is taken: free its stream so its device reads
+        _off_the_stuck_stream(cap, watch)
+        served = _serve(cap, watch, objects, None, trigger=trigger)
+        if trigger.get("reason") == "deadlock" and served.get("by") in ("client", "deadline"):
+            _end_after_deadlock(cap, watch, trigger, store, key)
+        return True
+    if tail is None:
+        return False
+    with contextlib.suppress(Exception):  # a call only Flight Recorder saw (DDP's reducer) may be the one
+        cap.watch_flight_recorder(min(1.0, watch.hang_after / 2))
+    now = time.time()
+    calls = open_calls(tail)
+    old = [c for c in calls if now - float(c.get("t") or now) > watch.hang_after]
+    mine = json.dumps(old[:4], default=str) if old else "[]"
+    if mine != state["published"]:
+        with contextlib.suppress(Exception):
+            store.set(f"{key}/open/{cap.rank}", mine)
+            state["published"] = mine
+    if cap.rank == 0 and old:
+        proof = _prove(store, key, cap.world_size)
+        if proof is not None:
+            try:
+                if store.add(f"{key}/claim", 1) == 1:
+                    store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
+                                                       "t": time.time()}))
+                    guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
+                                        "every rank then ends, exit status 1"))
+            except Exception as exc:
+                _not_started(cap, watch, exc)
+    return False
 
 
 def _nccl() -> bool:
@@ -450,8 +548,7 @@ def _hold_main_thread(watch: Watch) -> bool:
         if code.co_filename.startswith(_WORKBENCH):
             return None
         mon.set_events(tool, 0)
-        while watch.role != "served":
-            time.sleep(0.05)
+        watch.served.wait()
         with contextlib.suppress(Exception):
             mon.register_callback(tool, mon.events.LINE, None)
             mon.free_tool_id(tool)
@@ -555,7 +652,7 @@ def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
     that waits in another call, in a cycle (so none of their calls can ever complete). A rank that issued no
     call (it may be computing) or whose calls match ends every chain: no proof."""
     calls: dict[int, dict[str, Any]] = {}
-    for r in range(world):
+    for r in range(world):  # a store that fails raises (``StoreDown``): the watcher counts it
         got = _get(store, f"{key}/open/{r}") if _has(store, f"{key}/open/{r}") else None
         if got:
             calls[r] = got[0]  # its earliest open call
@@ -582,18 +679,18 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
     key = _key(cap)
 
     def account() -> dict[str, Any]:
-        go = alone or (_get(store, f"{key}/go") if store is not None else None) or trigger or {}
+        go = alone or (_peek(store, f"{key}/go") if store is not None else None) or trigger or {}
         ranks: dict[str, Any] = {}
         end = time.monotonic() + 10.0
         for r in range(cap.world_size):
             dead = _dead(cap, r)
-            while store is not None and not dead and not _has(store, f"{key}/rank/{r}") and time.monotonic() < end:
+            while store is not None and not dead and not _there(store, f"{key}/rank/{r}") and time.monotonic() < end:
                 time.sleep(0.05)
             # only a key that is there: the store's get waits for a missing one (its timeout: minutes)
-            got = _get(store, f"{key}/rank/{r}") if store is not None and _has(store, f"{key}/rank/{r}") else None
+            got = _peek(store, f"{key}/rank/{r}") if store is not None else None
             ranks[str(r)] = got or dead or {"rank": r, "role": "?", "where": "?"}
         if alone:
-            ranks[str(cap.rank)] = {"rank": cap.rank, "role": "raised", "where": alone.get("where")}
+            ranks[str(cap.rank)] = {"rank": cap.rank, "role": Role.RAISED.value, "where": alone.get("where")}
         return {"post_mortem": {"reason": go.get("reason"), "rank": go.get("rank"), "error": go.get("error"),
                                 "where": go.get("where"), "proof": go.get("proof"), "ranks": ranks,
                                 "t": go.get("t"),  # when the rank raised, or the deadlock was proven
@@ -610,7 +707,7 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
                 store.wait([f"{key}/closed"], datetime.timedelta(seconds=30))
         return result
     finally:
-        watch.role = "served"
+        watch.take(Role.SERVED)
 
 
 def _dead(cap: engine.Host, rank: int) -> dict[str, Any] | None:

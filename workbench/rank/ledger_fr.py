@@ -77,36 +77,76 @@ def _ring_size() -> int:
     return _env_size() or int(BUFFER)
 
 
+DUMPS = ("_dump_fr_trace", "_dump_nccl_trace")  # torch 2.13's one dump; torch 2.11 keeps NCCL's apart
+# what a renamed or reshaped API raises (a function gone, its arguments or its pickle's layout changed): torch
+# changed, and the record can no longer be read, unlike a record that holds nothing (quiet)
+API_FAULTS = (AttributeError, TypeError, ImportError, KeyError)
+
+
+class Changed(RuntimeError):
+    """Torch changed Flight Recorder's dump or the groups' table read here: raised out of ``Complement.fill`` once,
+    so the capture says its one line ("Flight Recorder's record is no longer read") and goes on without the
+    complement, rather than reading an empty record for ever while the calls it was to fill go unrecorded."""
+
+
+_changed: Changed | None = None  # what ``groups()`` found changed (it answers no groups; ``Complement.fill`` raises)
+
+
+def changed() -> Changed | None:
+    """The API fault ``groups()`` met, if any (it answers no groups: its callers run on the job's points)."""
+    return _changed
+
+
+def _note_changed(what: str, exc: BaseException) -> None:
+    global _changed
+    if _changed is None:
+        _changed = Changed(f"torch changed {what}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+
+
 def dump(stacks: bool = True) -> list[dict[str, Any]]:
     """Every entry Flight Recorder holds in this process: its gloo buffer and, on versions that keep NCCL's apart
-    (torch 2.11), NCCL's (the pickle dump: the json one carries no frames)."""
+    (torch 2.11), NCCL's (the pickle dump: the json one carries no frames). A record that holds nothing, or a
+    backend with none, is an empty list; an API-shaped failure (``API_FAULTS``) raises ``Changed``."""
     c10d = torch._C._distributed_c10d
+    fns = [(name, getattr(c10d, name)) for name in DUMPS if hasattr(c10d, name)]
+    if not fns:
+        raise Changed(f"torch changed Flight Recorder's dump: none of {', '.join(DUMPS)} exists")
     out: list[dict[str, Any]] = []
-    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
+    for name, fn in fns:
         try:
             raw = fn(True, stacks, False)  # includeCollectives, includeStackTraces, onlyActive
+        except API_FAULTS as exc:
+            raise Changed(f"torch changed Flight Recorder's dump: {name}: {type(exc).__name__}: {exc}") from exc
         except Exception:
-            continue
+            continue  # nothing recorded on that backend
         try:
-            out += pickle.loads(raw).get("entries", []) or []  # torch's own dump of this very process
+            out += list(pickle.loads(raw).get("entries", []) or [])  # torch's own dump of this very process
+        except API_FAULTS as exc:
+            raise Changed(f"torch changed Flight Recorder's dump format: {name}: {type(exc).__name__}: {exc}") \
+                from exc
         except Exception:
             continue
     return out
 
 
 def groups() -> list[tuple[Any, str]]:
-    """Every process group of this process with the name the ledger gives it."""
+    """Every process group of this process with the name the ledger gives it. Never raises (each point marks
+    through it); an API-shaped failure answers no groups and is kept (``changed``) for ``Complement.fill``."""
+    if not dist.is_available():
+        return []
     try:
         names = dict(dist.distributed_c10d._world.pg_names)
+    except API_FAULTS as exc:
+        _note_changed("the process groups' table (distributed_c10d._world.pg_names)", exc)
+        return []
     except Exception:
         return []
     out = []
     for pg, name in names.items():
         try:
             out.append((pg, pg.group_name or name or "default_pg"))
+        except API_FAULTS as exc:
+            _note_changed("a process group's name (ProcessGroup.group_name)", exc)
         except Exception:
             continue
     return out
@@ -169,6 +209,7 @@ class Complement:
         self.marks: list[tuple[str, dict[str, int]]] = []
         self._marks_lock = threading.Lock()
         self.late: dict[tuple[str, int], str | None] = {}  # (group, number) read before its entry: its point
+        self.broken = False  # torch changed the record's API: said once (the fill that found it raised), then off
 
     def mark(self, step: str) -> None:
         """A point is reached: the calls issued so far belong to ``step`` (one counter read per group)."""
@@ -244,7 +285,7 @@ class Complement:
         close", "while the rank waits"); ``hang``: the rank may be stuck: a group's newest call stays open.
         ``marked_only``: only the calls up to the newest point marked (the capture's writer, while the job goes on).
         A call is named by the first point marked after it (else by the ledger's step now)."""
-        if self.book.off:
+        if self.book.off or self.broken:
             return 0
         with self._marks_lock:
             marks = list(self.marks)
@@ -252,6 +293,9 @@ class Complement:
             return 0
         try:
             return self._fill(when, hang, marks, marks[-1][1] if marked_only else None)
+        except Changed:
+            self.broken = True  # raised once: the capture says it and goes on without the complement
+            raise
         finally:
             with self._marks_lock:
                 del self.marks[:len(marks)]
@@ -260,6 +304,8 @@ class Complement:
               upto: dict[str, int] | None) -> int:
         self._close_left_open(everything=not hang)
         gaps = self.gaps(upto)
+        if changed() is not None:  # no groups read (their table changed): not "nothing to fill"
+            raise changed()
         if not gaps:
             return 0
         self.dumps += 1
