@@ -307,7 +307,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/postmortem/bundle.py",
     ),
     "tests/test_job.py::test_a_point_is_on_disk_when_it_returns_and_an_exception_is_a_line": (
-        "workbench/job/__init__.py", "workbench/postmortem/shards.py",
+        "workbench/job/__init__.py", "workbench/postmortem/shards.py", "workbench/rank/shard_format.py",
     ),
     "tests/test_job.py::test_srun_sets_rank_world_and_job": (
         "workbench/job/engine.py", "workbench/job/shard.py", "workbench/rank/ledger_calls.py",

@@ -118,12 +118,15 @@ def test_postmortem_never_imports_live_and_engines_never_import_sessions():
 
 def test_job_never_imports_live_and_postmortem_never_imports_job():
     """The capture runs inside the user's training process: rank-side code and the shard format
-    (``postmortem.shards``), never the engines; the reader of shards is postmortem's own."""
+    (``rank.shard_format``, which the reader imports too), never the engines; the reader of shards is
+    postmortem's own, and the capture's writer does not import it."""
     assert not [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.job") for t in ts
                 if t.startswith("workbench.live")]
     assert not [(m, t) for m, ts in GRAPH.items() if m.startswith("workbench.postmortem") for t in ts
                 if t.startswith("workbench.job")]
-    assert "workbench.postmortem.shards" in GRAPH["workbench.job.shard"]
+    assert "workbench.rank.shard_format" in GRAPH["workbench.job.shard"]
+    assert "workbench.rank.shard_format" in GRAPH["workbench.postmortem.shards"]
+    assert "workbench.postmortem.shards" not in GRAPH["workbench.job.shard"]
 
 
 def _cycle() -> list[str] | None:

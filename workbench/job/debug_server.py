@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from workbench.postmortem import shards
+from workbench.rank import shard_format
 
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
 
@@ -69,7 +69,7 @@ def _handle(req: Any, resp: Any) -> None:
             whole = False
         body = ({"error": "no open capture in this process"} if cap is None
                 else cap.files() if whole else cap.snapshot())
-        resp.set_content(json.dumps(body, default=shards.plain).encode(), "application/json")
+        resp.set_content(json.dumps(body, default=shard_format.plain).encode(), "application/json")
         resp.set_status(200 if cap is not None else 404)
     except Exception as exc:
         resp.set_content(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), "application/json")
@@ -79,7 +79,7 @@ def _handle(req: Any, resp: Any) -> None:
 def worker_url() -> str | None:
     """Where this rank's debug-server worker answers, where the job runs PyTorch's debug server (else None)."""
     server = getattr(sys.modules.get("torch.distributed.debug"), "_WORKER_SERVER", None)
-    return None if server is None else f"http://{shards.host()}:{server.port}"
+    return None if server is None else f"http://{shard_format.host()}:{server.port}"
 
 
 def ask(url: str, timeout: float = 10.0, shard: bool = False) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def ask_all(path: str | os.PathLike, timeout: float = 10.0) -> dict[int, dict[st
     out: dict[int, dict[str, Any]] = {}
     for d in sorted(Path(path).glob("rank*")):
         try:
-            doc = json.loads((d / shards.MANIFEST).read_text())
+            doc = json.loads((d / shard_format.MANIFEST).read_text())
         except (OSError, ValueError):
             continue
         if doc.get("debug_server"):
@@ -124,9 +124,9 @@ def fetch(urls: list[str], out: str | os.PathLike, timeout: float = 30.0) -> tup
         except Exception as exc:
             missed.append(f"{url}: {' '.join(f'{type(exc).__name__}: {exc}'.split())[:200]}")
             continue
-        d = shards.rank_dir(out, rank)
+        d = shard_format.rank_dir(out, rank)
         d.mkdir(parents=True, exist_ok=True)
         for name, text in got.get("files", {}).items():
-            if name in (shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{rank}.jsonl"):
+            if name in (shard_format.MANIFEST, shard_format.POINTS, shard_format.STACKS, f"rank{rank}.jsonl"):
                 (d / name).write_text(text)
     return out, missed

@@ -217,9 +217,10 @@ def _stop_controller(proc: subprocess.Popen | None) -> None:
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    """``attach.json`` by rename (the shard format's atomic write): a notebook never reads half of it."""
+    from workbench.rank import shard_format
+
+    shard_format.write_json_atomic(path, doc, indent=1)
 
 
 def job_store() -> Any:
@@ -253,8 +254,6 @@ def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
     seconds, or a store that fails, is one line on stderr."""
     import torch.distributed as dist
 
-    from workbench.postmortem import shards
-
     store = job_store()
     if store is None:
         return
@@ -265,7 +264,7 @@ def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
         waiting = set(range(dist.get_world_size())) - {0}
         end = time.monotonic() + timeout
         while waiting and time.monotonic() < end:
-            waiting = {r for r in waiting if not store.check([f"{key}/done/{r}"]) and not _gone(shards, root, r)}
+            waiting = {r for r in waiting if not store.check([f"{key}/done/{r}"]) and not _gone(root, r)}
             if waiting:
                 time.sleep(0.1)
         if waiting:
@@ -277,12 +276,14 @@ def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
              f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); going on")
 
 
-def _gone(shards: Any, root: Any, rank: int) -> bool:
+def _gone(root: Any, rank: int) -> bool:
     """Whether rank ``rank``'s shard under ``root`` ends without a close and its process is gone."""
+    from workbench.rank import shard_format
+
     if root is None:
         return False
     try:
-        return shards.gone(json.loads((shards.rank_dir(root, rank) / shards.MANIFEST).read_text()))
+        return shard_format.gone(json.loads((shard_format.rank_dir(root, rank) / shard_format.MANIFEST).read_text()))
     except (OSError, ValueError, AttributeError):
         return False
 

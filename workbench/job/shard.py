@@ -67,7 +67,7 @@ from typing import Any
 
 from workbench.job import config, debug_server, engine, guest, triggers, writer
 from workbench.job.launcher import launcher_env
-from workbench.postmortem import shards
+from workbench.rank import shard_format
 
 ENV_OFF = config.ENV  # an OFF word ("0", "off", "false", "no"): capture is a no-op; a directory: capture into it
 ENV_JOB = config.ENV_JOB
@@ -419,7 +419,7 @@ class Capture:
         where = launcher_env()
         self.rank, self.world_size = where["rank"], where["world_size"]
         self.root = Path(path)
-        self.dir = shards.rank_dir(self.root, self.rank)
+        self.dir = shard_format.rank_dir(self.root, self.rank)
         self._job_given = job or _launcher_job()
         self.job = self._job_given or _store_job()
         self.points: list[str] = []
@@ -429,9 +429,10 @@ class Capture:
         self.ctx = context.RankContext(rank=self.rank, world_size=self.world_size, device=torch.device("cpu"),
                                        backend="", poison=bool(poison), workdir=str(self.dir))
         self.doc: dict[str, Any] = {
-            "format": shards.FORMAT, "schema": shards.SCHEMA, "job": self.job, "name": name or self.root.name,
-            "rank": self.rank, "world_size": self.world_size, "local_rank": where["local_rank"],
-            "launcher": where["launcher"], "attempt": attempt, "host": shards.host(), "pid": os.getpid(),
+            "format": shard_format.FORMAT, "schema": shard_format.SCHEMA, "job": self.job,
+            "name": name or self.root.name, "rank": self.rank, "world_size": self.world_size,
+            "local_rank": where["local_rank"],
+            "launcher": where["launcher"], "attempt": attempt, "host": shard_format.host(), "pid": os.getpid(),
             "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else [],
             "poison": poison, "ledger": ledger, "backend": "", "device": "cpu",
             "started_at": self._t_last, "updated_at": self._t_last, "status": "running", "points": [],
@@ -471,7 +472,7 @@ class Capture:
         stack = self._stack
         _keep_previous(self.root, self.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._points_file = open(self.dir / shards.POINTS, "a", buffering=1)
+        self._points_file = open(self.dir / shard_format.POINTS, "a", buffering=1)
         stack.callback(self._points_file.close)
         stack.callback(poison_mod.uninstall)
         poison_mod.reset_tracking()
@@ -511,7 +512,7 @@ class Capture:
             else:
                 stack.callback(ledger_mod.start_recording(self._ledger, "0"))
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
-            stacks_file = open(self.dir / shards.STACKS, "w")
+            stacks_file = open(self.dir / shard_format.STACKS, "w")
             stack.callback(stacks_file.close)
             faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True, chain=False)
             stack.callback(faulthandler.unregister, signal.SIGUSR1)
@@ -747,7 +748,7 @@ class Capture:
         t0 = time.perf_counter()
         now = time.time()
         if self.job is None:
-            self.job = _store_job() or f"local-{shards.host()}-{os.getppid()}"
+            self.job = _store_job() or f"local-{shard_format.host()}-{os.getppid()}"
             if self._ledger is not None:
                 self._ledger.session = self.job
         if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -811,7 +812,7 @@ class Capture:
         """The point's line and the manifest (on a GPU job, on the writer thread)."""
         if self.stopped is not None:
             return  # a fault stopped the capture meanwhile: what it kept is what it said
-        line = json.dumps(record, default=shards.plain) + "\n"
+        line = json.dumps(record, default=shard_format.plain) + "\n"
         self._points_file.write(line)
         self._points_file.flush()
         self._written = points
@@ -883,7 +884,7 @@ class Capture:
         url = debug_server.worker_url()
         if url is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
             self.doc["debug_server"] = url
-        shards.write_json_atomic(self.dir / shards.MANIFEST, self.doc)
+        shard_format.write_json_atomic(self.dir / shard_format.MANIFEST, self.doc)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         if getattr(self, "_telling", False):  # ``_tell`` runs the hooks around this one: print, as the job's hook
@@ -962,7 +963,7 @@ class Capture:
         """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""
         self.flush(5.0)
         out: dict[str, Any] = {"rank": self.rank, "files": {}}
-        names = [shards.MANIFEST, shards.POINTS, shards.STACKS, f"rank{self.rank}.jsonl"]
+        names = [shard_format.MANIFEST, shard_format.POINTS, shard_format.STACKS, f"rank{self.rank}.jsonl"]
         for name in names:
             try:
                 out["files"][name] = (self.dir / name).read_text(errors="replace")
@@ -1087,10 +1088,10 @@ def _keep_previous(root: Path, rank: int) -> None:
     that goes."""
     import shutil
 
-    here = shards.rank_dir(root, rank)
-    if not (here / shards.MANIFEST).exists():
+    here = shard_format.rank_dir(root, rank)
+    if not (here / shard_format.MANIFEST).exists():
         return
-    prev = shards.rank_dir(root / "previous", rank)
+    prev = shard_format.rank_dir(root / "previous", rank)
     shutil.rmtree(prev, ignore_errors=True)
     prev.parent.mkdir(parents=True, exist_ok=True)
     os.replace(here, prev)

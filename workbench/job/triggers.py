@@ -52,7 +52,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workbench.job import engine, guest
+from workbench.job import config, engine, guest
 from workbench.rank import waitfor
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
@@ -287,15 +287,15 @@ def _not_started(cap: engine.Host, watch: Watch, exc: BaseException) -> None:
                               f"did not take its trigger ({guest.cause(exc)}); the job goes on as it would have")
 
 
-ENV_LAUNCHER = "WORKBENCH_CAPTURE_LAUNCHER_PID"  # the launcher's pid (``workbench job`` execs it: its own pid)
+ENV_LAUNCHER = config.ENV_LAUNCHER  # the launcher's pid (``workbench job`` execs it: its own pid)
 
 
 def wait_line(cap: engine.Host, watch: Watch, what: str, then: str = "the job then fails as it would have") -> str:
     """The one line a job says when it starts to wait for a notebook: what happened, that every rank is
     attachable, for how long, how to attach, and how to end the wait now (Ctrl-C at the launcher's terminal: the
     launcher passes it on to every rank; or a signal to the launcher from elsewhere)."""
-    pid = os.environ.get(ENV_LAUNCHER, "").strip()
-    kill = f" or `kill {pid}`" if pid.isdigit() else ""
+    pid = config.from_env().launcher_pid
+    kill = f" or `kill {pid}`" if pid is not None else ""
     return (f"workbench: {what}; every rank ({cap.world_size}) is attachable from a notebook for "
             f"{watch.deadline:g} s: wb.connect(job={os.path.abspath(cap.root)!r}); end the wait now with Ctrl-C{kill} "
             f"(or cluster.resume()): {then}")
@@ -712,16 +712,16 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
 
 def _dead(cap: engine.Host, rank: int) -> dict[str, Any] | None:
     """A rank whose shard ends without a close and whose process is gone (``shards.gone``): it will never answer."""
-    from workbench.postmortem import shards
+    from workbench.rank import shard_format
 
     try:
-        doc = json.loads((shards.rank_dir(cap.root, rank) / shards.MANIFEST).read_text())
+        doc = json.loads((shard_format.rank_dir(cap.root, rank) / shard_format.MANIFEST).read_text())
     except (OSError, ValueError, AttributeError):
         return None
-    if not isinstance(doc, dict) or not shards.gone(doc):
+    if not isinstance(doc, dict) or not shard_format.gone(doc):
         return None
     after = (doc.get("points") or [None])[-1]
-    return {"rank": rank, "role": "dead", "after": after, "line": shards.dead_line(rank, after)}
+    return {"rank": rank, "role": "dead", "after": after, "line": shard_format.dead_line(rank, after)}
 
 
 def _line(go: dict[str, Any], ranks: dict[str, Any]) -> str:

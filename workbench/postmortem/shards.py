@@ -21,30 +21,29 @@ the layout from this module inside a training process.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-FORMAT = "workbench-shard"
-SCHEMA = 1
-MANIFEST = "shard.json"
-POINTS = "points.jsonl"
-STACKS = "stacks.txt"
+from workbench.rank.shard_format import (  # noqa: F401  (the format, as the reader names it)
+    FORMAT,
+    MANIFEST,
+    POINTS,
+    SCHEMA,
+    STACKS,
+    dead_line,
+    gone,
+    host,
+    ledger_file,
+    plain,
+    rank_dir,
+    write_json_atomic,
+)
+
 STILL_INSIDE = "still inside when the shards were read"
-
-
-def rank_dir(root: str | os.PathLike, rank: int) -> Path:
-    return Path(root) / f"rank{rank}"
-
-
-def ledger_file(root: str | os.PathLike, rank: int) -> Path:
-    """The ledger's own name (``rank.ledger.ledger_path``) inside the rank's folder."""
-    return rank_dir(root, rank) / f"rank{rank}.jsonl"
 
 
 def is_shard_dir(path: str | os.PathLike) -> bool:
@@ -53,27 +52,6 @@ def is_shard_dir(path: str | os.PathLike) -> bool:
     if not p.is_dir() or (p / "manifest.json").exists():
         return False
     return any((d / MANIFEST).is_file() for d in p.glob("rank*"))
-
-
-def plain(v: Any) -> Any:
-    """A value a shard's JSON cannot hold as it is (``json.dumps``'s ``default``): a tensor's or array's list,
-    anything else its ``str``."""
-    if hasattr(v, "tolist"):
-        return v.tolist()
-    return str(v)
-
-
-def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write a small JSON file by rename: a reader never sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, default=str)
-        os.replace(tmp, path)
-    except BaseException:  # a full disk: the file before stays whole, and no half-written copy beside it
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -346,32 +324,6 @@ def _followed(docs: dict[int, dict[str, Any]]) -> dict[str, int] | None:
             "every": max(int(g.get("every") or 0) for g in got)}
 
 
-def gone(doc: dict[str, Any]) -> bool:
-    """A shard with no close (still "running") whose process is gone: killed or crashed. Known only for a rank of
-    this host (its pid no longer runs, or runs another program started since); a rank elsewhere is not named."""
-    if doc.get("status") != "running" or doc.get("host") != host() or not isinstance(doc.get("pid"), int):
-        return False
-    try:
-        import psutil
-
-        proc = psutil.Process(doc["pid"])  # a zombie is dead too (its launcher has not reaped it yet)
-        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > float(doc.get("started_at") or 0) + 1.0
-    except ImportError:
-        try:
-            with open(f"/proc/{doc['pid']}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
-    except Exception:  # no such process (psutil.NoSuchProcess), or one we may not read
-        return not os.path.exists(f"/proc/{doc['pid']}")
-
-
-def dead_line(rank: int, after: str | None) -> str:
-    """``rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed)``."""
-    where = f"after point `{after}`" if after else "before its first point"
-    return f"rank {rank} stopped {where} (its shard ends without a close: killed or crashed)"
-
-
 def _stacks(path: Path, rank: int) -> str:
     try:
         text = (rank_dir(path, rank) / STACKS).read_text(errors="replace")
@@ -391,7 +343,3 @@ def read_checked(path: str | os.PathLike) -> tuple[Any, list[str]]:
     except Exception as exc:
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise BundleError(f"{path}: unreadable shards ({msg})") from None
-
-
-def host() -> str:
-    return socket.gethostname()
