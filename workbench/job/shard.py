@@ -995,18 +995,21 @@ class Capture:
         one line (``guest.py``) and the capture goes on without the complement."""
         if self._fr is None:
             return 0
-        try:
-            with self._fr_lock:
-                return self._fr.fill(when, hang=hang, marked_only=marked_only)
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._fr = None
-            if self._calls is not None:  # the calls it was to fill are recorded here again from now on
-                self._calls.flight_recorder = False
-            guest.say(f"workbench: rank {self.rank}: Flight Recorder's record is no longer read: {guest.cause(exc)}; "
-                      "the calls ledger goes on without it")
-            return 0
+        with self._fr_lock:  # the job's thread, the writer and the watcher: one reads, one says a fault, once
+            fr = self._fr
+            if fr is None:  # another thread's fault took it off meanwhile
+                return 0
+            try:
+                return fr.fill(when, hang=hang, marked_only=marked_only)
+            except Exception as exc:
+                if self.strict:
+                    raise
+                self._fr = None
+                if self._calls is not None:  # the calls it was to fill are recorded here again from now on
+                    self._calls.flight_recorder = False
+                guest.say(f"workbench: rank {self.rank}: Flight Recorder's record is no longer read: "
+                          f"{guest.cause(exc)}; the calls ledger goes on without it")
+                return 0
 
     @_takes(0)
     def watch_flight_recorder(self, still_for: float) -> int:
