@@ -248,6 +248,9 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
     "tests/test_client_imports.py::test_scenario_declarations_and_the_attach_path_import_no_torch": (
         "workbench/live/connect.py", "workbench/live/registry.py",
     ),
+    "tests/test_close_leaves_torch.py::test_close_gives_back_every_patch_mode_hook_and_thread": (
+        "workbench/job/patch.py",
+    ),
     "tests/test_collectives.py::test_an_argument_c10d_refuses_is_the_raising_ranks_cause": (
         "workbench/analysis/cause.py", "workbench/analysis/stacks.py",
     ),

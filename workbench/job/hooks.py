@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import config, losses, materialise, owners
+from workbench.job import config, losses, materialise, owners, patch
 
 # the variables, the words and the points are config.py's (the one place that reads the environment)
 ENV, ENV_EVERY, ENV_POINTS, ENV_ATTACH = config.ENV, config.ENV_EVERY, config.ENV_POINTS, config.ENV_ATTACH
@@ -269,17 +269,9 @@ class Hooks:
         return call
 
     def _method(self, cls: type, name: str, after: Callable[[tuple, dict, Any], None]) -> None:
-        original = cls.__dict__[name] if name in cls.__dict__ else getattr(cls, name)
-        if getattr(original, _MARK, None):
-            return
-        wrapped = self._wrap(name, original, after)
-        setattr(cls, name, wrapped)
-
-        def undo() -> None:
-            if cls.__dict__.get(name) is wrapped:
-                setattr(cls, name, original)
-
-        self._undo.append(undo)
+        original = patch.original(cls, name)
+        if not getattr(original, _MARK, None):
+            self._undo.append(patch.replace(cls, name, self._wrap(name, original, after), original))
 
     def _function(self, modules: list[Any], name: str, original: Callable,
                   after: Callable[[tuple, dict, Any], None]) -> None:
@@ -287,33 +279,10 @@ class Hooks:
         wrapped = self._wrap(name, original, after)
         for module in modules:
             if getattr(module, name, None) is original:
-                setattr(module, name, wrapped)
-                self._undo.append(functools.partial(_put_back, module, name, wrapped, original))
+                self._undo.append(patch.replace(module, name, wrapped, original))
 
     def _subclasses(self, base: type) -> None:
-        """Every ``base`` subclass defined from now on that defines ``load_weights`` gets it wrapped."""
-        hooks = self
-        previous = base.__dict__.get("__init_subclass__")
-
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
-            if previous is not None:
-                previous.__func__(cls, **kwargs)
-            else:
-                super(base, cls).__init_subclass__(**kwargs)
-            if _INSTALLED and _INSTALLED[0] is hooks:
-                _guarded(hooks._receiver, cls, errors=hooks._error)
-
-        setattr(__init_subclass__, _MARK, "load_weights")
-        base.__init_subclass__ = classmethod(__init_subclass__)
-
-        def undo() -> None:
-            if previous is None:
-                if getattr(base.__dict__.get("__init_subclass__"), "__func__", None) is __init_subclass__:
-                    delattr(base, "__init_subclass__")
-            else:
-                base.__init_subclass__ = previous
-
-        self._undo.append(undo)
+        self._undo.append(_wrap_subclasses(self, base))
 
     def _receiver(self, cls: type) -> None:
         original = cls.__dict__.get("load_weights")
@@ -484,9 +453,29 @@ def _params(optimizer: Any) -> dict[str, Any]:
     return {f"group{i}.param{j}": p for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])}
 
 
-def _put_back(module: Any, name: str, wrapped: Any, original: Any) -> None:
-    if getattr(module, name, None) is wrapped:
-        setattr(module, name, original)
+def _wrap_subclasses(hooks: Hooks, base: type) -> Callable[[], None]:
+    """Every ``base`` subclass defined from now on that defines ``load_weights`` gets it wrapped; returns the undo."""
+    previous = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        if previous is not None:
+            previous.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        if _INSTALLED and _INSTALLED[0] is hooks:
+            _guarded(hooks._receiver, cls, errors=hooks._error)
+
+    setattr(__init_subclass__, _MARK, "load_weights")
+    base.__init_subclass__ = classmethod(__init_subclass__)
+
+    def undo() -> None:
+        if previous is None:
+            if getattr(base.__dict__.get("__init_subclass__"), "__func__", None) is __init_subclass__:
+                delattr(base, "__init_subclass__")
+        else:
+            base.__init_subclass__ = previous
+
+    return undo
 
 
 def _guarded(fn: Callable, *args: Any, errors: Callable[[BaseException, Any], None] | None = None) -> None:

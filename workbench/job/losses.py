@@ -32,6 +32,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from workbench.job import patch
+
 _MARK = "__workbench_losses__"
 KEY = "workbench/nonfinite_loss"  # in the job's c10d store: the backward after which every rank takes the point
 
@@ -72,13 +74,7 @@ class Losses:
             return result
 
         setattr(backward, _MARK, True)
-        torch.autograd.backward = backward
-
-        def undo() -> None:
-            if torch.autograd.backward is backward:
-                torch.autograd.backward = original
-
-        return undo
+        return patch.replace(torch.autograd, "backward", backward, original)
 
     def _guard(self, fn: Callable, *args: Any) -> Any:
         try:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.job import patch
+
 NOTE = "clobbered: "  # the note's head: what the diagnosis looks for
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MARK = "__workbench_materialise__"
@@ -79,13 +81,7 @@ class Materialisations:
             return result
 
         setattr(to_empty, _MARK, True)
-        nn.Module.to_empty = to_empty
-
-        def undo() -> None:
-            if nn.Module.__dict__.get("to_empty") is to_empty:
-                nn.Module.to_empty = original
-
-        return undo
+        return patch.replace(nn.Module, "to_empty", to_empty, original)
 
     def _guard(self, fn: Callable, *args: Any) -> Any:
         try:
