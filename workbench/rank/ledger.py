@@ -246,7 +246,7 @@ class Ledger:
                 self._file.flush()
                 for record in records:
                     self._account(record)
-        except Exception as exc:
+        except (OSError, ValueError) as exc:  # a full disk, a file closed under us: the callers' boundaries say a bug
             self.fail(exc)
 
     def _account(self, record: dict[str, Any]) -> None:
@@ -343,21 +343,21 @@ class _Recorder(TorchDispatchMode):
             return self._wait(func, args, kwargs) if name == "wait_tensor" else func(*args, **kwargs)
         try:
             rec = self._start(func, args, kwargs)
-        except Exception as exc:
+        except Exception as exc:  # a boundary: the job's op never sees the recorder's fault; fail() says it
             self.ledger.fail(exc)  # raises, unless a guest's: then the call runs unrecorded
             return func(*args, **kwargs)
         self._device = self._last_device
         p2p, self._p2p = self._p2p, None
         try:
             out = func(*args, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # the call's own failure, whatever it is (an interrupt too), ends its row
             self._end(rec, exc)
             raise
         try:
             if p2p is not None:
                 self._took(*p2p)
             return self._after(func, rec, out)
-        except Exception as exc:
+        except Exception as exc:  # a boundary: the job's op returns its result whatever the recorder met
             self.ledger.fail(exc)
             return out
 
@@ -379,7 +379,7 @@ class _Recorder(TorchDispatchMode):
             return out
         try:
             unboxed = dist.distributed_c10d.Work.unbox(work)
-        except Exception:
+        except (RuntimeError, TypeError):  # no Work in there (a synchronous NCCL op's None): the binding refuses it
             unboxed = None
         if unboxed is not None and self._device is not None and self._device.type == "cuda":
             # An NCCL work's future completes when the kernel is queued, not when it ends (a
@@ -432,7 +432,7 @@ class _Recorder(TorchDispatchMode):
         rec = self.functional.pop(_key(args[0]), None) if args and isinstance(args[0], torch.Tensor) else None
         try:
             out = func(*args, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # the wait's own failure, whatever it is, ends the call's row; re-raised
             if rec is not None:
                 self._end(rec, exc)
             raise
@@ -476,7 +476,7 @@ class _Recorder(TorchDispatchMode):
             group = pg.group_name or "default_pg"
             try:
                 ranks = dist.get_process_group_ranks(pg)
-            except Exception:
+            except (KeyError, ValueError, RuntimeError):  # a group torch no longer registers (aborted, destroyed)
                 ranks = list(range(pg.size()))
         me = ranks.index(self.ledger.rank) if ranks and self.ledger.rank in ranks else 0
         members = ranks  # the group's global ranks, before a point-to-point call narrows them to its channel
@@ -540,7 +540,7 @@ class _Recorder(TorchDispatchMode):
              note: str | None = None, device: bool = False) -> None:
         try:
             self._end_line(rec, error, state, note, device)
-        except Exception as exc:  # on the job's thread, or a backend's callback thread
+        except Exception as exc:  # a boundary: the job's thread (or a backend's callback) never sees our fault
             self.ledger.fail(exc)
 
     def _end_line(self, rec: dict[str, Any], error: BaseException | None, state: str | None,
@@ -572,7 +572,7 @@ class _WorkQuery:
     def query(self) -> bool:
         try:
             return bool(self.work.is_completed())
-        except Exception:
+        except RuntimeError:  # c10d's errors (a failed or aborted work): done, its end says how
             return True
 
 
@@ -654,8 +654,7 @@ def _drop_device_calls(note: str) -> None:
         left = list(_PENDING)
         _PENDING.clear()
     for _, done in left:
-        with contextlib.suppress(Exception):
-            done(note)
+        done(note)  # ``_end``: the recorder's own boundary says a fault
 
 
 DESTROY_WAIT_S = 5.0
@@ -714,12 +713,16 @@ def _watch_destroy() -> None:
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         for fn in list(_BEFORE_DESTROY):
+            # a boundary: a reader (the capture's) never fails the job's destroy; the capture says its own faults
             with contextlib.suppress(Exception):
                 fn()
         if _CLOSING or _PENDING:
+            # a boundary: the job's destroy goes on whatever settling meets (a row's write fault: its ledger's fail())
             with contextlib.suppress(Exception):
-                settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
-            _drop_device_calls("still running when its process group was destroyed: its end was never seen")
+                try:
+                    settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
+                finally:
+                    _drop_device_calls("still running when its process group was destroyed: its end was never seen")
         if _WATCHER:
             _stop_watcher()
         return original(*args, **kwargs)
@@ -751,11 +754,11 @@ def backend_seq(pg: Any, device: torch.device | None = None) -> int:
     if device is not None:  # a group of two backends (cpu:gloo,cuda:nccl) counts per backend
         try:
             return int(pg._get_backend(device)._get_sequence_number_for_group())
-        except Exception:
+        except (RuntimeError, AttributeError, TypeError):  # no backend for that device, or one that keeps no count
             pass
     try:
         return int(pg._get_sequence_number_for_group())
-    except Exception:
+    except (RuntimeError, AttributeError, TypeError):  # a backend that keeps no count (torch's private API)
         return 0
 
 
@@ -765,14 +768,14 @@ def _group(bound: dict[str, Any]) -> Any:
         if isinstance(v, torch.ScriptObject):
             try:
                 return dist.ProcessGroup.unbox(v)
-            except Exception:
+            except (RuntimeError, TypeError):  # a boxed object that is no process group
                 continue
         if k == "group_name" and v is not None:
             if isinstance(v, dist.ProcessGroup):
                 return v
             try:
                 return dist.distributed_c10d._resolve_process_group(str(v))
-            except Exception:
+            except (RuntimeError, ValueError):  # a name torch no longer registers
                 return None
     return None
 
@@ -781,7 +784,7 @@ def _key(t: torch.Tensor) -> tuple:
     """A functional call's output as ``wait_tensor`` later receives it."""
     try:
         return (t.data_ptr(), t.numel(), str(t.dtype))
-    except Exception:
+    except RuntimeError:  # a tensor without storage (a fake or wrapper subclass): by identity
         return (id(t),)
 
 
@@ -799,7 +802,7 @@ def _work_error(work: Any) -> BaseException | None:
         if work.is_success():
             return None
         exc = work.exception()
-    except Exception as err:  # the binding raises the work's own exception where it cannot return it
+    except Exception as err:  # the work's own exception, of any class (the value sought, not our fault)
         return err
     return exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
 
@@ -807,7 +810,7 @@ def _work_error(work: Any) -> BaseException | None:
 def _future_error(fut: Any) -> BaseException | None:
     try:
         fut.wait()
-    except BaseException as exc:
+    except BaseException as exc:  # the future's own exception, of any class (the value sought, not our fault)
         return exc
     return None
 
@@ -926,7 +929,7 @@ def _coalesced_wrapper(original):
         rec.coalesced.append({"tensors": [(t.dtype, t.numel()) for t in tensors], "buckets": 0})
         try:
             agree.synced(tensors, dist.get_process_group_ranks(process_group), "broadcast")
-        except Exception:  # never fail the user's call for the sake of an expectation
+        except Exception:  # a boundary on the job's thread: never fail its call for the sake of an expectation
             pass
         try:
             return original(process_group, tensors, buffer_size, src)
@@ -1043,7 +1046,7 @@ def flight_recorder() -> list[dict[str, Any]]:
     """This rank's Flight Recorder entries (a cross-check; needs the rank to answer)."""
     try:
         raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
-    except Exception as exc:
+    except (RuntimeError, AttributeError) as exc:  # no record on this backend, or a torch without the function
         return [{"error": f"{type(exc).__name__}: {exc}"}]
     entries = json.loads(raw).get("entries", [])
     keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "process_group", "input_sizes", "input_dtypes",

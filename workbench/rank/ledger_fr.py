@@ -117,14 +117,14 @@ def dump(stacks: bool = True) -> list[dict[str, Any]]:
             raw = fn(True, stacks, False)  # includeCollectives, includeStackTraces, onlyActive
         except API_FAULTS as exc:
             raise Changed(f"torch changed Flight Recorder's dump: {name}: {type(exc).__name__}: {exc}") from exc
-        except Exception:
-            continue  # nothing recorded on that backend
+        except RuntimeError:  # c10d's own refusal: nothing recorded on that backend
+            continue
         try:
             out += list(pickle.loads(raw).get("entries", []) or [])  # torch's own dump of this very process
         except API_FAULTS as exc:
             raise Changed(f"torch changed Flight Recorder's dump format: {name}: {type(exc).__name__}: {exc}") \
                 from exc
-        except Exception:
+        except (pickle.UnpicklingError, EOFError, ValueError):  # an empty or cut dump: nothing to read there
             continue
     return out
 
@@ -139,7 +139,7 @@ def groups() -> list[tuple[Any, str]]:
     except API_FAULTS as exc:
         _note_changed("the process groups' table (distributed_c10d._world.pg_names)", exc)
         return []
-    except Exception:
+    except (RuntimeError, ValueError):  # c10d's own errors (its world torn down meanwhile): no groups to read
         return []
     out = []
     for pg, name in names.items():
@@ -147,7 +147,7 @@ def groups() -> list[tuple[Any, str]]:
             out.append((pg, pg.group_name or name or "default_pg"))
         except API_FAULTS as exc:
             _note_changed("a process group's name (ProcessGroup.group_name)", exc)
-        except Exception:
+        except (RuntimeError, ValueError):  # c10d's own errors (a group being torn down): not one to read
             continue
     return out
 
@@ -335,7 +335,7 @@ class Complement:
                 self.late.setdefault((name, q), _point_of(marks, name, q))
             try:
                 ranks = dist.get_process_group_ranks(pg)
-            except Exception:
+            except (KeyError, ValueError, RuntimeError):  # a group torch no longer registers (destroyed meanwhile)
                 ranks = None
             newest = max(self._seen(name) | {0})
             for e in entries:
