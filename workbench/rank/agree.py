@@ -75,7 +75,7 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
             return None
         s = t.untyped_storage()
         return (s.data_ptr(), t.storage_offset(), t.numel(), str(t.dtype))
-    except Exception:
+    except (RuntimeError, TypeError, AttributeError):  # no storage of its own (a fake or wrapper subclass)
         return None
 
 
@@ -93,7 +93,7 @@ def synced(tensors: Iterable[torch.Tensor], ranks: Iterable[int] | None, how: st
             continue
         try:
             ref = StorageWeakRef(t.untyped_storage())  # the memory, not this Python object (p.data is a new one)
-        except Exception:
+        except (RuntimeError, TypeError):  # a storage that cannot be referred to weakly: nothing to remember
             continue
         _SYNCED.pop(key, None)
         _SYNCED[key] = (ref, ranks, how)
@@ -166,7 +166,7 @@ def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
                     ranks = mesh_facts.ranks(mesh)
                     return ranks, "FSDP2", "FSDP2 (a plain buffer: replicated)"
             return _world(), "FSDP2", "FSDP2 (a plain buffer: replicated)"
-    except Exception:
+    except (KeyError, ValueError, RuntimeError, AttributeError):  # its group no longer registered, an odd mesh
         return None
     return None
 
@@ -182,7 +182,7 @@ def _zero(model: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
     try:
         group = zero.__dict__.get("ds_process_group")
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else _world()
-    except Exception:
+    except (KeyError, ValueError, RuntimeError):  # a group torch does not register: ZeRO's world
         ranks = _world()
     return ranks, "ZeRO-3", "ZeRO-3 (a buffer: replicated)"
 
@@ -232,7 +232,7 @@ def placement(t: Any) -> dict[str, str] | None:
             _PLACED.clear()
         _PLACED[key] = (mesh, cols)
         return None if cols is None else dict(cols)
-    except Exception:
+    except (AttributeError, TypeError, IndexError, RuntimeError):  # a mesh or placements only like a DTensor's
         return None
 
 
@@ -240,26 +240,24 @@ _PLACED: dict[tuple, tuple[Any, dict[str, str] | None]] = {}  # (mesh, placement
 
 
 def _placement(mesh: Any, placements: Any) -> dict[str, str] | None:
-    try:
-        facts = mesh_facts.of(mesh)
-        coord, grid = facts.coord, facts.grid
-        if coord is None:
-            return None
-        names = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(grid.ndim))
-        if any(p.is_partial() for p in placements):
-            return {"agree": "", "agree_by": "partial (a pending reduction)", "replica": ""}
-        rep = [i for i, p in enumerate(placements) if p.is_replicate()]
-        if not rep:
-            return {"agree": "", "agree_by": "sharded on " + ", ".join(f"`{names[i]}`" for i in range(grid.ndim)),
-                    "replica": ""}
-        index = tuple(slice(None) if i in rep else coord[i] for i in range(grid.ndim))
-        ranks = grid[index].flatten().tolist()
-        dims = ", ".join(f"`{names[i]}`" for i in rep)
-        return {"agree": ranks_text(ranks) if len(ranks) > 1 else "",
-                "agree_by": f"mesh dim {dims}" if len(rep) == 1 else f"mesh dims {dims}",
-                "replica": ",".join(str(coord[i]) for i in rep)}
-    except Exception:
+    """The columns of ``placements`` on ``mesh``; what cannot be read raises (``placement`` answers None then)."""
+    facts = mesh_facts.of(mesh)
+    coord, grid = facts.coord, facts.grid
+    if coord is None:
         return None
+    names = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(grid.ndim))
+    if any(p.is_partial() for p in placements):
+        return {"agree": "", "agree_by": "partial (a pending reduction)", "replica": ""}
+    rep = [i for i, p in enumerate(placements) if p.is_replicate()]
+    if not rep:
+        return {"agree": "", "agree_by": "sharded on " + ", ".join(f"`{names[i]}`" for i in range(grid.ndim)),
+                "replica": ""}
+    index = tuple(slice(None) if i in rep else coord[i] for i in range(grid.ndim))
+    ranks = grid[index].flatten().tolist()
+    dims = ", ".join(f"`{names[i]}`" for i in rep)
+    return {"agree": ranks_text(ranks) if len(ranks) > 1 else "",
+            "agree_by": f"mesh dim {dims}" if len(rep) == 1 else f"mesh dims {dims}",
+            "replica": ",".join(str(coord[i]) for i in rep)}
 
 
 # -- the rows ------------------------------------------------------------------------------------------------
@@ -466,7 +464,7 @@ class FedInputs:
                         self._stated.add(id(module))
                         _digest_state(_own_state(module, self._owned), self.hash)
                     self.calls += 1
-                except Exception:  # a digest never fails the user's forward
+                except Exception:  # a boundary in the user's forward (a hook): a digest never fails it
                     pass
             self.depth += 1
 

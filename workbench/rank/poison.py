@@ -81,7 +81,7 @@ def _tracking_to_empty(self: nn.Module, *, device, recurse: bool = True) -> nn.M
         with torch.no_grad():
             for t in _tensors(self, recurse):
                 track(t.data, poison=_STATE["poison"])
-    except Exception as exc:
+    except Exception as exc:  # a boundary: the job's to_empty returns its module; _failed says the fault
         _failed(exc)
     return out
 
@@ -188,28 +188,28 @@ class _Allocations(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.off:
             return func(*args, **kwargs)
-        if func is torch.Tensor.resize_:
-            before = args[0].numel()
-            out = func(*args, **kwargs)
-            try:
-                if _STATE["poison"] and out.numel() > before and not out.is_meta and out.is_contiguous():
-                    with torch.no_grad():
-                        poison_(out.detach().reshape(-1)[before:])  # only the grown part is uninitialised
-            except Exception as exc:
-                self.off = _STATE.get("guest") is not None
-                _failed(exc)
-            return out
+        before = args[0].numel() if func is torch.Tensor.resize_ else 0
         out = func(*args, **kwargs)
-        # With poison off only to_empty is tracked (by fingerprint): hashing every allocation would itself
-        # allocate and change which stale bytes the allocator hands out next, the very thing poison-off shows.
         try:
-            if _STATE["poison"] and func in _ALLOCATORS and isinstance(out, torch.Tensor):
-                with torch.no_grad():
-                    track(out.detach(), poison=True)
-        except Exception as exc:
+            self._after(func, out, before)
+        except Exception as exc:  # a boundary: the job's call returns its tensor; _failed says the fault
             self.off = _STATE.get("guest") is not None
             _failed(exc)
         return out
+
+    @staticmethod
+    def _after(func: Any, out: Any, before: int) -> None:
+        """Poison what ``resize_`` grew (``before``: its numel before), track what an allocator handed out."""
+        if func is torch.Tensor.resize_:
+            if _STATE["poison"] and out.numel() > before and not out.is_meta and out.is_contiguous():
+                with torch.no_grad():
+                    poison_(out.detach().reshape(-1)[before:])  # only the grown part is uninitialised
+            return
+        # With poison off only to_empty is tracked (by fingerprint): hashing every allocation would itself
+        # allocate and change which stale bytes the allocator hands out next, the very thing poison-off shows.
+        if _STATE["poison"] and func in _ALLOCATORS and isinstance(out, torch.Tensor):
+            with torch.no_grad():
+                track(out.detach(), poison=True)
 
 
 @contextlib.contextmanager
