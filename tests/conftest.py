@@ -304,7 +304,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/postmortem/diff.py",
     ),
     "tests/test_engine_fork.py::test_the_engines_are_forked_from_one_set_process_that_imported_torch": (
-        "workbench/live/engine_fork.py",
+        "workbench/live/engine_fork.py", "workbench/rank/remote.py",
     ),
     "tests/test_faults.py::test_a_path_in_the_temp_dir_is_written_as_tmp_wherever_tmpdir_points": (
         "workbench/postmortem/bundle.py",
@@ -314,7 +314,11 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
     ),
     "tests/test_job.py::test_srun_sets_rank_world_and_job": (
         "workbench/job/engine.py", "workbench/job/shard.py", "workbench/rank/ledger_calls.py",
-        "workbench/rank/phases.py", "workbench/rank/remote.py",
+        "workbench/rank/phases.py",
+    ),
+    "tests/test_job_guest.py::test_nocapture_answers_every_public_method_and_property_of_capture": (
+        "workbench/job/api.py", "workbench/job/capture_attach.py", "workbench/job/capture_points.py",
+        "workbench/job/capture_reads.py",
     ),
     "tests/test_job_zero_code.py::test_the_fsdp2_job_unmodified_reads_as_the_manual_points_do": (
         "workbench/__init__.py", "workbench/analysis/__init__.py", "workbench/postmortem/__init__.py",

@@ -42,8 +42,13 @@ directory (said once where it replaces the script's own path), and a process tha
 automatic points of ``hooks.py``) gets its capture (the arguments it drops said once).
 
 The API takes nothing by position that a user would pass as an object (``point(name, *, same_on=...,
-**objects)``): a call a method cannot take is said once on stderr and records nothing (``_takes``), never
-a ``TypeError`` in the job.
+**objects)``): a call a method cannot take is said once on stderr and records nothing (``_takes``:
+``api.py``), never a ``TypeError`` in the job.
+
+``Capture`` here is what installs the capture, closes it and stops it at a fault of its own (the guest's rule);
+the rest is its parts, one module a responsibility: ``capture_points.py`` (what a point records and writes),
+``capture_attach.py`` (a breakpoint, the post mortem, the exception hook) and ``capture_reads.py`` (what an
+attach, the post-mortem watch and the debug server read).
 """
 
 from __future__ import annotations
@@ -51,21 +56,21 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import io
-import json
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
-import uuid
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.job import config, debug_server, engine, guest, triggers, writer
+from workbench.job import api, config, debug_server, engine, guest, triggers, writer
+from workbench.job.api import takes as _takes
+from workbench.job.capture_attach import Attach
+from workbench.job.capture_points import FR_READ_EVERY, Points  # noqa: F401 (FR_READ_EVERY: read here as before)
+from workbench.job.capture_points import store_job as _store_job
+from workbench.job.capture_reads import Reads
 from workbench.job.launcher import launcher_env
 from workbench.rank import shard_format
 
@@ -189,36 +194,9 @@ def say_once(line: str) -> None:
     guest.say(line)
 
 
-def _takes(nothing: Any = None) -> Any:
-    """A public method of the capture (and of ``NoCapture``): a call it cannot take (an object by position, a
-    keyword it does not know) is said once and records nothing, answering ``nothing()``; never a ``TypeError`` in
-    the job (``strict=True``: it raises). Only a call that does not bind to the signature is taken for one: a
-    ``TypeError`` from inside the method is not."""
-    import functools
-    import inspect
-
-    def wrap(fn: Any) -> Any:
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(self, *args, **kwargs)
-            except TypeError as exc:
-                try:
-                    sig.bind(self, *args, **kwargs)
-                except TypeError:
-                    if getattr(self, "strict", False):
-                        raise
-                    hint = " (objects go by keyword: cap.point(\"step1\", model=model))" if args else ""
-                    say_once(f"workbench: rank {self.rank}: cap.{fn.__name__}() cannot take this call: {exc}{hint}; "
-                             "it recorded nothing")
-                    return nothing() if callable(nothing) else nothing
-                raise
-
-        return method
-
-    return wrap
+# A call a public method cannot take (``api.takes``, below this module) is said by this say_once: one memory of what
+# was said per process, here where a test empties it (``shard._SAID``).
+api.say_once = say_once
 
 
 def _ledger_mode(env: config.CaptureConfig, ledger: bool | str, strict: bool) -> bool | str:
@@ -369,21 +347,7 @@ def _launcher_job() -> str | None:
     return None
 
 
-def _store_job() -> str | None:
-    """An id every rank of this process group reads the same: the first rank to ask writes it."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        got = store.compare_set("workbench/job", "", f"job-{uuid.uuid4().hex[:12]}")
-        return got.decode() if isinstance(got, bytes) else str(got)
-    except Exception:
-        return None
-
-
-class Capture:
+class Capture(Points, Attach, Reads):
     """This rank's capture: ``point`` probes and appends, ``close`` (or exit) marks the shard finished."""
 
     def __init__(self, path: str | os.PathLike, *, poison: bool | str = "to_empty", ledger: bool | str = "calls",
@@ -448,19 +412,6 @@ class Capture:
             raise
         self._closed = False
         self._prebuild()
-
-    def _prebuild(self) -> None:
-        """Start the fused probe's kernel build now, in a child (GPU machines with a cold Triton cache only):
-        until it is built every point takes the plain path, and a build begun at the first point finished after
-        the job's 22 steps on a fresh H200 (fixtures/gpu/job_leave_on_1gpu.json); begun here, points ran fused
-        from step 15. A capture that cannot start it goes on without: the build then happens at the first point."""
-        from workbench.rank import probe_child
-
-        try:
-            probe_child.prebuild_probe()
-        except OSError as exc:  # a child that cannot start (no fork, no python): the in-process build remains
-            guest.say(f"workbench: rank {self.rank}: the probe's kernel builds at the first point instead: "
-                      f"{guest.cause(exc)}")
 
     def _install(self, poison: bool | str, ledger: bool | str, attempt: int) -> None:
         """Install step by step, each step's undo on the stack before the next step runs: a step that fails
@@ -532,10 +483,6 @@ class Capture:
         if not leave_mode(self._poison_mode, dispatch=False):
             self._poison_mode.off = True  # a mode the job pushed since sits above it: it stays, passing through
 
-    def _give_back_excepthook(self) -> None:
-        if sys.excepthook == self._excepthook:
-            sys.excepthook = self._hook
-
     def _forget(self) -> None:
         if _CURRENT and _CURRENT[0] is self:
             _CURRENT.clear()
@@ -555,72 +502,6 @@ class Capture:
         stack, self._stack = self._stack, contextlib.ExitStack()
         stack.close()
 
-    @property
-    def enabled(self) -> bool:
-        return self.stopped is None and not self._closed
-
-    # -- what an attach reads (``engine.Host``) ------------------------------------------------
-    @property
-    def attempt(self) -> int:
-        """The launcher's restart count (torchelastic's), as the shard records it."""
-        return int(self.doc.get("attempt", 0))
-
-    @property
-    def device(self) -> Any:
-        """This rank's device, as its last point saw it (cpu until one saw CUDA)."""
-        return self.ctx.device
-
-    @property
-    def latest(self) -> dict[str, Any] | None:
-        """The last point's record (its rows), or None before the first."""
-        latest = self._latest
-        return json.loads(latest) if isinstance(latest, str) else latest
-
-    @property
-    def device_held(self) -> str | None:
-        """Why the post mortem could not free this rank's device (its communicators' abort failed), else None."""
-        return self.watch.device_held if self.watch is not None else None
-
-    # -- what the post-mortem watch reads (``triggers.Watched``) -------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def ledger_path(self) -> str | None:
-        """This rank's ledger file, None without a ledger."""
-        return self._ledger.path if self._ledger is not None else None
-
-    @property
-    def job_excepthook(self) -> Any:
-        """The excepthook the capture took over: what runs the job's own failure as it would have been."""
-        return self._hook
-
-    @property
-    def objects(self) -> dict[str, Any]:
-        """The last point's objects (not its tensors), the namespace a breakpoint's engines see. Held weakly where the
-        capture attaches nothing post mortem (a point does not keep the job's model or state dict alive): what
-        cannot be held weakly (a dict) is not kept, what was freed since is left out."""
-        if not self._objects_weak:
-            return dict(self._objects)
-        out = {}
-        for key, ref in self._objects.items():
-            obj = ref()
-            if obj is not None:
-                out[key] = obj
-        return out
-
-    def _remember(self, objects: dict[str, Any]) -> None:
-        self._objects_weak = self.watch is None
-        if not self._objects_weak:
-            self._objects = dict(objects)
-            return
-        refs = {}
-        for key, obj in objects.items():
-            with contextlib.suppress(TypeError):
-                refs[key] = weakref.ref(obj)
-        self._objects = refs
-
     # -- the guest's rule: the capture's own faults are one line, never the job's ----------------
     def _usable(self) -> bool:
         """Whether a call into the capture records: not once closed, nor once a fault stopped it (a hook's fault,
@@ -629,10 +510,6 @@ class Capture:
             self._stop()
             return False
         return not self._closed
-
-    def _kept(self) -> str:
-        n = len(self._written)
-        return f"{self.dir} keeps {n} point(s)" + (f" up to `{self._written[-1]}`" if n else "")
 
     def _fault(self, where: str, exc: BaseException, now: bool = True) -> None:
         """A fault of the capture's own: one line on stderr (once), the capture off on this rank. ``now``: on the
@@ -668,367 +545,6 @@ class Capture:
         self.doc.update(status="stopped", stopped=self.stopped)
         with contextlib.suppress(Exception):
             self._write_manifest()
-
-    # -- what a point records -------------------------------------------------------------
-    @_takes()
-    def output(self, name: str, tensor: Any, **extra: Any) -> None:
-        """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
-        if self._usable():
-            self.ctx.output(name, tensor, **extra)
-
-    @_takes()
-    def expect(self, name: str, value: Any) -> None:
-        """What tensor ``name`` (as probed, e.g. ``model.model.rotary_emb.inv_freq``) should hold."""
-        if self._usable():
-            self.ctx.expect(name, value)
-
-    @_takes()
-    def local(self, *keys: str) -> None:
-        """Objects (by the point's keyword) that are this rank's own, never compared with rank 0's."""
-        if self._usable():
-            self.ctx.local(*keys)
-
-    @_takes()
-    def note(self, message: str) -> None:
-        """A line for the next point: what this rank did that the tables cannot show."""
-        if self._usable():
-            self.ctx.note(message)
-
-    @_takes(contextlib.nullcontext)
-    def trace(self, model: Any, *, run: str = "model") -> Any:
-        """Trace one forward of ``model`` (a row per module call); the rows go with the next point."""
-        from workbench.rank.trace import trace_forward
-
-        if not self._usable():
-            return contextlib.nullcontext()
-        try:
-            return trace_forward(self.ctx, model, run=run)
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._fault("at trace", exc)
-            return contextlib.nullcontext()
-
-    @_takes()
-    def point(self, name: str, *, same_on: Any = "learned", **objects: Any) -> dict[str, Any] | None:
-        """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
-
-        Objects go by keyword only (``cap.point("step1", model=model)``): a call with one by position
-        (``cap.point("x", model)``) is said once on stderr and records nothing (``_takes``).
-
-        Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
-        tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
-        bare tensors must agree across (``"world"``, a group, ranks; None: each rank's own; a dict per
-        output name); left out, learned (``rank/agree.py``). Returns the point's size: rows, bytes written,
-        seconds spent; None where the capture is closed or a fault stopped it (a fault here is one line on
-        stderr: ``guest.py``).
-        """
-        if not self._usable():
-            return None
-        self._gc.hold()  # released once the point is written (on the writer, when it writes)
-        handed = False
-        try:
-            info = self._point(name, same_on, objects)
-            handed = info.pop("_handed", False)
-            return info
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._fault(f"at point `{name}`", exc)
-            return None
-        finally:
-            if not handed:
-                self._gc.release()
-
-    def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
-        import torch
-
-        from workbench.rank import probe, remote, trace
-
-        t0 = time.perf_counter()
-        now = time.time()
-        if self.job is None:
-            self.job = _store_job() or f"local-{shard_format.host()}-{os.getppid()}"
-            if self._ledger is not None:
-                self._ledger.session = self.job
-        if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
-            from workbench.rank import probe_fused
-
-            probe_fused.warm_async(plain_meanwhile=True)  # the fused kernel builds aside; until then, the plain path
-        self._where()
-        self._choose_writer()
-        when = f"before point `{name}`"
-        read_fr = False  # the calls on the way here: read now, or by the writer once the point is handed over
-        if self._fr is not None and self._ledger is not None:
-            self._fr.mark(str(self._ledger.step))
-            if self._writer is None:
-                self.fill_from_flight_recorder(when)
-            else:
-                read_fr = self._fr.due(FR_READ_EVERY)
-        objects = dict(objects)
-        for key, value in list(objects.items()):
-            if isinstance(value, torch.Tensor):
-                spec = same_on.get(key, "learned") if isinstance(same_on, dict) else same_on
-                self.ctx.output(key, value, same_on=spec)
-                del objects[key]
-        self._remember(objects)
-        with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
-            held: dict[str, list] = {}
-            rows = probe.probe_objects(objects, self.rank, held)
-            remote._annotate(rows, objects, self.ctx, held)
-            outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
-        remote.annotate_outputs(outputs, self.ctx)
-        record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
-                  "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
-                  "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
-        self.ctx.outputs.clear()
-        self.ctx.output_extras.clear()
-        self.ctx.notes.clear()
-        self.points.append(name)
-        self._latest = record
-        if self._ledger is not None:
-            self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
-        info = {"point": name, "rows": len(rows) + len(outputs), "bytes": None, "seconds": 0.0}
-        points = list(self.points)
-        if self._writer is None:
-            self._finish_point(record, info, points)
-        else:  # bytes filled in once written (``flush``)
-            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points))
-            info["_handed"] = True
-            if read_fr:  # after the point's own work: the writer reads while the job launches its next step
-                self._writer.submit(f"reading Flight Recorder {when}",
-                                    lambda: self.fill_from_flight_recorder(when, marked_only=True))
-        self._t_last = time.time()
-        info["seconds"] = time.perf_counter() - t0
-        return info
-
-    def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
-        try:
-            self._finish_point(record, info, points)
-        finally:
-            self._gc.release()
-
-    def _finish_point(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
-        """The point's line and the manifest (on a GPU job, on the writer thread)."""
-        if self.stopped is not None:
-            return  # a fault stopped the capture meanwhile: what it kept is what it said
-        line = json.dumps(record, default=shard_format.plain) + "\n"
-        self._points_file.write(line)
-        self._points_file.flush()
-        self._written = points
-        if self._latest is record:  # not a later point's, handed over meanwhile
-            self._latest = line
-        info["bytes"] = len(line)
-        if self._ledger is not None:
-            self._settle()
-        self._write_manifest(points)
-
-    def _choose_writer(self) -> None:
-        """Once, at the first point (the device is known by then): the writer thread on a GPU job."""
-        if self._writer_chosen:
-            return
-        self._writer_chosen = True
-        if writer.wanted(self.ctx.device.type == "cuda", self.strict):
-            self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False))
-            self._stack.callback(self._writer.stop)
-
-    @_takes(True)
-    def flush(self, timeout: float = writer.DRAIN_S) -> bool:
-        """Wait until every point handed to the writer is on disk (a GPU job's points are written aside); True
-        when nothing is left. Close, a breakpoint, the job's exception and the debug server do it themselves."""
-        return self._writer is None or self._writer.drain(timeout)
-
-    @_takes(lambda: {"by": "off", "seconds": 0.0})
-    def breakpoint(self, *, deadline: float = 600.0, controller: str | os.PathLike | None = None,
-                   **objects: Any) -> dict[str, Any]:
-        """Every rank (at the same point) serves as an ipyparallel engine until ``cluster.resume()`` from a
-        client (``wb.connect(job=<this capture's dir>)``) or ``deadline`` seconds; then the script goes on with
-        whatever the notebook changed. The engines see ``objects``, the last point's objects and ``cap``
-        (``workbench/job/engine.py`` says how it returns)."""
-        if not self._usable():
-            return {"by": "off", "seconds": 0.0}
-        self.flush()
-        return engine.serve(self, deadline=deadline, controller=controller, **objects)
-
-    @_takes()
-    def post_mortem(self, exc: BaseException | None = None) -> dict[str, Any] | None:
-        """In an ``except`` that ends the rank without the exception reaching ``sys.excepthook`` (a
-        ``sys.exit(1)`` after logging): serve every rank post mortem for ``exc`` (default: the one being
-        handled), as ``capture(attach="on-error")`` does for an uncaught one. Returns how it ended."""
-        if not self._usable():
-            return None
-        exc = exc if exc is not None else sys.exc_info()[1]
-        if exc is None:
-            raise ValueError("cap.post_mortem() needs an exception: call it in an except block, or pass one")
-        if self.watch is None or "error" not in self.watch.triggers:
-            raise ValueError("cap.post_mortem() needs the capture's attach='on-error' (or 'post-mortem') on "
-                             "every rank: their threads serve the ranks that did not raise")
-        self.flush()
-        return triggers.on_exception(self, self.watch, exc, exc.__traceback__)
-
-    # -- the shard's own state --------------------------------------------------------------
-    def _where(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            self.doc["backend"] = dist.get_backend()
-            self.ctx.backend = self.doc["backend"]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            dev = torch.device("cuda", torch.cuda.current_device())
-            self.ctx.device = dev
-            self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
-
-    def _write_manifest(self, points: list[str] | None = None) -> None:
-        self.doc.update(job=self.job, points=list(self.points) if points is None else points, updated_at=time.time())
-        url = debug_server.worker_url()
-        if url is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
-            self.doc["debug_server"] = url
-        shard_format.write_json_atomic(self.dir / shard_format.MANIFEST, self.doc)
-
-    def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
-        if getattr(self, "_telling", False):  # ``_tell`` runs the hooks around this one: print, as the job's hook
-            self._hook(kind, exc, tb)
-            return
-        # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
-        released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
-        if self.stopped is None and not self._closed:
-            with contextlib.suppress(Exception):
-                self.flush()
-                self.fill_from_flight_recorder("at the job's exception")
-            try:
-                from workbench.rank.ledger import traceback_text
-
-                text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
-                self._points_file.write(json.dumps({
-                    "kind": "error", "index": len(self.points), "t": time.time(), "error": kind.__name__,
-                    "message": str(exc)[:2000], "traceback": text[-6000:],
-                    **({"released": True} if released else {})}) + "\n")
-                self._points_file.flush()
-                self.doc["status"] = "released" if released else "raised"
-                self._write_manifest()
-            except Exception as hook_exc:  # one line, then the job's own exception as it would have been
-                self._fault("recording the job's exception", hook_exc)
-        # the traceback at once, as Python would print it, before any wait for a notebook; and only once
-        told = not released and not self._closed and triggers.may_wait(self.watch, exc)
-        if told:
-            self._tell(kind, exc, tb)
-        if self.watch is not None and not self._closed:
-            try:
-                triggers.on_exception(self, self.watch, exc, tb, told=told)
-            except KeyboardInterrupt:  # Ctrl-C (the launcher passes it on) ended the wait: the job fails now
-                pass
-            except BaseException as pm_exc:  # never in the way of the job's own failure
-                guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
-        if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
-            with contextlib.suppress(Exception):
-                sys.__stderr__.write(triggers.released_line(self.rank, self.watch, exc))
-                sys.__stderr__.flush()
-            return
-        if not told:
-            self._hook(kind, exc, tb)
-
-    def _tell(self, kind: type, exc: BaseException, tb: Any) -> None:
-        """What the job would have printed for ``exc``, now, before the post mortem waits rather than after it.
-
-        The whole chain of excepthooks runs, not only the one the capture took over: a hook set after the capture's
-        may wrap it and hold what it prints until it returns (``init_process_group``'s own puts a ``[rank1]:``
-        before each line, printing into a buffer meanwhile). So the outermost hook runs again here, on the
-        process's own stderr, and the capture's hook, called inside it, only prints (``_telling``)."""
-        held = sys.stderr
-        self._telling = True
-        try:
-            if isinstance(held, io.StringIO):  # inside a wrapping hook that buffers: the real stream for this one
-                sys.stderr = sys.__stderr__
-            outer = sys.excepthook if sys.excepthook is not self._excepthook else self._hook
-            outer(kind, exc, tb)
-        except Exception:
-            with contextlib.suppress(Exception):
-                sys.__excepthook__(kind, exc, tb)
-        finally:
-            self._telling = False
-            sys.stderr = held
-        with contextlib.suppress(Exception):
-            sys.__stderr__.flush()
-
-    @_takes()
-    def snapshot(self) -> dict[str, Any]:
-        """What the debug-server handler answers: this rank's latest point (its rows) and open calls."""
-        self.flush(5.0)
-        return {"rank": self.rank, "world_size": self.world_size, "job": self.job, "status": self.doc["status"],
-                "points": list(self.points), "latest": self.latest, "open_calls": self.open_calls()}
-
-    @_takes()
-    def files(self) -> dict[str, Any]:
-        """This rank's whole shard as text (``?shard=1``): what ``fetch`` writes into a directory to read."""
-        self.flush(5.0)
-        out: dict[str, Any] = {"rank": self.rank, "files": {}}
-        names = [shard_format.MANIFEST, shard_format.POINTS, shard_format.STACKS, f"rank{self.rank}.jsonl"]
-        for name in names:
-            try:
-                out["files"][name] = (self.dir / name).read_text(errors="replace")
-            except OSError:
-                pass
-        return out
-
-    def _settle(self) -> None:
-        """The ends of the calls whose device work finished by now (the probe's copies waited for the stream)."""
-        with contextlib.suppress(Exception):
-            from workbench.rank import ledger as ledger_mod
-
-            ledger_mod.settle()
-
-    @_takes()
-    def open_calls(self) -> list[dict[str, Any]]:
-        """The collectives this rank started and saw no end of, read from its own ledger file, oldest first (Flight
-        Recorder's record first fills what the calls ledger could not see: the rank may wait in one of those)."""
-        if self._ledger is None:
-            return []
-        self.flush(5.0)  # the points' own reads first, each labelling its calls with its step
-        self.fill_from_flight_recorder("while the rank waits", hang=True)
-        return triggers.open_calls(triggers.ledger_reader(self._ledger.path))
-
-    @_takes(0)
-    def fill_from_flight_recorder(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
-        """Write into the ledger the collectives Flight Recorder recorded and the calls ledger did not (issued from
-        C++); nothing is read while the ledger's numbers have no gap. Returns how many rows; a fault of its own is
-        one line (``guest.py``) and the capture goes on without the complement."""
-        if self._fr is None:
-            return 0
-        with self._fr_lock:  # the job's thread, the writer and the watcher: one reads, one says a fault, once
-            fr = self._fr
-            if fr is None:  # another thread's fault took it off meanwhile
-                return 0
-            try:
-                return fr.fill(when, hang=hang, marked_only=marked_only)
-            except Exception as exc:
-                if self.strict:
-                    raise
-                self._fr = None
-                if self._calls is not None:  # the calls it was to fill are recorded here again from now on
-                    self._calls.flight_recorder = False
-                guest.say(f"workbench: rank {self.rank}: Flight Recorder's record is no longer read: "
-                          f"{guest.cause(exc)}; the calls ledger goes on without it")
-                return 0
-
-    @_takes(0)
-    def watch_flight_recorder(self, still_for: float) -> int:
-        """The post-mortem watcher's read (its own thread): once no group's count has moved for ``still_for``
-        seconds and the ledger has gaps, the rank may wait inside a call only Flight Recorder saw: fill, its
-        newest call left open."""
-        if self._fr is None:
-            return 0
-        from workbench.rank import ledger_fr
-        from workbench.rank.ledger import backend_seq
-
-        counts = tuple(backend_seq(pg) for pg, _ in ledger_fr.groups())
-        now = time.monotonic()
-        if counts != self._fr_still[0]:
-            self._fr_still = (counts, now)
-            return 0
-        if now - self._fr_still[1] < still_for:
-            return 0
-        return self.fill_from_flight_recorder("while the rank waits", hang=True)
 
     @_takes()
     def close(self) -> None:
@@ -1073,11 +589,8 @@ class Capture:
         return f"<Capture rank {self.rank}/{self.world_size} job {self.job} -> {self.dir}: {len(self.points)} point(s)>"
 
 
+
 WARM_AT_CLOSE_S = 20.0
-# A GPU job's capture reads Flight Recorder every this many points (or sooner, before its ring could wrap): reading
-# the whole ring took 4 ms a point on 2 x H200 (torch 2.11, ~50 calls a step, a 2000-entry ring), the dearest part
-# of a point; each call is still named by the point it led to (``ledger_fr.Complement.mark``).
-FR_READ_EVERY = 8
 
 
 def _open_capture() -> Capture | None:

@@ -1,0 +1,270 @@
+"""What a capture's point records and writes: the ``Points`` part of ``shard.Capture``.
+
+A point probes the objects it is given with what the job told the capture since the last one (outputs,
+expectations, notes, a forward trace), appends its line to ``points.jsonl`` and rewrites the manifest; on a GPU
+job the line is written by the writer thread (``writer.py``) while the device works, ``flush`` waiting for it.
+Flight Recorder's record is read on the way (``FR_READ_EVERY``). Its own module so that ``Capture`` (``shard.py``:
+install, close, the guest's rule) stays small enough to read whole; the attributes it reads are the ones
+``Capture.__init__`` sets, and a fault is ``Capture._fault``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+import weakref
+from typing import Any
+
+from workbench.job import debug_server, guest, writer
+from workbench.job.api import takes as _takes
+from workbench.rank import shard_format
+
+# A GPU job's capture reads Flight Recorder every this many points (or sooner, before its ring could wrap): reading
+# the whole ring took 4 ms a point on 2 x H200 (torch 2.11, ~50 calls a step, a 2000-entry ring), the dearest part
+# of a point; each call is still named by the point it led to (``ledger_fr.Complement.mark``).
+FR_READ_EVERY = 8
+
+
+def store_job() -> str | None:
+    """An id every rank of this process group reads the same: the first rank to ask writes it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        got = store.compare_set("workbench/job", "", f"job-{uuid.uuid4().hex[:12]}")
+        return got.decode() if isinstance(got, bytes) else str(got)
+    except Exception:
+        return None
+
+
+class Points:
+    """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the
+    writer that finishes a GPU job's points (``flush``) and the manifest each point rewrites."""
+
+    def _prebuild(self) -> None:
+        """Start the fused probe's kernel build now, in a child (GPU machines with a cold Triton cache only):
+        until it is built every point takes the plain path, and a build begun at the first point finished after
+        the job's 22 steps on a fresh H200 (fixtures/gpu/job_leave_on_1gpu.json); begun here, points ran fused
+        from step 15. A capture that cannot start it goes on without: the build then happens at the first point."""
+        from workbench.rank import probe_child
+
+        try:
+            probe_child.prebuild_probe()
+        except OSError as exc:  # a child that cannot start (no fork, no python): the in-process build remains
+            guest.say(f"workbench: rank {self.rank}: the probe's kernel builds at the first point instead: "
+                      f"{guest.cause(exc)}")
+
+    @_takes()
+    def output(self, name: str, tensor: Any, **extra: Any) -> None:
+        """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
+        if self._usable():
+            self.ctx.output(name, tensor, **extra)
+
+    @_takes()
+    def expect(self, name: str, value: Any) -> None:
+        """What tensor ``name`` (as probed, e.g. ``model.model.rotary_emb.inv_freq``) should hold."""
+        if self._usable():
+            self.ctx.expect(name, value)
+
+    @_takes()
+    def local(self, *keys: str) -> None:
+        """Objects (by the point's keyword) that are this rank's own, never compared with rank 0's."""
+        if self._usable():
+            self.ctx.local(*keys)
+
+    @_takes()
+    def note(self, message: str) -> None:
+        """A line for the next point: what this rank did that the tables cannot show."""
+        if self._usable():
+            self.ctx.note(message)
+
+    @_takes(contextlib.nullcontext)
+    def trace(self, model: Any, *, run: str = "model") -> Any:
+        """Trace one forward of ``model`` (a row per module call); the rows go with the next point."""
+        from workbench.rank.trace import trace_forward
+
+        if not self._usable():
+            return contextlib.nullcontext()
+        try:
+            return trace_forward(self.ctx, model, run=run)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fault("at trace", exc)
+            return contextlib.nullcontext()
+
+    @_takes()
+    def point(self, name: str, *, same_on: Any = "learned", **objects: Any) -> dict[str, Any] | None:
+        """Probe ``objects`` on this rank now and append them to the shard as point ``name``.
+
+        Objects go by keyword only (``cap.point("step1", model=model)``): a call with one by position
+        (``cap.point("x", model)``) is said once on stderr and records nothing (``_takes``).
+
+        Modules and dicts of tensors are probed tensor by tensor (the ``tensors`` table); a bare
+        tensor is an output (``logits=out``), as ``output(name, t)`` records it. ``same_on``: the ranks the
+        bare tensors must agree across (``"world"``, a group, ranks; None: each rank's own; a dict per
+        output name); left out, learned (``rank/agree.py``). Returns the point's size: rows, bytes written,
+        seconds spent; None where the capture is closed or a fault stopped it (a fault here is one line on
+        stderr: ``guest.py``).
+        """
+        if not self._usable():
+            return None
+        self._gc.hold()  # released once the point is written (on the writer, when it writes)
+        handed = False
+        try:
+            info = self._point(name, same_on, objects)
+            handed = info.pop("_handed", False)
+            return info
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._fault(f"at point `{name}`", exc)
+            return None
+        finally:
+            if not handed:
+                self._gc.release()
+
+    def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from workbench.rank import probe, remote, trace
+
+        t0 = time.perf_counter()
+        now = time.time()
+        if self.job is None:
+            self.job = store_job() or f"local-{shard_format.host()}-{os.getppid()}"
+            if self._ledger is not None:
+                self._ledger.session = self.job
+        if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
+            from workbench.rank import probe_fused
+
+            probe_fused.warm_async(plain_meanwhile=True)  # the fused kernel builds aside; until then, the plain path
+        self._where()
+        self._choose_writer()
+        when = f"before point `{name}`"
+        read_fr = False  # the calls on the way here: read now, or by the writer once the point is handed over
+        if self._fr is not None and self._ledger is not None:
+            self._fr.mark(str(self._ledger.step))
+            if self._writer is None:
+                self.fill_from_flight_recorder(when)
+            else:
+                read_fr = self._fr.due(FR_READ_EVERY)
+        objects = dict(objects)
+        for key, value in list(objects.items()):
+            if isinstance(value, torch.Tensor):
+                spec = same_on.get(key, "learned") if isinstance(same_on, dict) else same_on
+                self.ctx.output(key, value, same_on=spec)
+                del objects[key]
+        self._remember(objects)
+        with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
+            held: dict[str, list] = {}
+            rows = probe.probe_objects(objects, self.rank, held)
+            remote._annotate(rows, objects, self.ctx, held)
+            outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
+        remote.annotate_outputs(outputs, self.ctx)
+        record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
+                  "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
+                  "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
+        self.ctx.outputs.clear()
+        self.ctx.output_extras.clear()
+        self.ctx.notes.clear()
+        self.points.append(name)
+        self._latest = record
+        if self._ledger is not None:
+            self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
+        info = {"point": name, "rows": len(rows) + len(outputs), "bytes": None, "seconds": 0.0}
+        points = list(self.points)
+        if self._writer is None:
+            self._finish_point(record, info, points)
+        else:  # bytes filled in once written (``flush``)
+            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points))
+            info["_handed"] = True
+            if read_fr:  # after the point's own work: the writer reads while the job launches its next step
+                self._writer.submit(f"reading Flight Recorder {when}",
+                                    lambda: self.fill_from_flight_recorder(when, marked_only=True))
+        self._t_last = time.time()
+        info["seconds"] = time.perf_counter() - t0
+        return info
+
+    def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
+        try:
+            self._finish_point(record, info, points)
+        finally:
+            self._gc.release()
+
+    def _finish_point(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
+        """The point's line and the manifest (on a GPU job, on the writer thread)."""
+        if self.stopped is not None:
+            return  # a fault stopped the capture meanwhile: what it kept is what it said
+        line = json.dumps(record, default=shard_format.plain) + "\n"
+        self._points_file.write(line)
+        self._points_file.flush()
+        self._written = points
+        if self._latest is record:  # not a later point's, handed over meanwhile
+            self._latest = line
+        info["bytes"] = len(line)
+        if self._ledger is not None:
+            self._settle()
+        self._write_manifest(points)
+
+    def _choose_writer(self) -> None:
+        """Once, at the first point (the device is known by then): the writer thread on a GPU job."""
+        if self._writer_chosen:
+            return
+        self._writer_chosen = True
+        if writer.wanted(self.ctx.device.type == "cuda", self.strict):
+            self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False))
+            self._stack.callback(self._writer.stop)
+
+    @_takes(True)
+    def flush(self, timeout: float = writer.DRAIN_S) -> bool:
+        """Wait until every point handed to the writer is on disk (a GPU job's points are written aside); True
+        when nothing is left. Close, a breakpoint, the job's exception and the debug server do it themselves."""
+        return self._writer is None or self._writer.drain(timeout)
+
+    # -- the shard's own state: the last point's objects, where the rank runs, the manifest ---------
+    def _remember(self, objects: dict[str, Any]) -> None:
+        self._objects_weak = self.watch is None
+        if not self._objects_weak:
+            self._objects = dict(objects)
+            return
+        refs = {}
+        for key, obj in objects.items():
+            with contextlib.suppress(TypeError):
+                refs[key] = weakref.ref(obj)
+        self._objects = refs
+
+    def _where(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.doc["backend"] = dist.get_backend()
+            self.ctx.backend = self.doc["backend"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            dev = torch.device("cuda", torch.cuda.current_device())
+            self.ctx.device = dev
+            self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
+
+    def _write_manifest(self, points: list[str] | None = None) -> None:
+        self.doc.update(job=self.job, points=list(self.points) if points is None else points, updated_at=time.time())
+        url = debug_server.worker_url()
+        if url is not None:  # the job runs PyTorch's debug server: where this rank's worker answers
+            self.doc["debug_server"] = url
+        shard_format.write_json_atomic(self.dir / shard_format.MANIFEST, self.doc)
+
+    def _settle(self) -> None:
+        """The ends of the calls whose device work finished by now (the probe's copies waited for the stream)."""
+        with contextlib.suppress(Exception):
+            from workbench.rank import ledger as ledger_mod
+
+            ledger_mod.settle()
+
+    def _kept(self) -> str:
+        n = len(self._written)
+        return f"{self.dir} keeps {n} point(s)" + (f" up to `{self._written[-1]}`" if n else "")
