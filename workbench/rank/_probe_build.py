@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
         index %= torch.cuda.device_count()
         torch.cuda.set_device(index)
         result = probe_fused.warm(torch.device("cuda", index))
-    except Exception as exc:  # the rank's own warm-up builds in-process instead
+    except Exception as exc:  # a process's boundary: any failure is said in its JSON line; the rank builds in-process
         result = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
     result["child_s"] = time.perf_counter() - t0
     print(json.dumps(result), flush=True)

@@ -143,7 +143,7 @@ class CallLedger:
             cm = block.__enter__()
             try:
                 yield cm
-            except BaseException:
+            except BaseException:  # the block's own exception, whatever it is, handed to its exit as ``with`` does
                 if not block.__exit__(*sys.exc_info()):
                     raise
                 return
@@ -175,7 +175,7 @@ class CallLedger:
                 pg = group if group is not None else dist.distributed_c10d._get_default_group()
                 hit = self._recorded[group] = "nccl" in str(dist.get_backend(pg)).lower()
             return hit
-        except Exception:
+        except Exception:  # a boundary on the job's thread, before its call: a group we cannot ask is recorded here
             return False
 
     def uninstall(self) -> None:

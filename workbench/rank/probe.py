@@ -111,7 +111,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
             if stream is not None and stream.device == t.device:
                 torch.cuda.set_stream(stream)
             box["t"] = t.to("cpu")
-        except BaseException as exc:  # handed to the probe's caller
+        except BaseException as exc:  # a thread's boundary: whatever the copy raised is raised in the probe's caller
             box["exc"] = exc
 
     worker = threading.Thread(target=copy, name="workbench-host-copy", daemon=True)
@@ -331,7 +331,7 @@ def _layout(t: Any) -> dict[str, str]:
             coord = ", ".join(f"{d}={c}" for d, c in zip(facts.names, facts.coord)) if facts.coord is not None else ""
             hit = _PLACEMENTS[key] = (mesh, placed, coord)
         return {"global_shape": "x".join(map(str, t.shape)) or "()", "placement": hit[1], "mesh_coord": hit[2]}
-    except Exception:  # a subclass that only looks like a DTensor: its local rows stand alone
+    except (AttributeError, TypeError, RuntimeError):  # a subclass only like a DTensor: its local rows stand alone
         return {}
 
 

@@ -61,7 +61,9 @@ def fused_enabled() -> bool:
             from workbench.rank import _probe_triton  # imports triton: only where CUDA tensors are probed
 
             _TRITON.update(kernel=_probe_triton.probe_all_kernel, hint=True, ok=True)
-        except Exception as exc:  # no Triton, or it cannot build here: the plain path stays correct
+        # any failure of a third-party import (Triton's: ImportError, a driver's RuntimeError, ...) means no fused
+        # path; said in ``why``, and the plain path stays correct
+        except Exception as exc:
             _TRITON.update(ok=False, why=f"{type(exc).__name__}: {exc}")
     return bool(_TRITON["ok"])
 
@@ -150,7 +152,7 @@ class Plan:
             _TRITON["last"] = _TRITON["kernel"][(self.programs,)](
                 self.desc, self.blk, self.acc, self.accf, self.words, self.hexs, BLOCK=WORDS_PER_ITER, ITERS=ITERS,
                 HINT=hint, W0=w[0], W1=w[1], W2=w[2], W3=w[3], num_warps=NUM_WARPS, **cap)
-        except Exception:
+        except Exception:  # Triton's compile errors differ by version: any one retries once, then is raised
             if not hint:
                 raise
             _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
@@ -242,7 +244,7 @@ def warm_async(device: torch.device | str | int | None = None,
                     return
                 _WARM["phase"] = "load"
             _WARM["result"] = warm(device)
-        except Exception as exc:  # the probe's own path still works (and reports) without it
+        except Exception as exc:  # a thread's boundary: said in the result; the probe's plain path works without it
             _WARM["result"] = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
 
     t = threading.Thread(target=run, name="workbench-probe-warm", daemon=True)

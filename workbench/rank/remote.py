@@ -69,7 +69,7 @@ def run_step(session_id: str, fn: Callable, probe_names: list[str] | None, step:
                     fn(ctx)
                 finally:
                     control.in_step(None)
-        except BaseException as exc:
+        except BaseException as exc:  # the step's own failure, whatever it is (an interrupt too): its reply says it
             error = {"error": type(exc).__name__, "message": str(exc)[:2000],
                      "traceback": ledger.traceback_text(exc)[-6000:]}
             if not _incident_error(exc):
@@ -149,6 +149,8 @@ def warm(modules: tuple[str, ...] = WARM_MODULES) -> dict[str, str]:
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # an older transformers without a model family: that scenario says so itself
+        # any failure of a third-party import (its module-level code may raise anything) is named, never raised:
+        # an older transformers without a model family: that scenario says so itself
+        except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
     return failed
