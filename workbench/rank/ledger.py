@@ -348,11 +348,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         self._device = self._last_device
         p2p, self._p2p = self._p2p, None
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:  # the call's own failure, whatever it is (an interrupt too), ends its row
-            self._end(rec, exc)
-            raise
+        out = self._run(rec, func, args, kwargs)
         try:
             if p2p is not None:
                 self._took(*p2p)
@@ -360,6 +356,15 @@ class _Recorder(TorchDispatchMode):
         except Exception as exc:  # a boundary: the job's op returns its result whatever the recorder met
             self.ledger.fail(exc)
             return out
+
+    def _run(self, rec: dict[str, Any] | None, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` called; where it raises, ``rec``'s row (if any) ends with that failure and it is raised again."""
+        try:
+            return func(*args, **kwargs)
+        except BaseException as exc:  # the call's own failure, whatever it is (an interrupt too), ends its row
+            if rec is not None:
+                self._end(rec, exc)
+            raise
 
     def _after(self, func, rec: dict[str, Any], out: Any) -> Any:
         """Where the call ends: its work's future, its CUDA events, a functional call's wait."""
@@ -430,12 +435,7 @@ class _Recorder(TorchDispatchMode):
 
     def _wait(self, func, args, kwargs):
         rec = self.functional.pop(_key(args[0]), None) if args and isinstance(args[0], torch.Tensor) else None
-        try:
-            out = func(*args, **kwargs)
-        except BaseException as exc:  # the wait's own failure, whatever it is, ends the call's row; re-raised
-            if rec is not None:
-                self._end(rec, exc)
-            raise
+        out = self._run(rec, func, args, kwargs)
         if rec is not None and not any(r is rec for r in self.functional.values()):  # a coalesced call's last output
             self._end(rec, None)
         return out
@@ -712,23 +712,30 @@ def _watch_destroy() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        for fn in list(_BEFORE_DESTROY):
-            # a boundary: a reader (the capture's) never fails the job's destroy; the capture says its own faults
-            with contextlib.suppress(Exception):
-                fn()
-        if _CLOSING or _PENDING:
-            # a boundary: the job's destroy goes on whatever settling meets (a row's write fault: its ledger's fail())
-            with contextlib.suppress(Exception):
-                try:
-                    settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
-                finally:
-                    _drop_device_calls("still running when its process group was destroyed: its end was never seen")
+        # a boundary on the job's thread: its destroy goes on whatever the readers or the settling meet (the capture
+        # says its readers' faults; a row's write fault is its ledger's fail())
+        with contextlib.suppress(Exception):
+            _before_destroying()
         if _WATCHER:
             _stop_watcher()
         return original(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
 
+
+
+def _before_destroying() -> None:
+    """The readers before destroy, then the calls it waited for settled and the device calls still pending written
+    issued, whatever a reader or the settling raised (a reader that raises ends the readers' turn)."""
+    try:
+        for fn in list(_BEFORE_DESTROY):
+            fn()
+    finally:
+        if _CLOSING or _PENDING:
+            try:
+                settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
+            finally:
+                _drop_device_calls("still running when its process group was destroyed: its end was never seen")
 
 
 def add_plumbing(paths: Iterable[str]) -> Callable[[], None]:
