@@ -273,7 +273,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/job/materialise.py",
     ),
     "tests/test_detectors_stack.py::test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad_one": (
-        "workbench/job/losses.py",
+        "workbench/job/keys.py", "workbench/job/losses.py",
     ),
     "tests/test_detectors_stack.py::test_the_optimizer_step_is_probed_as_the_topmost_module_that_owns_its_parameters": (
         "workbench/job/owners.py",

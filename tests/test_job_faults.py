@@ -267,7 +267,7 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
     import torch.distributed as dist
     from test_ledger_ops import OPS, _scenario
 
-    from workbench.job import triggers
+    from workbench.job import keys, triggers
 
     def pairs(names: list[str], plant: str = "") -> dict:
         """Each call both ranks made, as their ledger files hold it (read as the job's watcher reads them)."""
@@ -287,14 +287,15 @@ def test_the_deadlock_proof_pairs_calls_by_the_analysis_rule(healthy):
     assert [k for k, v in right.items() if not triggers._same(v[0], v[1])] == []
     store = dist.HashStore()
     scatter = next(v for k, v in right.items() if k[0] == "scatter")
+    key = keys.Attach("pm")
     for r in (0, 1):
-        store.set(f"pm/open/{r}", _published(scatter[r]))
-    assert triggers._prove(store, "pm", 2) is None  # both wait in the same scatter: slow, not deadlocked
+        store.set(key.open(r), _published(scatter[r]))
+    assert triggers._prove(store, key, 2) is None  # both wait in the same scatter: slow, not deadlocked
     planted = next(v for k, v in pairs(["scatter"], plant="scatter").items() if k[0] == "scatter")
     assert not triggers._same(planted[0], planted[1])
     for r in (0, 1):
-        store.set(f"pm/open/{r}", _published(planted[r]))
-    proof = triggers._prove(store, "pm", 2)
+        store.set(key.open(r), _published(planted[r]))
+    proof = triggers._prove(store, key, 2)
     assert proof is not None and proof["ranks"] == [0, 1]
 
 

@@ -18,7 +18,7 @@ import uuid
 import weakref
 from typing import Any
 
-from workbench.job import debug_server, guest, writer
+from workbench.job import debug_server, guest, keys, writer
 from workbench.job.api import takes as _takes
 from workbench.rank import shard_format
 
@@ -36,7 +36,7 @@ def store_job() -> str | None:
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
-        got = store.compare_set("workbench/job", "", f"job-{uuid.uuid4().hex[:12]}")
+        got = store.compare_set(keys.JOB, "", f"job-{uuid.uuid4().hex[:12]}")
         return got.decode() if isinstance(got, bytes) else str(got)
     except Exception:
         return None

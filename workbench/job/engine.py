@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from workbench.job import guest
+from workbench.job import guest, keys
 
 ATTACH = "attach.json"
 
@@ -247,7 +247,7 @@ def _share(key: str, value: str | None, rank: int, timeout: float) -> str:
     return store.get(key).decode()
 
 
-def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
+def _all_done(key: keys.Attach, rank: int, timeout: float, root: Any = None) -> None:
     """Rank 0 waits, through the job's store (no collective: the job's group and ledger see nothing), until
     every rank's engine has stopped serving, before it stops the controller the others still talk to. A rank
     whose shard (under ``root``) says it is dead is not waited for; one that does not answer in ``timeout``
@@ -258,13 +258,13 @@ def _all_done(key: str, rank: int, timeout: float, root: Any = None) -> None:
     if store is None:
         return
     try:
-        store.set(f"{key}/done/{rank}", "1")
+        store.set(key.done(rank), "1")
         if rank != 0:
             return
         waiting = set(range(dist.get_world_size())) - {0}
         end = time.monotonic() + timeout
         while waiting and time.monotonic() < end:
-            waiting = {r for r in waiting if not store.check([f"{key}/done/{r}"]) and not _gone(root, r)}
+            waiting = {r for r in waiting if not store.check([key.done(r)]) and not _gone(root, r)}
             if waiting:
                 time.sleep(0.1)
         if waiting:
@@ -298,17 +298,11 @@ def serve(cap: Host, *, deadline: float = 600.0, controller: str | os.PathLike |
     ``{"by": "client" | "deadline", "seconds": ..., "attach_s": ...}``.
     """
     n = next(_BREAKPOINTS)
-    return attach(cap, n, f"{store_prefix(cap)}/breakpoint/{n}", f"bp{n}", deadline=deadline,
+    return attach(cap, n, keys.breakpoint(cap.attempt, n), f"bp{n}", deadline=deadline,
                   controller=controller, objects=objects)
 
 
-def store_prefix(cap: Host) -> str:
-    """This attempt's keys in the job's store: an elastic restart keeps the store and its keys, so a restarted
-    rank must not read the engine file or the trigger its earlier attempt left there."""
-    return f"workbench/attempt{cap.attempt}"
-
-
-def attach(cap: Host, ident: int | str, key: str, cluster_id: str, *, deadline: float,
+def attach(cap: Host, ident: int | str, key: keys.Attach, cluster_id: str, *, deadline: float,
            controller: str | os.PathLike | None = None, objects: dict[str, Any] | None = None,
            doc: Any = None, on_stuck: Any = None) -> dict[str, Any]:
     """Every rank serves as an engine of one controller (rank 0 starts it) until resumed or the deadline.
@@ -335,7 +329,7 @@ def attach(cap: Host, ident: int | str, key: str, cluster_id: str, *, deadline: 
             info = json.dumps({"engine": engine_file.read_text(), "client_file": str(client_file.resolve())})
         except Exception as exc:  # every rank hears of it and goes on
             info = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-    got = json.loads(_share(key, info, rank, timeout=120 + deadline))
+    got = json.loads(_share(key.info, info, rank, timeout=keys.INFO_WAIT_S + deadline))
     if "error" in got:  # rank 0 says it, once for the job; every rank goes on
         if rank == 0:
             guest.say(f"workbench: rank 0: no {'post mortem' if ident == 'post-mortem' else 'breakpoint'}: the "
@@ -360,7 +354,7 @@ def attach(cap: Host, ident: int | str, key: str, cluster_id: str, *, deadline: 
         if rank == 0:
             _stop_controller(proc)
         raise
-    _all_done(key, rank, timeout=60.0, root=root)
+    _all_done(key, rank, timeout=keys.DONE_WAIT_S, root=root)
     if rank == 0:
         _stop_controller(proc)
         with contextlib.suppress(Exception):
@@ -369,7 +363,7 @@ def attach(cap: Host, ident: int | str, key: str, cluster_id: str, *, deadline: 
             if result.get("hung"):
                 doc_now["hung"] = result["hung"]
             _write(root / ATTACH, doc_now)
-        _share(f"{key}/closed", "1", rank, timeout=0)
+        _share(key.closed, "1", rank, timeout=0)
     result["total_s"] = time.time() - t0
     return result
 

@@ -32,10 +32,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import patch
+from workbench.job import keys, patch
 
 _MARK = "__workbench_losses__"
-KEY = "workbench/nonfinite_loss"  # in the job's c10d store: the backward after which every rank takes the point
+KEY = keys.NONFINITE_LOSS  # in the job's c10d store: the backward after which every rank takes the point
 
 
 class Losses:

@@ -12,7 +12,7 @@ of the job's own code. ``wb.connect(job=dir)`` attaches as at a breakpoint; ``en
 which rank raised, where (file, line, function) and where each other rank waits (its open calls from
 its own ledger, its main thread's line). Nothing here issues a collective: the trigger, the engine
 file and the "all done" marks go through the store. The raising rank prints its traceback before it
-serves (the whole chain of excepthooks, ``shard.Capture._tell``: what the job would have printed, at once
+serves (the whole chain of excepthooks, ``capture_attach.Attach._tell``: what the job would have printed, at once
 and once), and the rank whose error starts the post mortem says in one line (``wait_line``) that every
 rank waits for a notebook, for how long, how to attach and how to end the wait now (Ctrl-C: the launcher
 passes it to every rank; the serving rank's ``KeyboardInterrupt`` ends its wait). ``cluster.resume()`` (or
@@ -52,7 +52,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workbench.job import config, engine, guest
+from workbench.job import config, engine, guest, keys
 from workbench.rank import waitfor
 
 MODES = {"on-error": ("error",), "on-deadlock": ("deadlock",), "post-mortem": ("error", "deadlock"),
@@ -187,8 +187,8 @@ def _main_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _key(cap: engine.Host) -> str:
-    return f"{engine.store_prefix(cap)}/post-mortem"
+def _key(cap: engine.Host) -> keys.Attach:
+    return keys.post_mortem(cap.attempt)
 
 
 def _has(store: Any, key: str) -> bool:
@@ -268,9 +268,9 @@ def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any,
     first = store is None
     if store is not None:
         try:
-            store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
-            if store.add(f"{key}/claim", 1) == 1:
-                store.set(f"{key}/go", json.dumps(trigger))
+            store.set(key.rank(cap.rank), json.dumps(me, default=str))
+            if store.add(key.claim, 1) == 1:
+                store.set(key.go, json.dumps(trigger))
                 first = True
         except Exception as exc:
             _not_started(cap, watch, exc)
@@ -426,11 +426,11 @@ def _store_lost(cap: Watched, exc: StoreDown) -> None:
                   "on this rank")
 
 
-def _poll(cap: Watched, watch: Watch, store: Any, key: str, tail: Any, state: dict[str, Any]) -> bool:
+def _poll(cap: Watched, watch: Watch, store: Any, key: keys.Attach, tail: Any, state: dict[str, Any]) -> bool:
     """One poll of the store; True once the watcher is done (it served, or its rank serves already). A store that
     fails raises ``StoreDown``."""
-    if _has(store, f"{key}/go"):
-        trigger = _get(store, f"{key}/go") or {}
+    if _has(store, key.go):
+        trigger = _get(store, key.go) or {}
         if watch.take(Role.WAITING) is not None:
             return True  # this rank raised (its main thread serves) or served already
         frame = _main_frame()
@@ -439,7 +439,7 @@ def _poll(cap: Watched, watch: Watch, store: Any, key: str, tail: Any, state: di
         me = {"rank": cap.rank, "role": Role.WAITING.value, "where": _where(frame) if frame is not None else "?",
               "open_calls": _open_calls(cap)}
         with contextlib.suppress(Exception):
-            store.set(f"{key}/rank/{cap.rank}", json.dumps(me, default=str))
+            store.set(key.rank(cap.rank), json.dumps(me, default=str))
         del frame
         _release(cap, watch, me)  # its part of the account is taken: free its stream so its device reads
         _off_the_stuck_stream(cap, watch)
@@ -457,14 +457,14 @@ def _poll(cap: Watched, watch: Watch, store: Any, key: str, tail: Any, state: di
     mine = json.dumps(old[:4], default=str) if old else "[]"
     if mine != state["published"]:
         with contextlib.suppress(Exception):
-            store.set(f"{key}/open/{cap.rank}", mine)
+            store.set(key.open(cap.rank), mine)
             state["published"] = mine
     if cap.rank == 0 and old:
         proof = _prove(store, key, cap.world_size)
         if proof is not None:
             try:
-                if store.add(f"{key}/claim", 1) == 1:
-                    store.set(f"{key}/go", json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
+                if store.add(key.claim, 1) == 1:
+                    store.set(key.go, json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
                                                        "t": time.time()}))
                     guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
                                         "every rank then ends, exit status 1"))
@@ -573,7 +573,7 @@ def released_line(rank: int, watch: Watch | None, exc: BaseException) -> str:
             f"communicators aborted once the account was taken){after}; it ends here with exit status 1\n")
 
 
-def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], store: Any, key: str) -> None:
+def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], store: Any, key: keys.Attach) -> None:
     """After a deadlock's attach (the notebook resumed, or the deadline), the job ends now rather than at its
     group's timeout: once rank 0 has closed the attach (no rank leaves while another still serves: the launcher
     would end it), a released main thread ends the rank itself (its excepthook); one still stuck in its call
@@ -582,7 +582,7 @@ def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], sto
         with contextlib.suppress(Exception):
             import datetime
 
-            store.wait([f"{key}/closed"], datetime.timedelta(seconds=60))
+            store.wait([key.closed], datetime.timedelta(seconds=keys.CLOSED_AFTER_DEADLOCK_S))
     end = time.monotonic() + (END_WAIT_S if watch.released else 0.0)
     while time.monotonic() < end:
         time.sleep(0.05)
@@ -647,13 +647,13 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("group") == b.get("group") and a.get("seq") == b.get("seq") and mismatch_kind(a, b) is None
 
 
-def _prove(store: Any, key: str, world: int) -> dict[str, Any] | None:
+def _prove(store: Any, key: keys.Attach, world: int) -> dict[str, Any] | None:
     """The ledgers' proof of a deadlock: ranks that wait past the window, each for a member of its call's group
     that waits in another call, in a cycle (so none of their calls can ever complete). A rank that issued no
     call (it may be computing) or whose calls match ends every chain: no proof."""
     calls: dict[int, dict[str, Any]] = {}
     for r in range(world):  # a store that fails raises (``StoreDown``): the watcher counts it
-        got = _get(store, f"{key}/open/{r}") if _has(store, f"{key}/open/{r}") else None
+        got = _get(store, key.open(r)) if _has(store, key.open(r)) else None
         if got:
             calls[r] = got[0]  # its earliest open call
     waits = {r: [p for p in (c.get("group_ranks") or range(world)) if p != r and p in calls
@@ -679,15 +679,15 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
     key = _key(cap)
 
     def account() -> dict[str, Any]:
-        go = alone or (_peek(store, f"{key}/go") if store is not None else None) or trigger or {}
+        go = alone or (_peek(store, key.go) if store is not None else None) or trigger or {}
         ranks: dict[str, Any] = {}
         end = time.monotonic() + 10.0
         for r in range(cap.world_size):
             dead = _dead(cap, r)
-            while store is not None and not dead and not _there(store, f"{key}/rank/{r}") and time.monotonic() < end:
+            while store is not None and not dead and not _there(store, key.rank(r)) and time.monotonic() < end:
                 time.sleep(0.05)
             # only a key that is there: the store's get waits for a missing one (its timeout: minutes)
-            got = _peek(store, f"{key}/rank/{r}") if store is not None else None
+            got = _peek(store, key.rank(r)) if store is not None else None
             ranks[str(r)] = got or dead or {"rank": r, "role": "?", "where": "?"}
         if alone:
             ranks[str(cap.rank)] = {"rank": cap.rank, "role": Role.RAISED.value, "where": alone.get("where")}
@@ -704,7 +704,7 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
             with contextlib.suppress(Exception):
                 import datetime
 
-                store.wait([f"{key}/closed"], datetime.timedelta(seconds=30))
+                store.wait([key.closed], datetime.timedelta(seconds=keys.CLOSED_WAIT_S))
         return result
     finally:
         watch.take(Role.SERVED)
