@@ -142,11 +142,10 @@ def test_an_install_that_fails_half_way_leaves_nothing_installed(tmp_path, alone
     from workbench.rank import poison
 
     (tmp_path / "runs" / "rank0" / blocked).mkdir(parents=True)  # a directory where the file goes
-    before = (_stacks(), sys.excepthook, dist.all_reduce)
+    before = (_stacks(), sys.excepthook, dist.all_reduce, nn.Module.to_empty, poison._STATE["poison"])
     with pytest.raises(IsADirectoryError):
         wj.capture(tmp_path / "runs", ledger=ledger, strict=True)
-    assert (_stacks(), sys.excepthook, dist.all_reduce) == before
-    assert nn.Module.to_empty is poison._ORIGINAL_TO_EMPTY
+    assert (_stacks(), sys.excepthook, dist.all_reduce, nn.Module.to_empty, poison._STATE["poison"]) == before
 
 
 def test_a_failing_hook_turns_the_capture_off_and_its_modes_go(tmp_path, alone, monkeypatch, capfd):

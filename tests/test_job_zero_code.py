@@ -114,7 +114,6 @@ def test_the_automatic_points_beside_the_users_own_in_one_capture(tmp_path, monk
     import torch
     from torch import nn
 
-    from workbench.rank import poison
 
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", *ENVS):
         monkeypatch.delenv(k, raising=False)
@@ -126,7 +125,7 @@ def test_the_automatic_points_beside_the_users_own_in_one_capture(tmp_path, monk
         return {n: [(p.name, p.kind, p.default) for p in inspect.signature(getattr(nn.Module, n)).parameters.values()]
                 for n in ("to_empty", "load_state_dict")}
 
-    before = signatures()
+    before, found = signatures(), nn.Module.to_empty  # a live session's tracker may be on: close leaves it
     h = hooks.start()
     try:
         assert h is not None and h.cap.root == tmp_path / "auto"
@@ -166,7 +165,7 @@ def test_the_automatic_points_beside_the_users_own_in_one_capture(tmp_path, monk
     assert _points(tmp_path / "auto") == ["to_empty", "mine", "load_weights", "load_state_dict", "step1", "step2",
                                           "step4"]
     assert not (tmp_path / "elsewhere").exists()
-    assert nn.Module.to_empty is poison._ORIGINAL_TO_EMPTY and "__init_subclass__" not in nn.Module.__dict__
+    assert nn.Module.to_empty is found and "__init_subclass__" not in nn.Module.__dict__
     assert not getattr(nn.Module.load_state_dict, "__workbench_hook__", None)
     rows = wb.load(tmp_path / "auto").bug.tensors
     assert set(rows[rows["step"] == "step1"]["name"]) == {"model.0.weight", "model.0.bias", "model.1.weight",

@@ -425,7 +425,7 @@ class Capture(Points, Attach, Reads):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._points_file = open(self.dir / shard_format.POINTS, "a", buffering=1)
         stack.callback(self._points_file.close)
-        stack.callback(poison_mod.uninstall)
+        stack.callback(poison_mod.saved())  # to_empty and the poison state back as the capture found them
         poison_mod.reset_tracking()
         agree.forget()  # what an earlier capture in this process synced is not this run's
         poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)

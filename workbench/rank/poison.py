@@ -17,7 +17,7 @@ kernel writes).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -163,6 +163,18 @@ def poisoned(on: bool = True) -> Iterator[None]:
         yield
     finally:
         set_poison(before)
+
+
+def saved() -> Callable[[], None]:
+    """The undo of a capture's poison: ``to_empty`` and the poison state as they were found (a live session's tracker
+    left on, say), not the pristine original: a capture's close leaves torch as it found it."""
+    to_empty, poison, guest = nn.Module.to_empty, _STATE["poison"], _STATE["guest"]
+
+    def restore() -> None:
+        _STATE["poison"], _STATE["guest"] = poison, guest
+        nn.Module.to_empty = to_empty
+
+    return restore
 
 
 def uninstall() -> None:
