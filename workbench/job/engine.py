@@ -131,7 +131,9 @@ def _control() -> dict[str, Any] | None:
     try:
         ip = _controller_ip()
         return control.start(ip, launcher_env()["master_port"] if ip != "127.0.0.1" else 0)
-    except Exception:
+    except (OSError, ValueError) as exc:  # no socket to bind, a launcher variable that is not a number
+        guest.say(f"workbench: this rank's control thread did not start ({guest.cause(exc)}); a notebook sees no "
+                  "Python stacks of a cell that hangs")
         return None
 
 
@@ -195,7 +197,7 @@ try:
     _libc = ctypes.CDLL(None)
     _libc.prctl(1, int(signal.SIGTERM))
     os.register_at_fork(after_in_child=lambda: _libc.prctl(1, int(signal.SIGKILL)))
-except Exception:
+except (OSError, AttributeError):  # no libc to load, no prctl (not Linux): the controller runs without the check
     pass
 if os.getppid() != int(sys.argv[1]):
     sys.exit(0)
@@ -271,7 +273,7 @@ def _all_done(key: keys.Attach, rank: int, timeout: float, root: Any = None) -> 
             guest.say(f"workbench: rank {rank}: {'rank' if len(waiting) == 1 else 'ranks'} "
                  f"{','.join(map(str, sorted(waiting)))} did not say their engines stopped in {timeout:g}s; the "
                  "breakpoint's controller stops now")
-    except Exception as exc:
+    except RuntimeError as exc:  # the store's own errors (DistStoreError, DistError: a timeout, a store gone)
         guest.say(f"workbench: rank {rank}: the breakpoint's end could not be agreed through the job's store "
              f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); going on")
 
@@ -327,7 +329,7 @@ def attach(cap: Host, ident: int | str, key: keys.Attach, cluster_id: str, *, de
             else:
                 proc, engine_file, client_file = _start_controller(folder, cluster_id)
             info = json.dumps({"engine": engine_file.read_text(), "client_file": str(client_file.resolve())})
-        except Exception as exc:  # every rank hears of it and goes on
+        except Exception as exc:  # broad: the other ranks wait on this key, so whatever fails must reach them
             info = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
     got = json.loads(_share(key.info, info, rank, timeout=keys.INFO_WAIT_S + deadline))
     if "error" in got:  # rank 0 says it, once for the job; every rank goes on
@@ -339,8 +341,10 @@ def attach(cap: Host, ident: int | str, key: keys.Attach, cluster_id: str, *, de
     if rank == 0:
         extra: dict[str, Any] = {}
         if doc is not None:
-            with contextlib.suppress(Exception):
+            try:
                 extra = doc()
+            except Exception as exc:  # broad: the caller's account (triggers); attach.json goes out without it, said
+                guest.say(f"workbench: rank 0: attach.json lacks its account ({guest.cause(exc)})")
         _write(root / ATTACH, {
             "status": "waiting", "breakpoint": ident, "kind": "breakpoint" if isinstance(ident, int) else ident,
             "job": cap.job, "world_size": world,
@@ -350,14 +354,12 @@ def attach(cap: Host, ident: int | str, key: keys.Attach, cluster_id: str, *, de
             "ready_s": time.time() - t0, **extra})
     try:
         result = _serve(cap, Serving(ident, ns, shown_names(ns)), got["engine"], deadline, on_stuck)
-    except BaseException:
+        _all_done(key, rank, timeout=keys.DONE_WAIT_S, root=root)
+    finally:  # however the serving ended (an interrupt too), rank 0 stops its controller
         if rank == 0:
             _stop_controller(proc)
-        raise
-    _all_done(key, rank, timeout=keys.DONE_WAIT_S, root=root)
     if rank == 0:
-        _stop_controller(proc)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, ValueError):  # attach.json unreadable or not JSON: it stays "waiting"
             doc_now = json.loads((root / ATTACH).read_text())
             doc_now.update(status="resumed", by=result["by"], resumed_at=time.time(), seconds=result["seconds"])
             if result.get("hung"):
@@ -389,7 +391,7 @@ def probe_here(names: list[str]) -> dict[str, Any]:
         if held:  # the post mortem could not free this rank's device: asking it would wait for good
             raise TimeoutError(f"its device is held behind a collective that never completes ({held})")
         return {"rows": phases.probe_rows(objects)}
-    except Exception as exc:
+    except Exception as exc:  # broad: a client's request; whatever the probe raised is its answer's ``why``
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     latest = host.latest or {}
     rows = [dict(r, as_of=f"point {latest.get('point')}") for r in latest.get("tensors") or []
@@ -473,18 +475,15 @@ def _serve(cap: Host, now: Serving, engine_json: str, deadline: float, on_stuck:
             watchdog.stop()
         for stream in (sys.stdout, sys.stderr):
             if stream is not saved["stdout"] and stream is not saved["stderr"]:
-                with contextlib.suppress(Exception):
-                    stream.flush()
-                    stream.close()
+                _quietly(stream.flush, stream.close)
         sys.stdout, sys.stderr, sys.displayhook = saved["stdout"], saved["stderr"], saved["displayhook"]
         if saved["main"] is not None:
             sys.modules["__main__"] = saved["main"]
         sys.path[:] = saved["path"]
         _teardown(engine)
         if engine is not None and threading.current_thread() is not threading.main_thread():
-            with contextlib.suppress(Exception):  # the event loop IOLoop.current() made for this thread
-                engine.loop.close()
-                asyncio.set_event_loop(None)
+            # the event loop IOLoop.current() made for this thread
+            _quietly(engine.loop.close, lambda: asyncio.set_event_loop(None))
         _end_heart(set(threading.enumerate()) - threads_before)
         if fill_rank:
             context.clear_rank()
@@ -551,18 +550,15 @@ class _Watchdog:
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.target),
                                                                ctypes.py_object(KeyboardInterrupt))
             if self.main:  # a signal also ends a blocking sleep or socket wait; its handler raises the interrupt
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(OSError):  # the thread is gone
                     signal.pthread_kill(self.target, signal.SIGINT)
             tries += 1
             if time.perf_counter() > end:
                 self.out["hung"]["interrupted"] = False
-                with contextlib.suppress(Exception):
-                    sys.__stderr__.write(f"workbench: a notebook's cell still runs {self.GRACE_S:g}s past the "
-                                         "breakpoint's deadline and cannot be interrupted (blocked in C: a "
-                                         "collective?); " + ("this rank fails now, as it would have\n"
-                                                             if self.on_stuck is not None else
-                                                             "this rank goes on when it returns\n"))
-                    sys.__stderr__.flush()
+                guest.say(f"workbench: a notebook's cell still runs {self.GRACE_S:g}s past the breakpoint's deadline "
+                          "and cannot be interrupted (blocked in C: a collective?); "
+                          + ("this rank fails now, as it would have" if self.on_stuck is not None else
+                             "this rank goes on when it returns"))
                 if self.on_stuck is not None:
                     self.on_stuck()
                 return
@@ -613,37 +609,32 @@ def _end_heart(threads: set) -> None:
             t.join(2.0)
 
 
+def _quietly(*steps: Any) -> None:
+    """Run each cleanup step whatever the one before raised: the engine's sockets, threads, streams and singletons
+    go one by one, and a step that fails (a socket closed already, an attribute this ipyparallel lacks) must not
+    keep the next from running, nor reach the job."""
+    for step in steps:
+        try:
+            step()
+        except Exception:  # broad: cleanup of third-party objects (zmq, tornado, ipykernel), half torn down already
+            pass
+
+
 def _teardown(engine: Any) -> None:
     """Close the engine's sockets and threads and forget its singletons, so a later breakpoint starts fresh."""
     from ipykernel.kernelapp import IPKernelApp
     from ipyparallel.engine.app import IPEngine
     from ipyparallel.engine.kernel import IPythonParallelKernel
+    from IPython.core.interactiveshell import InteractiveShell
 
     if engine is None:
         return
-    with contextlib.suppress(Exception):
-        unreg = engine.session.send(engine.registrar, "unregistration_request", content={"id": engine.id})
-        del unreg
-    for name in ("_hb_reporter",):
-        with contextlib.suppress(Exception):
-            getattr(engine, name).stop()
-    kernel = getattr(engine, "kernel", None)
-    if kernel is not None:
-        with contextlib.suppress(Exception):
-            kernel.control_thread.stop()
-        with contextlib.suppress(Exception):
-            kernel.iopub_socket.stop()
-        with contextlib.suppress(Exception):
-            kernel.shell_stream.close()
-        with contextlib.suppress(Exception):
-            kernel.control_stream.close()
-    for attr in ("_hb_listener", "registrar", "shell_socket", "control_socket"):
-        with contextlib.suppress(Exception):
-            getattr(engine, attr).close(linger=0)
-    with contextlib.suppress(Exception):
-        from IPython.core.interactiveshell import InteractiveShell
-
-        InteractiveShell.clear_instance()
-    for cls in (IPythonParallelKernel, IPKernelApp, IPEngine):
-        with contextlib.suppress(Exception):
-            cls.clear_instance()
+    kernel = getattr(engine, "kernel", None)  # None before the engine made one: its steps fail, the rest run
+    _quietly(lambda: engine.session.send(engine.registrar, "unregistration_request", content={"id": engine.id}),
+             lambda: engine._hb_reporter.stop(),
+             lambda: kernel.control_thread.stop(), lambda: kernel.iopub_socket.stop(),
+             lambda: kernel.shell_stream.close(), lambda: kernel.control_stream.close(),
+             *(lambda attr=attr: getattr(engine, attr).close(linger=0)
+               for attr in ("_hb_listener", "registrar", "shell_socket", "control_socket")),
+             InteractiveShell.clear_instance,
+             *(cls.clear_instance for cls in (IPythonParallelKernel, IPKernelApp, IPEngine)))
