@@ -35,7 +35,7 @@ import pandas as pd
 
 from workbench.analysis.frames import jsonable
 from workbench.errors import BundleError
-from workbench.postmortem.record import SCHEMA_VERSION, RunRecord
+from workbench.postmortem.record import FINDINGS_FAULTS, SCHEMA_VERSION, RunRecord
 
 FORMAT = "workbench-bundle"
 BUNDLE_SCHEMA = 1  # the layout of this file; RunRecord manifests carry their own ``schema``
@@ -237,6 +237,21 @@ def _parquet_bytes(df: pd.DataFrame) -> tuple[bytes, list[str]]:
     return buf.getvalue(), json_cols
 
 
+def damage_faults() -> tuple[type[BaseException], ...]:
+    """What a damaged file (a bundle's zip, a shard's JSON lines or Parquet) provokes in zip/zlib/pyarrow/json
+    and the table checks after them, as opposed to a bug here: the read (OSError, EOFError), the zip (BadZipFile;
+    RuntimeError/NotImplementedError for an encrypted member or an unknown compression), zlib's and struct's
+    errors, a parse (ValueError: JSON, UTF-8, Arrow's ArrowInvalid), Arrow's own, and a field missing or of
+    another type. pyarrow is imported only when one of these is raised."""
+    import struct
+    import zlib
+
+    import pyarrow
+
+    return (OSError, EOFError, zipfile.BadZipFile, RuntimeError, zlib.error, struct.error, ValueError,
+            pyarrow.ArrowException, KeyError, IndexError, TypeError, AttributeError)
+
+
 def _plain(v: Any) -> Any:
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
         return v.tolist()
@@ -246,7 +261,7 @@ def _plain(v: Any) -> Any:
 def _findings_or_none(rec: RunRecord) -> pd.DataFrame | None:
     try:
         return rec.findings()
-    except Exception:  # a record without the columns the detectors need still saves
+    except FINDINGS_FAULTS:  # a record without the columns the detectors need still saves
         return None
 
 
@@ -293,6 +308,7 @@ def save(obj: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
+    written = False
     try:
         with os.fdopen(fd, "wb") as fh:
             with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED) as zf:
@@ -306,9 +322,10 @@ def save(obj: Any, path: str | os.PathLike) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a bundle is for sharing
         tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        written = True
+    finally:
+        if not written:  # whatever stopped the write (a full disk, Ctrl-C): no temporary left behind
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -317,6 +334,7 @@ def unpack(path: str | os.PathLike, directory: str | os.PathLike) -> Path:
     load(path)
     directory = Path(directory)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent if directory.parent else None))
+    unpacked = False
     try:
         with zipfile.ZipFile(path) as zf:
             for name in zf.namelist():
@@ -328,9 +346,10 @@ def unpack(path: str | os.PathLike, directory: str | os.PathLike) -> Path:
         if directory.exists():
             shutil.rmtree(directory)
         tmp.replace(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        unpacked = True
+    finally:
+        if not unpacked:  # whatever stopped it (an escaping member, a full disk, Ctrl-C): no half-unpacked dir
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
@@ -568,6 +587,6 @@ def load(path: str | os.PathLike) -> Bundle:
         return _load(path)
     except BundleError:
         raise
-    except Exception as exc:  # anything a damaged file provokes in zip/zlib/pyarrow/json
+    except damage_faults() as exc:
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise BundleError(f"{path}: corrupt bundle ({msg})") from None

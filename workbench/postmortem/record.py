@@ -18,6 +18,9 @@ from workbench.analysis import diagnosis, findings, flightrecorder
 from workbench.rank.columns import KERNEL_KNOBS, cpu_model, kernel_knobs
 
 SCHEMA_VERSION = 1
+# What ``findings()`` and ``diagnose()`` raise on a record without the tables or columns they read (an old bundle,
+# shards of a job cut short): a missing key or column, a None where a table was, a value of another type.
+FINDINGS_FAULTS = (KeyError, IndexError, AttributeError, TypeError, ValueError)
 
 
 @dataclass

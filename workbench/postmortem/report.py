@@ -331,6 +331,7 @@ def write_atomic(path: str | Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # A unique temporary name: two writers of one file never share (or clobber) a half-written file.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    written = False
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -338,7 +339,8 @@ def write_atomic(path: str | Path, text: str) -> Path:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        written = True
+    finally:
+        if not written:  # whatever stopped the write (a full disk, Ctrl-C): no temporary left behind
+            Path(tmp).unlink(missing_ok=True)
     return path

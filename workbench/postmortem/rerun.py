@@ -29,7 +29,7 @@ import pandas as pd
 from workbench.analysis.diagnosis import parted, short
 from workbench.errors import LOST, BundleError
 from workbench.postmortem import closeness
-from workbench.postmortem.record import RunRecord, versions
+from workbench.postmortem.record import FINDINGS_FAULTS, RunRecord, versions
 
 EXACT, SAME_STORY, DIFFERS = "reproduced exactly", "reproduced: same story", "differs"
 
@@ -318,7 +318,7 @@ class _Walk:
     def _diagnosis(self) -> dict[str, Any] | None:
         try:
             da, db = self.old.diagnose(), self.new.diagnose()
-        except Exception:  # a record without the tables the diagnosis reads: nothing to compare
+        except FINDINGS_FAULTS:  # a record without the tables the diagnosis reads: nothing to compare
             return None
         if (da.mechanism, da.step) == (db.mechanism, db.step):
             return None
@@ -358,7 +358,7 @@ def _garbage(rec: RunRecord) -> set[tuple[str, int, str]]:
 def _findings(rec: RunRecord) -> set | None:
     try:
         return finding_keys(rec.findings())
-    except Exception:  # a record without the columns the detectors need
+    except FINDINGS_FAULTS:  # a record without the columns the detectors need
         return None
 
 

@@ -335,11 +335,12 @@ def _stacks(path: Path, rank: int) -> str:
 def read_checked(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """``read``, where anything damaged shards provoke is one ``BundleError`` line, as for a bundle."""
     from workbench.errors import BundleError
+    from workbench.postmortem.bundle import damage_faults
 
     try:
         return read(path)
     except BundleError:
         raise
-    except Exception as exc:
+    except damage_faults() as exc:
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise BundleError(f"{path}: unreadable shards ({msg})") from None
