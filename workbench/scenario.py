@@ -13,6 +13,10 @@ from typing import Any
 from workbench.errors import UnknownName, WorkbenchError
 
 Step = Callable[[Any], None]
+# What a parameter's or the mesh's rule raises on a value it cannot judge (a string where it compares numbers, a
+# key it does not find, a division by zero): the value fails the rule, said in one line. A rule that raises
+# anything else has a bug of its own, which shows as such.
+RULE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError)
 
 
 @dataclass
@@ -76,7 +80,7 @@ class Scenario:
         params = self.resolve_params(params)
         try:
             ok = n >= 2 and (self.mesh_rule is None or bool(self.mesh_rule(n, params)))
-        except Exception:
+        except RULE_FAULTS:
             ok = False
         if not ok:
             raise WorkbenchError(f"{self.name} runs on {self.meshes}; {n} rank(s) is not one of them"
@@ -101,7 +105,7 @@ class Scenario:
             for rule, why in rules:
                 try:
                     ok = bool(rule(merged[key]))
-                except Exception:
+                except RULE_FAULTS:
                     ok = False
                 if not ok:
                     raise WorkbenchError(f"parameter {key}={merged[key]!r}: {why}")

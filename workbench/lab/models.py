@@ -130,7 +130,9 @@ def warm_first_calls() -> float | None:
             build_on_meta(config)
             with torch.no_grad():
                 model(input_ids=token_batch(config.vocab_size, 8, 0, torch.device("cpu")))
-    except Exception:  # best effort, like the imports' warm-up: a scenario that cannot build says so itself
+    except (OSError, ImportError, RuntimeError, ValueError, TypeError, AttributeError, KeyError):
+        # best effort, like the imports' warm-up: no transformers, a version whose config or loader differs, no
+        # temp space; a scenario that cannot build says so itself
         return None
     finally:
         torch.random.set_rng_state(rng)

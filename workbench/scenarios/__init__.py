@@ -62,7 +62,7 @@ def load_file(spec: str) -> Scenario:
     except SyntaxError as exc:
         sys.modules.pop(mod_name, None)
         raise WorkbenchError(f"scenario file {path_s}: syntax error at line {exc.lineno}: {exc.msg}") from None
-    except Exception as exc:
+    except Exception as exc:  # a boundary: the user's file runs its own code, which raises anything; one line
         sys.modules.pop(mod_name, None)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise WorkbenchError(f"scenario file {path_s} raised at import: {type(exc).__name__}: {first}") from None

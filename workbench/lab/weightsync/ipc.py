@@ -104,7 +104,8 @@ def rebuild(handle: Handle, device: torch.device | str | None = None) -> torch.T
             d = torch.device(device) if device is not None else torch.device(handle.device)
             args[6] = d.index if d.index is not None else torch.cuda.current_device()  # storage_device
         t = func(*args)
-    except Exception as exc:
+    except (pickle.UnpicklingError, EOFError, ImportError, AttributeError, IndexError, TypeError, ValueError, OSError,
+            RuntimeError) as exc:  # a payload that does not unpickle to torch's rebuild call; a buffer it cannot map
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HandleError(f"cannot rebuild the IPC handle of {what}: {type(exc).__name__}: {msg}") from None
     if t.numel() != handle.numel:

@@ -169,7 +169,7 @@ def onednn_without_amx() -> bool:
         return False
     try:
         return bool(torch.cpu._is_amx_tile_supported())
-    except Exception:
+    except (AttributeError, RuntimeError):  # a private call: gone from this torch, or no CPU report to read
         return False
 
 
@@ -439,7 +439,8 @@ def update_one(up: WeightUpdate, name: str, tensor: torch.Tensor) -> None:
         up.update([(name, tensor)])
     except WorkbenchError:
         raise
-    except Exception as exc:  # vLLM's loader asserts on shapes and names
+    except (AssertionError, ValueError, KeyError, IndexError, TypeError, AttributeError, RuntimeError) as exc:
+        # vLLM's loader asserts on shapes and names, looks names up (KeyError), and torch's copy refuses a shape
         msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise WorkbenchError(f"vLLM's load_weights refused tensor {name!r} {list(tensor.shape)}: "
                              f"{type(exc).__name__}: {msg}") from None
