@@ -66,8 +66,8 @@ STORE_LOST_AFTER = 3  # consecutive polls the job's store fails before the watch
 class Released(BaseException):
     """Raised on a waiting rank's main thread when the post mortem freed its stuck NCCL call (the job's
     communicators aborted once the account was taken): the rank stops there, waits until the notebook is done
-    and ends with exit status 1 (``shard.Capture._excepthook``). A ``BaseException``, so the job's own
-    ``except Exception`` does not take it for one of its errors."""
+    and ends with exit status 1 (``shard.Capture._excepthook``). A ``BaseException``, so the job's own handlers
+    of ``Exception`` do not take it for one of its errors."""
 
 
 class Role(enum.Enum):
@@ -76,6 +76,9 @@ class Role(enum.Enum):
     RAISED = "raised"  # its main thread serves, for its own error
     WAITING = "waiting"  # its watcher thread serves, for another rank's error or a deadlock
     SERVED = "served"  # its serving is over (or there was none to be had)
+
+
+STORE_ERRORS = (RuntimeError, OSError)  # what a store's call raises: DistStoreError/DistError, a socket's error
 
 
 class StoreDown(RuntimeError):
@@ -195,7 +198,7 @@ def _has(store: Any, key: str) -> bool:
     """Whether ``key`` is in the store (False: absent); a store that fails the call raises ``StoreDown``."""
     try:
         return bool(store.check([key]))
-    except Exception as exc:
+    except STORE_ERRORS as exc:
         raise StoreDown(exc) from exc
 
 
@@ -204,7 +207,7 @@ def _get(store: Any, key: str) -> Any:
     ``_has`` first) or its value is not JSON. A store that fails the call raises ``StoreDown``."""
     try:
         raw = store.get(key)
-    except Exception as exc:
+    except STORE_ERRORS as exc:
         if not _has(store, key):  # the get timed out on an absent key (``_has`` raises for a store that is down)
             return None
         raise StoreDown(exc) from exc
@@ -212,6 +215,26 @@ def _get(store: Any, key: str) -> Any:
         return json.loads(raw.decode())
     except (ValueError, AttributeError):
         return None
+
+
+def _set(store: Any, key: str, value: str) -> None:
+    """``store.set``; a store that fails the call raises ``StoreDown``."""
+    try:
+        store.set(key, value)
+    except STORE_ERRORS as exc:
+        raise StoreDown(exc) from exc
+
+
+def _claim(store: Any, key: keys.Attach, trigger: dict[str, Any]) -> bool:
+    """Whether this rank is the first to claim the post mortem (then its trigger is published); a store that fails
+    the call raises ``StoreDown``."""
+    try:
+        first = store.add(key.claim, 1) == 1
+    except STORE_ERRORS as exc:
+        raise StoreDown(exc) from exc
+    if first:
+        _set(store, key.go, json.dumps(trigger, default=str))
+    return first
 
 
 def _peek(store: Any, key: str) -> Any:
@@ -268,12 +291,10 @@ def on_exception(cap: Watched, watch: Watch | None, exc: BaseException, tb: Any,
     first = store is None
     if store is not None:
         try:
-            store.set(key.rank(cap.rank), json.dumps(me, default=str))
-            if store.add(key.claim, 1) == 1:
-                store.set(key.go, json.dumps(trigger))
-                first = True
-        except Exception as exc:
-            _not_started(cap, watch, exc)
+            _set(store, key.rank(cap.rank), json.dumps(me, default=str))
+            first = _claim(store, key, trigger)
+        except StoreDown as exc:
+            _not_started(cap, watch, exc.cause)
     if first:
         guest.say(wait_line(cap, watch, f"rank {cap.rank} raised {trigger['error'].splitlines()[0][:200]}"))
     return _serve(cap, watch, objects, trigger if store is None else None,
@@ -304,7 +325,7 @@ def wait_line(cap: engine.Host, watch: Watch, what: str, then: str = "the job th
 def _fail_now(cap: Watched, exc: BaseException, tb: Any, told: bool = False) -> None:
     """A notebook's cell holds the raising rank past the deadline inside a call it cannot leave: the rank fails
     now, as it would have without the workbench (its traceback, unless printed before the wait; exit status 1)."""
-    with contextlib.suppress(BaseException):
+    with contextlib.suppress(BaseException):  # broad: nothing (a hook's own error, an interrupt) may skip the exit
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # not the engine's streams to the notebook
         if not told:
             hook = cap.job_excepthook or sys.__excepthook__
@@ -365,7 +386,8 @@ def _where(frame: Any, line: int | None = None) -> str:
 
 
 def _open_calls(cap: Watched) -> list[dict[str, Any]]:
-    with contextlib.suppress(Exception):
+    """This rank's open calls for the account; none where its ledger cannot be read (the account goes on)."""
+    with contextlib.suppress(OSError, ValueError, RuntimeError):  # the ledger file, its lines, torch's counters
         return cap.open_calls()
     return []
 
@@ -382,9 +404,8 @@ def _main_frame() -> Any:
 def _watch(cap: Watched, watch: Watch, poll: float) -> None:
     try:
         _watch_loop(cap, watch, poll)
-    except Exception as exc:  # one line, never a thread's traceback in the job's log
-        with contextlib.suppress(Exception):
-            sys.__stderr__.write(f"workbench: rank {cap.rank}'s post-mortem watcher stopped: {exc!r}\n")
+    except Exception as exc:  # broad: the thread's top; one line, never a thread's traceback in the job's log
+        watch.say_once("watcher", f"workbench: rank {cap.rank}'s post-mortem watcher stopped: {guest.cause(exc)}")
 
 
 def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
@@ -399,7 +420,7 @@ def _watch_loop(cap: Watched, watch: Watch, poll: float) -> None:
         if cap.closed:
             return
         if store is None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(RuntimeError, ValueError):  # the group torn down meanwhile: asked again next poll
                 store = engine.job_store()
             if store is None:
                 continue
@@ -419,7 +440,7 @@ def _store_lost(cap: Watched, exc: StoreDown) -> None:
     """The job's store stays down: one line, unless the job has no process group any more (it destroyed its
     groups: no post mortem is left to lose, and a store gone with them is no fault)."""
     gone = False
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(RuntimeError, ValueError):  # the group half torn down: not gone, say it
         gone = engine.job_store() is None
     if not gone:
         guest.say(f"workbench: rank {cap.rank}'s post-mortem watcher lost the job's store: {exc}; post mortem off "
@@ -438,8 +459,8 @@ def _poll(cap: Watched, watch: Watch, store: Any, key: keys.Attach, tail: Any, s
         objects["frame"] = frame
         me = {"rank": cap.rank, "role": Role.WAITING.value, "where": _where(frame) if frame is not None else "?",
               "open_calls": _open_calls(cap)}
-        with contextlib.suppress(Exception):
-            store.set(key.rank(cap.rank), json.dumps(me, default=str))
+        with contextlib.suppress(StoreDown):  # the account then says "?" for this rank; it serves all the same
+            _set(store, key.rank(cap.rank), json.dumps(me, default=str))
         del frame
         _release(cap, watch, me)  # its part of the account is taken: free its stream so its device reads
         _off_the_stuck_stream(cap, watch)
@@ -449,27 +470,28 @@ def _poll(cap: Watched, watch: Watch, store: Any, key: keys.Attach, tail: Any, s
         return True
     if tail is None:
         return False
-    with contextlib.suppress(Exception):  # a call only Flight Recorder saw (DDP's reducer) may be the one
+    # a call only Flight Recorder saw (DDP's reducer) may be the one; its fill says its own faults (``_takes``),
+    # what is left is torch's counters of a group torn down meanwhile: read again next poll
+    with contextlib.suppress(RuntimeError, AttributeError, ValueError):
         cap.watch_flight_recorder(min(1.0, watch.hang_after / 2))
     now = time.time()
     calls = open_calls(tail)
     old = [c for c in calls if now - float(c.get("t") or now) > watch.hang_after]
     mine = json.dumps(old[:4], default=str) if old else "[]"
     if mine != state["published"]:
-        with contextlib.suppress(Exception):
-            store.set(key.open(cap.rank), mine)
-            state["published"] = mine
+        _set(store, key.open(cap.rank), mine)  # a store that fails: the watcher counts it (``StoreDown``)
+        state["published"] = mine
     if cap.rank == 0 and old:
         proof = _prove(store, key, cap.world_size)
         if proof is not None:
             try:
-                if store.add(key.claim, 1) == 1:
-                    store.set(key.go, json.dumps({"reason": "deadlock", "rank": None, "proof": proof,
-                                                       "t": time.time()}))
-                    guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
-                                        "every rank then ends, exit status 1"))
-            except Exception as exc:
-                _not_started(cap, watch, exc)
+                first = _claim(store, key, {"reason": "deadlock", "rank": None, "proof": proof, "t": time.time()})
+            except StoreDown as exc:
+                _not_started(cap, watch, exc.cause)
+                return False
+            if first:
+                guest.say(wait_line(cap, watch, f"the ledgers proved a deadlock: {proof['line']}",
+                                    "every rank then ends, exit status 1"))
     return False
 
 
@@ -477,7 +499,7 @@ def _nccl() -> bool:
     dist = sys.modules.get("torch.distributed")
     try:
         return dist is not None and dist.is_initialized() and "nccl" in str(dist.get_backend())
-    except Exception:
+    except (RuntimeError, ValueError, AttributeError):  # a group torn down meanwhile, a torch without the call
         return False
 
 
@@ -506,7 +528,7 @@ def _release(cap: Watched, watch: Watch, me: dict[str, Any]) -> dict[str, Any] |
         try:
             groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
             box["n"] = control.abort_groups(groups, c10d._get_default_group())
-        except Exception as exc:
+        except Exception as exc:  # broad: the abort thread's top; its caller says it (device held) and serves on
             box["exc"] = exc
         finally:
             done.set()
@@ -519,9 +541,8 @@ def _release(cap: Watched, watch: Watch, me: dict[str, Any]) -> dict[str, Any] |
         why = (f"{type(box['exc']).__name__}: {box['exc']}" if "exc" in box
                else f"the abort did not return in {ABORT_WAIT_S:g} s")
         watch.device_held = why  # its probe answers with its last point's rows, without asking the device
-        with contextlib.suppress(Exception):
-            sys.__stderr__.write(f"workbench: rank {cap.rank}: the post mortem could not free its communicators "
-                                 f"({why}); its device stays held\n")
+        guest.say(f"workbench: rank {cap.rank}: the post mortem could not free its communicators ({why}); its "
+                  "device stays held")
         return watch.released
     watch.released.update(groups=box["n"], abort_s=time.perf_counter() - t0)
     return watch.released
@@ -549,7 +570,7 @@ def _hold_main_thread(watch: Watch) -> bool:
             return None
         mon.set_events(tool, 0)
         watch.served.wait()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ValueError):  # the tool id freed already (another thread's release)
             mon.register_callback(tool, mon.events.LINE, None)
             mon.free_tool_id(tool)
         raise Released()
@@ -579,7 +600,7 @@ def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], sto
     would end it), a released main thread ends the rank itself (its excepthook); one still stuck in its call
     (gloo: its socket waits are not aborted) ends with the rank here, exit status 1, in one line."""
     if cap.rank != 0:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*STORE_ERRORS):  # not closed in time, or the store gone with rank 0: end all the same
             import datetime
 
             store.wait([key.closed], datetime.timedelta(seconds=keys.CLOSED_AFTER_DEADLOCK_S))
@@ -589,10 +610,9 @@ def _end_after_deadlock(cap: Watched, watch: Watch, trigger: dict[str, Any], sto
     line = (f"workbench: rank {cap.rank} ends now (exit status 1): the ledgers proved a deadlock "
             f"({(trigger.get('proof') or {}).get('line', '?')}) and the post mortem is over; its call could "
             "never complete\n")
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no stdout, or closed: the line goes all the same
         sys.__stdout__.flush()
-        sys.__stderr__.write(line)
-        sys.__stderr__.flush()
+    guest.say(line)
     os._exit(1)
 
 
@@ -616,8 +636,8 @@ def _off_the_stuck_stream(cap: Watched, watch: Watch) -> None:
         stream = torch.cuda.Stream(dev)  # a pool stream: CUDA's non-blocking kind
         torch.cuda.set_stream(stream)
         probe.read_by_host_copies(stream)  # no device allocation: the stuck main thread holds the context
-    except Exception as exc:  # one line; the host-side cells still serve
-        sys.__stderr__.write(f"workbench: rank {cap.rank} serves on the default stream ({exc!r})\n")
+    except (RuntimeError, AttributeError, TypeError, ValueError) as exc:  # CUDA's errors, a torch without the call
+        guest.say(f"workbench: rank {cap.rank} serves on the default stream ({guest.cause(exc)})")
 
 
 KEEP = ("rank", "group", "group_ranks", "seq", "op", "dtypes", "shapes", "numel", "bytes", "src", "send", "recv",
@@ -701,7 +721,7 @@ def _serve(cap: Watched, watch: Watch, objects: dict[str, Any], alone: dict[str,
                                doc=account, on_stuck=on_stuck)
         # no rank goes on (fails, is released, ends) before rank 0 closed the attach: the launcher would end the rest
         if store is not None and cap.rank != 0:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*STORE_ERRORS):  # not closed in time, or the store gone: this rank goes on
                 import datetime
 
                 store.wait([key.closed], datetime.timedelta(seconds=keys.CLOSED_WAIT_S))
