@@ -12,6 +12,7 @@ from typing import Any
 
 from workbench.errors import ClusterError
 from workbench.live.engines import Engines, ship_by_value
+from workbench.live.registry import ipp_faults
 from workbench.live.session import Session
 
 
@@ -82,12 +83,12 @@ class Cluster(Engines):
         """An ipyparallel result under the cluster's deadline: a clear error, never a hung kernel."""
         try:
             return ar.get(timeout=self.deadline)
-        except Exception as exc:
-            if type(exc).__name__ == "TimeoutError":
-                for r in range(self.world_size):
-                    self._busy[r] = ar
-                raise ClusterError(f"{what} on the engines did not finish within {self.deadline:g}s; "
-                                   "cluster.recover() brings the ranks back") from None
+        except TimeoutError:  # ipyparallel's is the builtin
+            for r in range(self.world_size):
+                self._busy[r] = ar
+            raise ClusterError(f"{what} on the engines did not finish within {self.deadline:g}s; "
+                               "cluster.recover() brings the ranks back") from None
+        except ipp_faults() as exc:
             raise ClusterError(f"{what} on the engines failed: {exc}") from None
 
 

@@ -30,7 +30,17 @@ from typing import Any
 
 from workbench.errors import ClusterError
 from workbench.live.cluster import Cluster
-from workbench.live.registry import WAIT_S, expected_engines, ipyparallel, load, peek, reap, stop_cluster
+from workbench.live.registry import (
+    WAIT_S,
+    cluster_file_faults,
+    expected_engines,
+    ipp_faults,
+    ipyparallel,
+    load,
+    peek,
+    reap,
+    stop_cluster,
+)
 
 
 class AttachedCluster(Cluster):
@@ -63,14 +73,16 @@ class AttachedCluster(Cluster):
         """Attach: connect, order the engines into ranks, form the group."""
         t0 = time.perf_counter()
         self._connect()
+        attached = False
         try:
             t1 = time.perf_counter()
             self._take_ranks()
             self.start_s, self.imports_s = t1 - t0, time.perf_counter() - t1
             self.form_group()
-        except BaseException:
-            self.stop()
-            raise
+            attached = True
+        finally:
+            if not attached:  # whatever stopped it (Ctrl-C too), the caller never gets this object: detach
+                self.stop()
         return self
 
     def _connect(self) -> None:
@@ -99,15 +111,13 @@ class AttachedCluster(Cluster):
                 try:
                     self._client = ipp.Client(profile_dir=pdir, cluster_id=self.cluster_id,
                                               timeout=10 if running else 5)
-                except Exception:
+                except ipp_faults():
                     if not running:
                         raise ClusterError(f"the controller of {self.where} does not answer and is no process on "
                                            "this host (a stale cluster file?); `workbench down --profile "
                                            f"{self.profile or 'default'}` clears it") from None
                     raise
-        except ClusterError:
-            raise
-        except Exception as exc:
+        except (*ipp_faults(), *cluster_file_faults()) as exc:  # the wire's, or a connection file it cannot read
             raise ClusterError(f"could not connect to {self.where}: {exc}") from None
         want = self.ranks_wish or expected
         if self.ranks_wish and expected is not None and expected < self.ranks_wish:
@@ -135,7 +145,7 @@ class AttachedCluster(Cluster):
         ar = self._client[ids].apply_async(whoami)
         try:
             infos = dict(zip(ids, ar.get(timeout=self.deadline)))
-        except Exception as exc:
+        except ipp_faults() as exc:
             raise ClusterError(f"the engines of {self.where} did not answer: {exc}") from None
         ranked = order(infos)[: self.ranks_wish or len(ids)]
         self._import_rank_layer([e for e, _ in ranked])
@@ -155,7 +165,7 @@ class AttachedCluster(Cluster):
 
         try:
             self._client[ids].apply_async(_import_rank_layer).get(timeout=UP_TIMEOUT_S)
-        except Exception as exc:
+        except ipp_faults() as exc:
             raise ClusterError(f"the engines of {self.where} could not import the workbench: {exc}") from None
 
     def _rendezvous(self) -> tuple[str, int]:
@@ -183,8 +193,8 @@ class AttachedCluster(Cluster):
         if self._client is not None and self._given_client is None:
             try:
                 self._client.close()
-            except Exception:
-                pass
+            except ipp_faults():
+                pass  # a connection already broken: nothing left to close
         self._client = None
         self._busy.clear()
         self._dead.clear()
@@ -317,7 +327,7 @@ def _within(seconds: float, fn: Callable[[], Any]) -> bool:
     def run() -> None:
         try:
             fn()
-        except Exception:
+        except Exception:  # a thread's boundary: whether fn returned is all the caller asks, not how it failed
             pass
         finally:
             done.set()
@@ -377,7 +387,7 @@ class JobCluster(AttachedCluster):
             time.sleep(0.02)
         infos = {}
         for e, ar in asked.items():  # a controller the user named may hold other engines: only this breakpoint's
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*ipp_faults(), AttributeError):  # no answer yet, or another engine's reply
                 info = ar.get(timeout=0)
                 if (info.get("job"), info.get("breakpoint")) == (self.attach_doc.get("job"),
                                                                   self.attach_doc.get("breakpoint")):
@@ -433,7 +443,7 @@ class JobCluster(AttachedCluster):
         t0 = time.perf_counter()
         try:
             self._client[self._ids].apply_async(resume_rank).get(timeout=self.deadline)
-        except Exception as exc:
+        except ipp_faults() as exc:
             raise ClusterError(f"the ranks of {self.where} did not take the resume: {exc}") from None
         path = os.path.join(self.job_dir, ATTACH)
         end = time.monotonic() + wait
@@ -471,7 +481,7 @@ class JobCluster(AttachedCluster):
         for r, ar in asked.items():
             try:
                 got = ar.get(timeout=max(0.1, end - time.monotonic()))
-            except Exception as exc:
+            except ipp_faults() as exc:
                 why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
                 lines.append(f"rank {r}: no rows (it did not answer: {why})")
                 continue

@@ -110,7 +110,7 @@ def _child(engine_cmd: list[str], forked_image: bool) -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # the engine's own failure: printed as it would print it, then exit 1
+    except BaseException:  # a process boundary: the engine's own failure printed as it would print it, then exit 1
         import traceback
 
         traceback.print_exc()
@@ -137,7 +137,7 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # best effort: the lease's reaper finds orphans by their marker anyway
+    except (OSError, AttributeError):  # no libc.so.6 or no prctl; the lease's reaper finds orphans by their marker
         pass
     if os.getppid() == 1:  # the set process died before the prctl took effect
         os._exit(1)
@@ -174,7 +174,8 @@ def main(argv: list[str]) -> int:
     try:
         _preimport(extra)
         forked_image = True
-    except Exception as exc:  # each engine then imports (and reports) for itself
+    except Exception as exc:  # a module's import runs its code, which raises anything: said; each engine then imports
+        # (and reports) for itself
         print(f"workbench: the engines' shared import failed ({type(exc).__name__}: {exc}); "
               "each engine starts on its own", file=sys.stderr)
         forked_image = False

@@ -25,6 +25,7 @@ import psutil
 
 from workbench.errors import LOST, ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
+from workbench.live.registry import ipp_faults
 from workbench.rank import leftovers, stacks
 from workbench.rank.host import free_port, gpu_count, set_threads
 from workbench.rank.warmup import import_rank_layer as _import_rank_layer  # shipped to engines by name
@@ -167,9 +168,10 @@ class Engines:
         another process (another notebook, a parallel test lane) took a port in between: that start is tried
         once more, on fresh ports, after the half-started cluster is stopped. Twice, and the one line names
         what the logs say stopped it (the port in use)."""
+        started = None
         try:
             try:
-                return self._start()
+                started = self._start()
             except _StoppedEarly as first:
                 self.stop()
                 self.pids = {}
@@ -177,14 +179,14 @@ class Engines:
                 try:
                     started = self._start()
                     warnings.warn(f"the engines' start-up was tried again on fresh ports: {first.cause}", stacklevel=2)
-                    return started
                 except _StoppedEarly as second:
                     before = "" if second.cause == first.cause else f"; the first time: {first.cause}"
                     raise ClusterError(f"could not start {self.world_size} engines: {second.cause} "
                                        f"(tried twice, on fresh ports{before})") from None
-        except BaseException:  # Ctrl-C / SIGTERM while engines come up included
-            self.stop()
-            raise
+        finally:
+            if started is None:  # whatever stopped it, Ctrl-C / SIGTERM while engines come up included
+                self.stop()
+        return started
 
     def _start(self) -> Engines:
         import ipyparallel as ipp
@@ -204,7 +206,7 @@ class Engines:
                                     **engine_fork.cluster_kwargs())
             self._client = self._ipp.start_and_connect_sync()
             self._client.wait_for_engines(self.world_size, timeout=120)
-        except Exception as exc:
+        except ipp_faults() as exc:
             cause = _stop_cause(self._ipp) if _stopped_early(exc) else None  # the logs, read before stop() drops them
             self.stop()
             if cause is not None:
@@ -224,11 +226,13 @@ class Engines:
         t1 = time.perf_counter()
         first_answers(view, _import_rank_layer, "the rank layer's import")  # timed apart from the group's forming
         self.imports_s = time.perf_counter() - t1
+        formed = False
         try:
             self.form_group()
-        except BaseException:
-            self.stop()  # the caller never gets this object: leave no engine behind
-            raise
+            formed = True
+        finally:
+            if not formed:
+                self.stop()  # whatever stopped it, the caller never gets this object: leave no engine behind
         return self
 
     def form_group(self, _again: bool = True) -> None:
@@ -290,8 +294,8 @@ class Engines:
         if self._client is not None:
             try:
                 self._client.close()
-            except Exception:
-                pass
+            except ipp_faults():
+                pass  # a connection already broken: nothing left to close
         # Engines hold nothing worth a graceful exit: killing them first takes ~0.02 s, where
         # ipyparallel's SIGTERM-and-wait took 1.4 s of every cold run; their nannies follow.
         _kill(_with_children(self.pids.values()))  # each engine's nanny too: none outlives this call
@@ -303,8 +307,8 @@ class Engines:
         if self._ipp is not None:
             try:
                 self._ipp.stop_cluster_sync()
-            except Exception:
-                pass
+            except ipp_faults():
+                pass  # its processes were killed above: what it says of them is stale
         self._ipp = self._client = None
         self._busy.clear()
         self._dead.clear()
@@ -563,7 +567,7 @@ class Engines:
                 continue
             try:
                 out.values[r] = ar.get(0)
-            except Exception as exc:
+            except ipp_faults() as exc:  # the step's own exception comes as ipyparallel's RemoteError
                 out.failures[r] = _failure_from(r, exc)
                 if out.failures[r].kind == "died" and self.is_local(r):  # a SIGSTOPped engine is stopped, not dead
                     out.failures[r] = stopped_failure(r, self.pids.get(r)) or out.failures[r]
@@ -582,7 +586,7 @@ def _still_busy(busy: Callable[[list[int]], bool] | None, open_: list[int]) -> b
         return False
     try:
         return bool(busy(open_))
-    except Exception:
+    except (OSError, ValueError, KeyError, TypeError):  # a ledger file being written or gone: not known busy
         return False
 
 
@@ -639,7 +643,7 @@ def _stop_cause(ipp_cluster: Any) -> str:
         logs += [("an engine", es.get_output() or "") for es in (ipp_cluster.engines or {}).values()]
         if ipp_cluster.controller is not None:
             logs.append(("the controller", ipp_cluster.controller.get_output() or ""))
-    except Exception:  # a launcher that never started has no output to read
+    except (OSError, AttributeError, ValueError):  # a launcher that never started has no output (or log file) to read
         pass
     for who, text in logs:
         found = _IN_USE.search(text)

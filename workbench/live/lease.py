@@ -137,7 +137,7 @@ def clear_leftovers(pids: list[int]) -> int:
         from workbench.rank import stacks
 
         return stacks.sweep_stale(pids=pids)
-    except Exception:
+    except (OSError, ImportError, ValueError):  # a file gone or unreadable mid-sweep: what is left stays
         return 0
 
 

@@ -54,7 +54,7 @@ class StepLine:
         try:
             line = status_line(self.read(), self.ranks, self.done, now, self.started)
             self.sink(line)
-        except Exception:  # a display that cannot draw must not fail the step
+        except Exception:  # a boundary: a display (the user's sink, any widget) that cannot draw must not fail the step
             self.sink = None
             return
         self.lines.append(line)
@@ -64,7 +64,7 @@ class StepLine:
         if self.sink is not None and self.lines:
             try:
                 self.sink("")
-            except Exception:
+            except (OSError, ValueError):  # it drew before: only its stream can have closed since
                 pass
         self.sink = None
 

@@ -55,6 +55,26 @@ def ipyparallel() -> Any:
     return ipp
 
 
+def ipp_faults() -> tuple[type[BaseException], ...]:
+    """What a call through ipyparallel raises for a fault of the engines, the controller or the wire, as opposed
+    to a bug here: its own errors (``ipp.error``: a step's remote exception, a dead engine, no engines
+    registered), a timeout or a refused/closed socket (``TimeoutError`` is an ``OSError``; ``zmq.ZMQError``),
+    and what its client raises on a closed or unusable connection or a connection file it cannot read
+    (RuntimeError, ValueError, KeyError)."""
+    import zmq
+
+    return (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError, ipyparallel().error.IPythonError)
+
+
+def cluster_file_faults() -> tuple[type[BaseException], ...]:
+    """What rebuilding ipyparallel's ``Cluster`` from its JSON file raises for a file another process wrote
+    (damaged, or from another version): the read and the parse, a missing or mistyped field, a launcher class
+    that no longer imports, a trait value it refuses."""
+    import traitlets
+
+    return (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError, traitlets.TraitError)
+
+
 def ipython_dir() -> str:
     """``$IPYTHONDIR``, else ``~/.ipython``; when that cannot be written, one fixed per-user directory in the
     temp dir. (IPython's own fallback is a fresh temp dir per process: ``up`` then recorded a cluster that
@@ -121,7 +141,7 @@ def load(profile: str | None, cluster_id: str = "", strict: bool = True) -> Any:
         raise ClusterError(f"no running cluster in profile {name!r}"
                            f"{' with id ' + repr(cluster_id) if cluster_id else ''} (no {path}); "
                            f"start one with `workbench up --ranks N --profile {name}`") from None
-    except Exception as exc:
+    except cluster_file_faults() as exc:
         raise ClusterError(f"cannot read the cluster file {path}: {exc}") from None
     if ipc.controller is None and strict:
         raise ClusterError(f"the controller of cluster {name!r} is not running (stale {path}); "
@@ -190,7 +210,7 @@ def stop_cluster(ipc: Any, engine_pids: Any = (), token: str | None = None) -> i
             pass
     try:
         ipc.stop_cluster_sync()
-    except Exception:
+    except Exception:  # cleanup must go on: the reap below is what leaves no process, whatever ipyparallel raised
         pass
     reap(controller)
     ipc.remove_cluster_file()
@@ -313,15 +333,13 @@ def up(ranks: int, profile: str | None = None, cluster_id: str = "", backend: st
             for ar in warming:
                 ar.get(timeout=max(0.0, t_warm + WARM_WAIT_S - time.time()))
             warm_s: float | None = time.time() - t_warm
-        except Exception as exc:  # a timeout (or a module that would not import): the ranks go on warming
-            if type(exc).__name__ != "TimeoutError":
-                raise
+        except TimeoutError:  # ipyparallel's is the builtin; a module that would not import fails the start below
             for ar in warming:
                 leave_queued(client, ar, view.targets)
             warm_s = None
         ranked = order(infos)
         resolved = pick_backend(backend, [infos[e] for e, _ in ranked], [li for _, li in ranked])
-    except BaseException as exc:
+    except BaseException as exc:  # a boundary: whatever stopped the start (Ctrl-C too) leaves no process, one line
         _restore(live_lease.MARK, saved)
         if client is not None:
             client.close()
