@@ -61,10 +61,9 @@ class Attach:
         # the post mortem stopped this waiting rank (or its aborted communicators raised): not the job's error
         released = isinstance(exc, triggers.Released) or triggers.was_released(self.watch)
         if self.stopped is None and not self._closed:
-            with contextlib.suppress(Exception):
-                self.flush()
-                self.fill_from_flight_recorder("at the job's exception")
             try:
+                self.flush()
+                self.fill_from_flight_recorder("at the job's exception")  # its own fault is its own line
                 from workbench.rank.ledger import traceback_text
 
                 text = traceback_text(exc) if exc is not None else "".join(traceback.format_exception(kind, exc, tb))
@@ -89,7 +88,7 @@ class Attach:
             except BaseException as pm_exc:  # never in the way of the job's own failure
                 guest.say(f"workbench: rank {self.rank}: the post-mortem attach failed: {guest.cause(pm_exc)}")
         if released:  # it waited above until the attach was over; the rank ends with one line, exit status 1
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed, full or absent stderr
                 sys.__stderr__.write(triggers.released_line(self.rank, self.watch, exc))
                 sys.__stderr__.flush()
             return
@@ -110,13 +109,13 @@ class Attach:
                 sys.stderr = sys.__stderr__
             outer = sys.excepthook if sys.excepthook is not self._excepthook else self._hook
             outer(kind, exc, tb)
-        except Exception:
-            with contextlib.suppress(Exception):
+        except Exception:  # the job's own hook failed: Python's prints the job's failure instead
+            with contextlib.suppress(Exception):  # an excepthook never raises
                 sys.__excepthook__(kind, exc, tb)
         finally:
             self._telling = False
             sys.stderr = held
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed, full or absent stderr
             sys.__stderr__.flush()
 
     def _give_back_excepthook(self) -> None:

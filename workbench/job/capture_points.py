@@ -38,7 +38,7 @@ def store_job() -> str | None:
         store = dist.distributed_c10d._get_default_store()
         got = store.compare_set(keys.JOB, "", f"job-{uuid.uuid4().hex[:12]}")
         return got.decode() if isinstance(got, bytes) else str(got)
-    except Exception:
+    except (RuntimeError, ValueError, AttributeError):  # no store (a group of torch's own making), or it is down
         return None
 
 
@@ -92,7 +92,7 @@ class Points:
             return contextlib.nullcontext()
         try:
             return trace_forward(self.ctx, model, run=run)
-        except Exception as exc:
+        except Exception as exc:  # the boundary of cap.trace: one line, the job's forward runs untraced
             if self.strict:
                 raise
             self._fault("at trace", exc)
@@ -120,7 +120,7 @@ class Points:
             info = self._point(name, same_on, objects)
             handed = info.pop("_handed", False)
             return info
-        except Exception as exc:
+        except Exception as exc:  # the boundary of cap.point: one line, the capture off, the job goes on
             if self.strict:
                 raise
             self._fault(f"at point `{name}`", exc)
@@ -260,10 +260,9 @@ class Points:
 
     def _settle(self) -> None:
         """The ends of the calls whose device work finished by now (the probe's copies waited for the stream)."""
-        with contextlib.suppress(Exception):
-            from workbench.rank import ledger as ledger_mod
+        from workbench.rank import ledger as ledger_mod
 
-            ledger_mod.settle()
+        ledger_mod.settle()  # raises nothing of its own: a work's query and a call's end each say their fault
 
     def _kept(self) -> str:
         n = len(self._written)

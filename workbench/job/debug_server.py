@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,13 +66,13 @@ def _handle(req: Any, resp: Any) -> None:
         cap = _SOURCE[0]() if _SOURCE else None
         try:
             whole = req.get_param("shard") in ("1", "true")
-        except Exception:  # no such parameter
+        except Exception:  # no such parameter (the request type is torch's, its errors unspecified)
             whole = False
         body = ({"error": "no open capture in this process"} if cap is None
                 else cap.files() if whole else cap.snapshot())
         resp.set_content(json.dumps(body, default=shard_format.plain).encode(), "application/json")
         resp.set_status(200 if cap is not None else 404)
-    except Exception as exc:
+    except Exception as exc:  # the boundary of the handler, in the job's process: a 500 with the cause
         resp.set_content(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), "application/json")
         resp.set_status(500)
 
@@ -106,7 +107,7 @@ def ask_all(path: str | os.PathLike, timeout: float = 10.0) -> dict[int, dict[st
         if doc.get("debug_server"):
             try:
                 out[int(doc["rank"])] = ask(doc["debug_server"], timeout)
-            except Exception as exc:
+            except (OSError, ValueError, HTTPException) as exc:  # down, refused, timed out, not JSON
                 out[int(doc["rank"])] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
@@ -121,7 +122,7 @@ def fetch(urls: list[str], out: str | os.PathLike, timeout: float = 30.0) -> tup
         try:
             got = ask(url, timeout, shard=True)
             rank = int(got["rank"])
-        except Exception as exc:
+        except (OSError, ValueError, KeyError, TypeError, HTTPException) as exc:  # down, timed out, not a shard
             missed.append(f"{url}: {' '.join(f'{type(exc).__name__}: {exc}'.split())[:200]}")
             continue
         d = shard_format.rank_dir(out, rank)

@@ -45,6 +45,6 @@ def cause(exc: BaseException, where: Any = None) -> str:
 def say(line: str) -> None:
     """One line on the job's stderr (the process's own, not a stream a breakpoint's engine put there)."""
     stream = sys.__stderr__ or sys.stderr
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed, full or absent stderr: nothing to say
         stream.write(" ".join(line.split()) + "\n")
         stream.flush()

@@ -105,7 +105,7 @@ class _Then(importlib.abc.MetaPathFinder):
             return None
         callbacks = self.waiting.pop(name)
         if not self.waiting:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ValueError):  # taken off already
                 sys.meta_path.remove(self)
         spec = None
         for finder in sys.meta_path:
@@ -175,7 +175,7 @@ def start() -> Hooks | None:
         cap = shard.capture(got.directory, poison=got.poison.arg, ledger="calls", attach=got.attach,
                             attach_deadline=got.attach_deadline, hang_after=got.hang_after)
         return Hooks(cap, every=got.every, points=list(got.points)).install()
-    except Exception as exc:
+    except Exception as exc:  # the boundary of the site hook's start: one line, the job runs without capture
         _say(f"workbench: capture off in this process: {type(exc).__name__}: {exc}")
         return None
 
@@ -244,7 +244,7 @@ class Hooks:
 
     def uninstall(self) -> None:
         while self._undo:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # cleanup: every other patch still comes off
                 self._undo.pop()()
         if _INSTALLED and _INSTALLED[0] is self:
             _INSTALLED.clear()
@@ -368,7 +368,7 @@ class Hooks:
         if loss is not None:
             try:
                 module = owners.of_loss(loss, known)
-            except Exception as exc:
+            except Exception as exc:  # every rank must still take the point: said in the shard, the latest model
                 self._error(exc, "nonfinite_loss")
         module = module if module is not None else next((m for m in known if m is not None), None)
         self.point("nonfinite_loss", module)
@@ -403,7 +403,7 @@ class Hooks:
                 self.cap.point(name, model=inner)
             if isinstance(inner, torch.nn.Module) and not any(r() is inner for r in self._roots):
                 self._roots.append(weakref.ref(inner))
-        except Exception as exc:
+        except Exception as exc:  # the boundary of an automatic point: a line in the shard, never the job's
             self._error(exc, name)
         finally:
             self._local.busy = False
@@ -411,7 +411,7 @@ class Hooks:
     def _error(self, exc: BaseException, where: Any = "") -> None:
         line = f"{where}: {type(exc).__name__}: {exc}"[:300]
         self.errors.append(line)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(AttributeError, TypeError):  # no capture (or its manifest) to say it in
             self.cap.doc.setdefault("hook_errors", []).append(line)
 
 
@@ -419,7 +419,7 @@ def _unwrapped(module: Any) -> Any:
     """What a manual point would name: the module a wrapper holds (``owners.unwrapped``), else the module itself."""
     try:
         return owners.unwrapped(module)
-    except Exception:
+    except (AttributeError, TypeError, RuntimeError):  # a wrapper that does not hold what it says: itself
         return module
 
 
@@ -482,7 +482,7 @@ def _guarded(fn: Callable, *args: Any, errors: Callable[[BaseException, Any], No
     """Run a hook's own work: whatever it raises stays out of the job (a line in the shard, or on stderr)."""
     try:
         fn(*args)
-    except Exception as exc:
+    except Exception as exc:  # the boundary between torch's hook and the job: said, never raised
         if errors is not None:
             errors(exc, getattr(fn, "__name__", "hook"))
         else:
@@ -490,5 +490,5 @@ def _guarded(fn: Callable, *args: Any, errors: Callable[[BaseException, Any], No
 
 
 def _say(line: str) -> None:
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed, full or absent stderr
         sys.__stderr__.write(line + "\n")

@@ -79,7 +79,7 @@ class Losses:
     def _guard(self, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:
+        except Exception as exc:  # the boundary inside the job's backward: said in the shard, never raised
             self.failed = True  # a watch that failed once steps aside
             self.errors(exc, "loss watch")
             return None

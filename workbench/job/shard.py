@@ -146,7 +146,7 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
                                  "hang_after": float(hang_after)}
             cap._write_manifest()
         return cap
-    except Exception as exc:
+    except Exception as exc:  # the boundary of capture(): the job gets a NoCapture and one line
         if strict:
             if cap is not None:
                 cap._stop()
@@ -221,7 +221,7 @@ def _rank_word() -> str:
     """This process's rank for a line said before the launcher's variables were read (they may be the fault)."""
     try:
         return str(launcher_env(dist_ok=False)["rank"])
-    except Exception:
+    except (KeyError, ValueError):  # a launcher variable missing or not a number
         return os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "?"
 
 
@@ -330,7 +330,7 @@ def _where_quietly() -> tuple[int, int]:
     try:
         where = launcher_env(dist_ok=False)
         return int(where["rank"]), int(where["world_size"])
-    except Exception:
+    except (KeyError, ValueError):  # a launcher variable missing or not a number
         return 0, 1
 
 
@@ -405,8 +405,8 @@ class Capture(Points, Attach, Reads):
         }
         try:
             self._install(poison, ledger, attempt)
-        except BaseException:
-            with contextlib.suppress(Exception):
+        except BaseException:  # any failure of the install, the job's Ctrl-C too: undo, then raise it
+            with contextlib.suppress(Exception):  # cleanup: the install's own error is what is raised
                 self._unwind()
             self._unwound = True
             raise
@@ -540,10 +540,10 @@ class Capture(Points, Attach, Reads):
             self._writer.drain(2.0)
         if self.watch is not None:
             self.watch.end()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # cleanup after a fault, on the job's thread: nothing may reach the job
             self._unwind()
         self.doc.update(status="stopped", stopped=self.stopped)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the shard marked stopped where it can be: a full disk must not raise
             self._write_manifest()
 
     @_takes()
@@ -552,17 +552,15 @@ class Capture(Points, Attach, Reads):
         line on stderr (``guest.py``)."""
         if not self._usable():
             return
-        self.flush()
-        with contextlib.suppress(Exception):
-            self.fill_from_flight_recorder("at close")
-        # The fused probe's kernel still building when a short job ends is not left mid-build at interpreter exit;
-        # bounded, since a build queued behind a stuck collective never ends.
-        with contextlib.suppress(Exception):
+        try:
+            self.flush()
+            self.fill_from_flight_recorder("at close")  # a fault of its own is its own line; the close goes on
+            # The fused probe's kernel still building when a short job ends is not left mid-build at interpreter
+            # exit; bounded, since a build queued behind a stuck collective never ends.
             from workbench.rank import probe_fused
 
             probe_fused.settle_warm(WARM_AT_CLOSE_S)
-        self._closed = self._unwound = True
-        try:
+            self._closed = self._unwound = True
             if self.watch is not None:
                 self.watch.end()
             self._unwind()
@@ -572,12 +570,12 @@ class Capture(Points, Attach, Reads):
             if hooks is not None and "step" in hooks.points:
                 self.doc["followed"] = hooks.followed()
             self._write_manifest()
-        except Exception as exc:
+        except Exception as exc:  # the boundary: a fault of the close is one line (guest.py), never the job's
             if self.strict:
                 raise
-            self._fault("at close", exc)
-            with contextlib.suppress(Exception):
-                self._unwind()  # whatever the failed step left
+            self._fault("at close", exc)  # before the unwind: it unwinds; after it: the line below
+            with contextlib.suppress(Exception):  # cleanup goes on: whatever the failed step left
+                self._unwind()
 
     def __enter__(self) -> Capture:
         return self

@@ -111,7 +111,7 @@ class Writer:
             except BaseException as exc:  # the capture's fault, never the job's
                 try:
                     self._on_fault(where, exc)
-                except BaseException:
+                except BaseException:  # the thread must live on to drain: the fault was the capture's to say
                     pass
             finally:
                 del item, work  # the point's rows die now, not when the next item arrives
