@@ -11,8 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench.errors import ClusterError
-from workbench.live.engines import Engines, ship_by_value
-from workbench.live.registry import ipp_faults
+from workbench.live.engines import Engines, ipp_faults, ship_by_value
 from workbench.live.session import Session
 
 

@@ -30,11 +30,11 @@ from typing import Any
 
 from workbench.errors import ClusterError
 from workbench.live.cluster import Cluster
+from workbench.live.engines import ipp_faults
 from workbench.live.registry import (
     WAIT_S,
     cluster_file_faults,
     expected_engines,
-    ipp_faults,
     ipyparallel,
     load,
     peek,

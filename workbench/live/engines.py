@@ -25,7 +25,6 @@ import psutil
 
 from workbench.errors import LOST, ClusterError, RankErrors, RankFailure
 from workbench.live import lease as live_lease
-from workbench.live.registry import ipp_faults
 from workbench.rank import leftovers, stacks
 from workbench.rank.host import free_port, gpu_count, set_threads
 from workbench.rank.warmup import import_rank_layer as _import_rank_layer  # shipped to engines by name
@@ -578,6 +577,18 @@ class Engines:
                         # the network is not a dead engine)
                         out.failures[r] = RankFailure(r, "died", "EngineDied", self.death_line(r))
         return out
+
+
+def ipp_faults() -> tuple[type[BaseException], ...]:
+    """What a call through ipyparallel raises for a fault of the engines, the controller or the wire, as opposed
+    to a bug here: its own errors (``ipp.error``: a step's remote exception, a dead engine, no engines
+    registered), a timeout or a refused/closed socket (``TimeoutError`` is an ``OSError``; ``zmq.ZMQError``),
+    and what its client raises on a closed or unusable connection or a connection file it cannot read
+    (RuntimeError, ValueError, KeyError)."""
+    import ipyparallel.error
+    import zmq
+
+    return (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError, ipyparallel.error.IPythonError)
 
 
 def _still_busy(busy: Callable[[list[int]], bool] | None, open_: list[int]) -> bool:

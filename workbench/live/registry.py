@@ -55,17 +55,6 @@ def ipyparallel() -> Any:
     return ipp
 
 
-def ipp_faults() -> tuple[type[BaseException], ...]:
-    """What a call through ipyparallel raises for a fault of the engines, the controller or the wire, as opposed
-    to a bug here: its own errors (``ipp.error``: a step's remote exception, a dead engine, no engines
-    registered), a timeout or a refused/closed socket (``TimeoutError`` is an ``OSError``; ``zmq.ZMQError``),
-    and what its client raises on a closed or unusable connection or a connection file it cannot read
-    (RuntimeError, ValueError, KeyError)."""
-    import zmq
-
-    return (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError, ipyparallel().error.IPythonError)
-
-
 def cluster_file_faults() -> tuple[type[BaseException], ...]:
     """What rebuilding ipyparallel's ``Cluster`` from its JSON file raises for a file another process wrote
     (damaged, or from another version): the read and the parse, a missing or mistyped field, a launcher class

@@ -35,7 +35,7 @@ import pandas as pd
 
 from workbench.analysis.frames import jsonable
 from workbench.errors import BundleError
-from workbench.postmortem.record import FINDINGS_FAULTS, SCHEMA_VERSION, RunRecord
+from workbench.postmortem.record import FINDINGS_FAULTS, SCHEMA_VERSION, RunRecord, damage_faults
 
 FORMAT = "workbench-bundle"
 BUNDLE_SCHEMA = 1  # the layout of this file; RunRecord manifests carry their own ``schema``
@@ -235,21 +235,6 @@ def _parquet_bytes(df: pd.DataFrame) -> tuple[bytes, list[str]]:
     buf = io.BytesIO()
     df.to_parquet(buf, engine="pyarrow", index=False)
     return buf.getvalue(), json_cols
-
-
-def damage_faults() -> tuple[type[BaseException], ...]:
-    """What a damaged file (a bundle's zip, a shard's JSON lines or Parquet) provokes in zip/zlib/pyarrow/json
-    and the table checks after them, as opposed to a bug here: the read (OSError, EOFError), the zip (BadZipFile;
-    RuntimeError/NotImplementedError for an encrypted member or an unknown compression), zlib's and struct's
-    errors, a parse (ValueError: JSON, UTF-8, Arrow's ArrowInvalid), Arrow's own, and a field missing or of
-    another type. pyarrow is imported only when one of these is raised."""
-    import struct
-    import zlib
-
-    import pyarrow
-
-    return (OSError, EOFError, zipfile.BadZipFile, RuntimeError, zlib.error, struct.error, ValueError,
-            pyarrow.ArrowException, KeyError, IndexError, TypeError, AttributeError)
 
 
 def _plain(v: Any) -> Any:

@@ -23,6 +23,22 @@ SCHEMA_VERSION = 1
 FINDINGS_FAULTS = (KeyError, IndexError, AttributeError, TypeError, ValueError)
 
 
+def damage_faults() -> tuple[type[BaseException], ...]:
+    """What a damaged file (a bundle's zip, a shard's JSON lines or Parquet) provokes in zip/zlib/pyarrow/json
+    and the table checks after them, as opposed to a bug here: the read (OSError, EOFError), the zip (BadZipFile;
+    RuntimeError/NotImplementedError for an encrypted member or an unknown compression), zlib's and struct's
+    errors, a parse (ValueError: JSON, UTF-8, Arrow's ArrowInvalid), Arrow's own, and a field missing or of
+    another type. Imported only when one of these is raised."""
+    import struct
+    import zipfile
+    import zlib
+
+    import pyarrow
+
+    return (OSError, EOFError, zipfile.BadZipFile, RuntimeError, zlib.error, struct.error, ValueError,
+            pyarrow.ArrowException, KeyError, IndexError, TypeError, AttributeError)
+
+
 @dataclass
 class RunRecord:
     manifest: dict[str, Any]

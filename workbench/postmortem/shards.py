@@ -335,7 +335,7 @@ def _stacks(path: Path, rank: int) -> str:
 def read_checked(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """``read``, where anything damaged shards provoke is one ``BundleError`` line, as for a bundle."""
     from workbench.errors import BundleError
-    from workbench.postmortem.bundle import damage_faults
+    from workbench.postmortem.record import damage_faults
 
     try:
         return read(path)
