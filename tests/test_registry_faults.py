@@ -219,7 +219,8 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
     family = [p for pid in registry.processes(pdir) for p in _family(pid)]
     try:
         proc = subprocess.Popen([*CLI, "run", f"{sc}:", "--cluster", pdir, "--timeout", "300", "--no-progress"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # SIGABRT: every thread's stack
         end = time.monotonic() + 180
         while not (tmp_path / "in-step0").exists() and proc.poll() is None and time.monotonic() < end:
             time.sleep(0.2)
@@ -227,9 +228,9 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
         proc.send_signal(signal.SIGINT)
         try:
             code = proc.wait(120)
-        except subprocess.TimeoutExpired:  # what it said before it stuck: the next reader's lead
-            proc.kill()
-            pytest.fail(f"the interrupted run did not end in 120 s; it said: {proc.communicate()[1][-3000:]}")
+        except subprocess.TimeoutExpired:  # what it said before it stuck, and where each thread was
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"the interrupted run did not end in 120 s; it said: {proc.communicate(timeout=60)[1][-6000:]}")
         hold.unlink()  # rank 1 leaves its Python loop (the message says such a rank stays busy until then)
         err = proc.stderr.read()
         assert code == 130, err
