@@ -199,7 +199,7 @@ def release_attached(cluster: Any, where: str) -> Interrupted:
         for cmd in ("mark", "abort"):  # every rank marked first, as recover() does
             replies = [cluster.control(r, cmd) for r in range(cluster.world_size)]
         done = all(r.get("aborted") for r in replies)
-    except Exception:
+    except Exception:  # on the way out of a Ctrl-C: whatever the ranks did, the line says they were not all reached
         done = False
     return Interrupted(f"the ranks of cluster {where!r} stay up; " + (
         "their process group was aborted, so a collective the step was blocked in returns now (a step still "

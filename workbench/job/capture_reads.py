@@ -120,7 +120,7 @@ class Reads:
                 return 0
             try:
                 return fr.fill(when, hang=hang, marked_only=marked_only)
-            except Exception as exc:
+            except Exception as exc:  # a boundary: the complement off, said once (its API changes are named)
                 if self.strict:
                     raise
                 self._fr = None

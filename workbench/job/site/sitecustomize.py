@@ -22,7 +22,7 @@ def _arm() -> None:
         from workbench.job import hooks
 
         hooks.arm()
-    except Exception as exc:
+    except Exception as exc:  # the site hook may never end the job's process: one line, no capture
         sys.stderr.write(f"workbench: capture off in this process: {type(exc).__name__}: {exc}\n")
 
 
