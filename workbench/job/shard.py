@@ -431,7 +431,7 @@ class Capture(Points, Attach, Reads):
         poison_mod.set_poison(bool(poison))  # to_empty tracked either way (without poison: by fingerprint)
         self._poison = poison_mod
         if not self.strict:
-            poison_mod._STATE["guest"] = lambda exc: self._fault("in the poison's hook", exc, now=False)
+            poison_mod.set_guest(lambda exc: self._fault("in the poison's hook", exc, now=False))
         if poison is True:  # also torch.empty and the other Python allocators: a function mode over every call
             self._poison_mode = poison_mod._Allocations()
             self._poison_mode.__enter__()
@@ -526,7 +526,7 @@ class Capture(Points, Attach, Reads):
                 self._poison_mode.off = True
             from workbench.rank import poison as poison_mod
 
-            poison_mod._STATE["poison"] = False
+            poison_mod.pause()
             guest.say(self.stopped)
         if now:
             self._stop()

@@ -233,6 +233,31 @@ class Ledger:
     def write(self, record: dict[str, Any]) -> None:
         self.write_many([record])
 
+    # what Flight Recorder's complement (``ledger_fr.Complement``) reads of the numbers this ledger wrote, each a
+    # copy or an update under the ledger's lock (the job's thread writes meanwhile)
+    def seen_on(self, group: str) -> set[int]:
+        """The numbers this ledger wrote rows of on ``group``."""
+        with self._lock:
+            return set(self.seen.get(group, ()))
+
+    def taken_on(self, group: str) -> set[int]:
+        """The backend numbers point-to-point calls took on ``group`` (gloo counts them with the collectives)."""
+        with self._lock:
+            return set(self.p2p_taken.get(group, ()))
+
+    def settled_upto(self, group: str, n: int) -> None:
+        """Forget what is known up to number ``n`` on ``group`` (the complement read that far), keeping how many
+        point-to-point numbers lay below."""
+        with self._lock:
+            seen = self.seen.get(group)
+            if seen:
+                seen.difference_update([s for s in seen if s <= n])
+            taken = self.p2p_taken.get(group)
+            if taken:
+                below = [p for p in taken if p <= n]
+                taken.difference_update(below)
+                self.p2p_before[group] = self.p2p_before.get(group, 0) + len(below)
+
     def write_many(self, records: list[dict[str, Any]]) -> None:
         """The records in order, in one write and one flush (Flight Recorder's calls come by the hundred)."""
         if self.off or not records:
@@ -736,6 +761,16 @@ def _before_destroying() -> None:
                 settle(DESTROY_WAIT_S)  # NCCL's shutdown waits for its pending work too: this adds no wait
             finally:
                 _drop_device_calls("still running when its process group was destroyed: its end was never seen")
+
+
+def is_plumbing(filename: str) -> bool:
+    """A frame of the calls' own machinery between the user's line and the backend (skipped to find the caller)."""
+    return filename.startswith(_PLUMBING)
+
+
+def is_machinery(filename: str) -> bool:
+    """A frame of the engine's own loop (ipyparallel, IPython, zmq...): below it nothing is the user's."""
+    return bool(_MACHINERY.search(filename))
 
 
 def add_plumbing(paths: Iterable[str]) -> Callable[[], None]:

@@ -177,9 +177,9 @@ def _frames(raw: list[dict[str, Any]]) -> tuple[str, str, list[str], str]:
     walked: list[tuple[str, str, bool]] = []
     for f in raw:
         fn = str(f.get("filename", ""))
-        if fn.startswith(_ledger._PLUMBING):
+        if _ledger.is_plumbing(fn):
             continue
-        if _ledger._MACHINERY.search(fn):
+        if _ledger.is_machinery(fn):
             break
         mine = not _ledger.is_library(fn)
         walked.append((fn, f"{fn}:{f.get('line')} {f.get('name')}", mine))
@@ -255,12 +255,10 @@ class Complement:
 
     def _seen(self, name: str) -> set[int]:
         """The numbers the ledger wrote rows of on ``name`` (a copy: the job's thread adds to it meanwhile)."""
-        with self.book._lock:
-            return set(self.book.seen.get(name, ()))
+        return self.book.seen_on(name)
 
     def _taken(self, name: str) -> set[int]:
-        with self.book._lock:
-            return set(self.book.p2p_taken.get(name, ()))
+        return self.book.taken_on(name)
 
     def _fr_id(self, name: str, q: int, taken: set[int]) -> int:
         """Flight Recorder's ``collective_seq_id`` of the backend's number ``q``: gloo numbers point-to-point calls
@@ -270,15 +268,7 @@ class Complement:
 
     def _account(self, name: str, n: int) -> None:
         self.done[name] = n
-        with self.book._lock:
-            seen = self.book.seen.get(name)
-            if seen:
-                seen.difference_update([s for s in seen if s <= n])
-            taken = self.book.p2p_taken.get(name)
-            if taken:
-                below = [p for p in taken if p <= n]
-                taken.difference_update(below)
-                self.book.p2p_before[name] = self.book.p2p_before.get(name, 0) + len(below)
+        self.book.settled_upto(name, n)
 
     def fill(self, when: str, hang: bool = False, marked_only: bool = False) -> int:
         """Write the rows the ledger lacks; returns how many. ``when``: what read them ("before point `step3`", "at
@@ -393,6 +383,4 @@ class Complement:
 
     @staticmethod
     def _end_row(rec: dict[str, Any], state: str, note: str) -> dict[str, Any]:
-        return {"ev": "end", "rank": rec["rank"], "session": rec["session"], "attempt": rec["attempt"],
-                "group": rec["group"], "seq": rec["seq"], "state": state, "error": None, "t": time.time(),
-                "note": note, "source": SOURCE}
+        return _ledger.end_row(rec, state, note=note, source=SOURCE)

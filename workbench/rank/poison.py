@@ -165,6 +165,16 @@ def poisoned(on: bool = True) -> Iterator[None]:
         set_poison(before)
 
 
+def set_guest(hear: Callable[[BaseException], None] | None) -> None:
+    """A guest in someone's job: ``hear(exc)`` gets the hooks' own failures instead of the job (None: they raise)."""
+    _STATE["guest"] = hear
+
+
+def pause() -> None:
+    """Stop filling what ``to_empty`` hands out (a capture's fault); tracking goes on until the capture's undo."""
+    _STATE["poison"] = False
+
+
 def saved() -> Callable[[], None]:
     """The undo of a capture's poison: ``to_empty`` and the poison state as they were found (a live session's tracker
     left on, say), not the pristine original: a capture's close leaves torch as it found it."""
