@@ -249,7 +249,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/live/connect.py", "workbench/live/registry.py",
     ),
     "tests/test_close_leaves_torch.py::test_close_gives_back_every_patch_mode_hook_and_thread": (
-        "workbench/job/patch.py",
+        "workbench/job/patch.py", "workbench/job/process.py",
     ),
     "tests/test_collectives.py::test_an_argument_c10d_refuses_is_the_raising_ranks_cause": (
         "workbench/analysis/cause.py", "workbench/analysis/stacks.py",

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Protocol
 
+from workbench.job import process
 from workbench.rank import shard_format
 
 HANDLER = "workbench_capture"  # the debug server's handler name: POST <worker>/handler/workbench_capture
@@ -32,21 +32,20 @@ class Snapshots(Protocol):
 
 
 # The one process-wide fact here: c10d's handler registry is a C++ static of the process, registered once; the
-# registered function asks ``_SOURCE`` for the capture open now (the capture's own registry, ``shard.py``).
-_SOURCE: list[Callable[[], Snapshots | None]] = []
+# registered function answers for the capture open now (``process.STATE.capture``).
+_REGISTERED: list[bool] = []
 
 
-def register(source: Callable[[], Snapshots | None]) -> None:
-    """Register the handler with c10d's handler registry, once per process; it answers for ``source()``.
+def register() -> None:
+    """Register the handler with c10d's handler registry, once per process; it answers for the open capture.
 
     The registry is a C++ static: it drops its Python callables at exit without the GIL, which aborts
     the interpreter (rc 134) when that drops the last reference. One reference more than the registry
     holds keeps the function alive past that point (measured: without it, a plain script that registers
     a handler exits with SIGABRT)."""
-    if _SOURCE:
-        _SOURCE[:] = [source]
+    if _REGISTERED:
         return
-    _SOURCE.append(source)
+    _REGISTERED.append(True)
     try:
         import ctypes
 
@@ -63,7 +62,7 @@ def register(source: Callable[[], Snapshots | None]) -> None:
 def _handle(req: Any, resp: Any) -> None:
     """The debug server's call (on its own thread): the open capture's snapshot as JSON."""
     try:
-        cap = _SOURCE[0]() if _SOURCE else None
+        cap: Snapshots | None = process.STATE.capture
         try:
             whole = req.get_param("shard") in ("1", "true")
         except Exception:  # no such parameter (the request type is torch's, its errors unspecified)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from workbench.job import guest, keys
+from workbench.job import guest, keys, process
 
 ATTACH = "attach.json"
 
@@ -84,15 +84,14 @@ class Host(Protocol):
     def device_held(self) -> str | None: ...  # why the post mortem could not free its device, where it could not
 
 
-# Two facts of the process, not of one capture: the engine is a singleton of the process (so is the attach in
-# progress: the remote calls find the capture that serves here), and a breakpoint's keys in the job's store
-# outlive the capture that set them (so breakpoints are numbered across the process's captures).
-_SERVED: list[Host] = []
+# A fact of the process, not of one capture: a breakpoint's keys in the job's store outlive the capture that set
+# them (so breakpoints are numbered across the process's captures). The capture serving now is
+# ``process.STATE.served``: the engine is a singleton of the process, and the remote calls find it there.
 _BREAKPOINTS = itertools.count()
 
 
 def _serving() -> Serving | None:
-    host = _SERVED[0] if _SERVED else None
+    host = process.STATE.served
     return host.serving if host is not None else None
 
 
@@ -110,7 +109,7 @@ def whoami() -> dict[str, Any]:
 
     from workbench.job.launcher import launcher_env
 
-    host = _SERVED[0] if _SERVED else None
+    host = process.STATE.served
     now = _serving()
     init = dist.is_available() and dist.is_initialized()
     return {"rank": dist.get_rank() if init else host.rank if host else 0,
@@ -384,7 +383,7 @@ def probe_here(names: list[str]) -> dict[str, Any]:
     from workbench.rank import phases
 
     ns = here()
-    host = _SERVED[0]
+    host = process.STATE.served
     objects = {n: ns[n] for n in names if n in ns}
     held = host.device_held
     try:
@@ -427,7 +426,7 @@ def _serve(cap: Host, now: Serving, engine_json: str, deadline: float, on_stuck:
              "main": sys.modules.get("__main__"), "path": list(sys.path)}
     ns = now.ns
     cap.serving = now
-    _SERVED[:] = [cap]
+    process.STATE.served = cap
     from workbench.rank import context
 
     fill_rank = not context.rank_is_set()  # what %%px cells' ``wbr.here()`` reads, where no live group set it
@@ -488,7 +487,7 @@ def _serve(cap: Host, now: Serving, engine_json: str, deadline: float, on_stuck:
         if fill_rank:
             context.clear_rank()
         cap.serving = None
-        _SERVED.clear()
+        process.STATE.served = None
         shutil.rmtree(tmp, ignore_errors=True)
     out["seconds"] = time.perf_counter() - t0
     return out

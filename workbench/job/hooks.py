@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import config, losses, materialise, owners, patch
+from workbench.job import config, losses, materialise, owners, patch, process
 
 # the variables, the words and the points are config.py's (the one place that reads the environment)
 ENV, ENV_EVERY, ENV_POINTS, ENV_ATTACH = config.ENV, config.ENV_EVERY, config.ENV_POINTS, config.ENV_ATTACH
@@ -53,7 +53,6 @@ LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "accelerate.co
              "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner")
 _MARK = "__workbench_hook__"
 _HERE = os.path.abspath(__file__)
-_INSTALLED: list[Hooks] = []
 
 
 # -- in which process, with what: read from the environment --------------------------------------------
@@ -166,8 +165,8 @@ def arm() -> bool:
 def start() -> Hooks | None:
     """This rank's capture (into ``WORKBENCH_CAPTURE``) with the automatic points on; one line on stderr and
     the job runs on without it if it cannot start."""
-    if _INSTALLED:
-        return _INSTALLED[0]
+    if process.STATE.hooks is not None:
+        return process.STATE.hooks
     try:
         from workbench.job import shard
 
@@ -228,7 +227,7 @@ class Hooks:
             from torch.nn.parallel import DistributedDataParallel
 
             self._method(DistributedDataParallel, "__init__", lambda a, k, r: self._first_forward(a[0]))
-        _INSTALLED[:] = [self]
+        process.STATE.hooks = self
         if {"fully_shard", "FullyShardedDataParallel", "forward"} & self.points:
             after_import("torch.distributed.fsdp", self._when_installed(lambda _m: self._fsdp()))
         if "set_model_state_dict" in self.points:
@@ -238,7 +237,7 @@ class Hooks:
     def _when_installed(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
         """A later import's patch, made only while these hooks are still installed."""
         def run(module: Any) -> None:
-            if _INSTALLED and _INSTALLED[0] is self:
+            if process.STATE.hooks is self:
                 callback(module)
         return run
 
@@ -246,8 +245,7 @@ class Hooks:
         while self._undo:
             with contextlib.suppress(Exception):  # cleanup: every other patch still comes off
                 self._undo.pop()()
-        if _INSTALLED and _INSTALLED[0] is self:
-            _INSTALLED.clear()
+        process.STATE.release("hooks", self)
 
     def _wrap(self, name: str, original: Callable, after: Callable[[tuple, dict, Any], None]) -> Callable:
         """``original`` with ``after(args, kwargs, result)`` once it returned, outside any other hooked call."""
@@ -462,7 +460,7 @@ def _wrap_subclasses(hooks: Hooks, base: type) -> Callable[[], None]:
             previous.__func__(cls, **kwargs)
         else:
             super(base, cls).__init_subclass__(**kwargs)
-        if _INSTALLED and _INSTALLED[0] is hooks:
+        if process.STATE.hooks is hooks:
             _guarded(hooks._receiver, cls, errors=hooks._error)
 
     setattr(__init_subclass__, _MARK, "load_weights")

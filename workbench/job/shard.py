@@ -65,7 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.job import api, config, debug_server, engine, guest, triggers, writer
+from workbench.job import api, config, debug_server, engine, guest, process, triggers, writer
 from workbench.job.api import takes as _takes
 from workbench.job.capture_attach import Attach
 from workbench.job.capture_points import FR_READ_EVERY, Points  # noqa: F401 (FR_READ_EVERY: read here as before)
@@ -77,7 +77,6 @@ from workbench.rank import shard_format
 ENV_OFF = config.ENV  # an OFF word ("0", "off", "false", "no"): capture is a no-op; a directory: capture into it
 ENV_JOB = config.ENV_JOB
 ENV_LEDGER = config.ENV_LEDGER  # "calls"/"default" (+ Flight Recorder), "full"/"1", "0": none (config.Ledger)
-_CURRENT: list[Capture] = []  # the open capture of this process, for the handler
 
 
 def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: bool | str = "to_empty",
@@ -118,9 +117,10 @@ def capture(path: str | os.PathLike, *, enabled: bool | None = None, poison: boo
     if enabled and env.directory:  # a directory: capture there
         _replaced(path, env.directory)
         path = env.directory
-    if enabled and _CURRENT and not _CURRENT[0]._closed:  # this process captures already (workbench job)
-        _dropped(_CURRENT[0], given)
-        return _CURRENT[0]
+    already = process.STATE.open_capture()
+    if enabled and already is not None:  # this process captures already (workbench job)
+        _dropped(already, given)
+        return already
     if enabled:
         ledger = _ledger_mode(env, ledger, strict)
     poison_mode, ledger_mode = config.Poison.of_arg(poison), config.Ledger.of_arg(ledger)
@@ -472,9 +472,9 @@ class Capture(Points, Attach, Reads):
         stack.callback(self._give_back_excepthook)
         atexit.register(self.close)
         stack.callback(atexit.unregister, self.close)
-        _CURRENT[:] = [self]
+        process.STATE.capture = self
         stack.callback(self._forget)
-        debug_server.register(_open_capture)
+        debug_server.register()
         self._write_manifest()
 
     def _leave_poison_mode(self) -> None:
@@ -484,8 +484,7 @@ class Capture(Points, Attach, Reads):
             self._poison_mode.off = True  # a mode the job pushed since sits above it: it stays, passing through
 
     def _forget(self) -> None:
-        if _CURRENT and _CURRENT[0] is self:
-            _CURRENT.clear()
+        process.STATE.release("capture", self)
 
     @_takes()
     def on_close(self, undo: Callable[[], Any]) -> None:
@@ -591,9 +590,6 @@ class Capture(Points, Attach, Reads):
 WARM_AT_CLOSE_S = 20.0
 
 
-def _open_capture() -> Capture | None:
-    """The open capture of this process (what the debug-server handler answers for), or None."""
-    return _CURRENT[0] if _CURRENT else None
 
 
 def _keep_previous(root: Path, rank: int) -> None:
