@@ -218,9 +218,13 @@ def test_interrupting_an_attached_run_releases_its_ranks_and_says_they_stay_up(t
     registry.up(2, pdir, backend="gloo")
     family = [p for pid in registry.processes(pdir) for p in _family(pid)]
     try:
+        # SIGINT as a terminal delivers it: a suite started in the background by a non-interactive shell runs
+        # with SIGINT ignored, which every child inherits, and a Python started so keeps ignoring it (three
+        # fresh-clone runs failed here that way: the CLI's main thread still waited in its step, 120 s later)
         proc = subprocess.Popen([*CLI, "run", f"{sc}:", "--cluster", pdir, "--timeout", "300", "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # SIGABRT: every thread's stack
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         end = time.monotonic() + 180
         while not (tmp_path / "in-step0").exists() and proc.poll() is None and time.monotonic() < end:
             time.sleep(0.2)
