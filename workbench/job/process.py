@@ -22,7 +22,7 @@ class ProcessState:
     def open_capture(self) -> Any:
         """The capture open now, or None (a closed one is not)."""
         cap = self.capture
-        return cap if cap is not None and not getattr(cap, "_closed", True) else None
+        return cap if cap is not None and not cap.closed else None
 
     def release(self, slot: str, owner: Any) -> None:
         """Clear ``slot`` if ``owner`` still holds it (a later owner's is left alone)."""
