@@ -15,8 +15,7 @@ with each decoder layer ``.compile()``-d (inductor on GPU, aot_eager on CPU), in
 The driver runs the three ways in ``--rounds`` interleaved rounds, each job a fresh process. Round 1 runs with
 fresh caches (empty ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and ``CUDA_CACHE_PATH`` for that process: a
 fresh machine's first job; eager only unless ``--fresh-compile``); later rounds share one warm copy of round 1's
-``defaults`` caches. Round 1 also runs ``prebuilt``: the in-code job whose capture starts the probe's kernel build
-(``rank/probe_child.prebuild_probe``) the moment it opens, which the capture itself does not do yet. It writes ``--out``
+``defaults`` caches. It writes ``--out``
 (JSON): ``loop_ms`` (warm rounds, eager), ``fresh_loop_ms`` (round 1, eager), ``compiled_loop_ms`` (warm rounds),
 each keyed ``off``, ``defaults`` and ``zero_code``; the same ``_vs_off``; ``first_point_ms`` (the in-code job's
 first point on real tensors, on the job's thread, fresh and warm), the probe's build (the child's and the
@@ -56,10 +55,6 @@ def job(args) -> None:
         import workbench.job as wj
 
         cap = wj.capture(args.capture)
-        if args.prebuild:  # what a capture would do if it started the probe's build when it opens (not yet so)
-            from workbench.rank import probe_child
-
-            probe_child.prebuild_probe()
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig
@@ -152,23 +147,21 @@ def _build_facts() -> dict:
     from workbench.rank import probe_child, probe_fused
 
     r = dict(probe_fused._WARM.get("result") or {})
-    return {"in_process": r, "child": probe_child._BUILD.get("result"), "child_t0": probe_child._BUILD.get("t0"),
-            "triton": probe_fused._TRITON.get("why")}
+    return {"in_process": r, "nvrtc": probe_fused._WARM.get("nvrtc"), "child": probe_child._BUILD.get("result"),
+            "child_t0": probe_child._BUILD.get("t0"), "triton": probe_fused._TRITON.get("why")}
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
 def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dict:
     tag = f"{mode}-r{rnd}"
     result = work / f"{tag}.json"
-    job_mode = {"zero_code": "off", "prebuilt": "defaults"}.get(mode, mode)
+    job_mode = {"zero_code": "off"}.get(mode, mode)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(Path(__file__).resolve()), "--role", "job", "--mode", job_mode,
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--result", str(result), "--capture", str(work / f"cap-{tag}")]
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
-    if mode == "prebuilt":
-        cmd.append("--prebuild")
     if mode == "zero_code":
         cmd = [sys.executable, "-m", "workbench.cli", "job", str(work / f"cap-{tag}"), "--every", "1", "--", *cmd]
     env = {**os.environ, **caches, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -198,7 +191,7 @@ def drive(args) -> int:
     runs: list[dict] = []
     t0 = time.perf_counter()
     for rnd in range(args.rounds):
-        for mode in MODES + (("prebuilt",) if rnd == 0 and args.prebuilt else ()):
+        for mode in MODES:
             if time.perf_counter() - t0 > args.budget:
                 print(f"budget {args.budget}s spent: {mode} round {rnd} not run", flush=True)
                 continue
@@ -223,7 +216,7 @@ def drive(args) -> int:
 def _pooled(runs: list[dict], part: str, fresh: bool) -> dict:
     """Per way: the median over every step of the window, pooled over the rounds chosen."""
     out = {}
-    for mode in (*MODES, "prebuilt"):
+    for mode in MODES:
         xs = [x for r in runs if r["mode_key"] == mode and r["fresh"] == fresh and r.get(part)
               for x in r[part]["loop_ms_all"][2:]]
         if xs:
@@ -239,9 +232,8 @@ def _ratios(ms: dict) -> dict:
 def summarise(args, runs: list[dict]) -> dict:
     loop, fresh = _pooled(runs, "eager", False), _pooled(runs, "eager", True)
     comp = _pooled(runs, "compiled", False) or _pooled(runs, "compiled", True)
-    first = {("fresh" if r["fresh"] else f"round{r['round'] + 1}") + ("_prebuilt" if r["mode_key"] == "prebuilt"
-             else ""): round(r["eager"]["first_point_ms"], 1)
-             for r in runs if r["mode_key"] in ("defaults", "prebuilt") and r.get("eager")}
+    first = {("fresh" if r["fresh"] else f"round{r['round'] + 1}"): round(r["eager"]["first_point_ms"], 1)
+             for r in runs if r["mode_key"] == "defaults" and r.get("eager")}
     dev = next((r.get("device") for r in runs if r.get("device")), None)
     return {
         "shape": args.shape, "config": SHAPES[args.shape], "device": dev, "gpus": 1,
@@ -261,7 +253,7 @@ def table(doc: dict) -> str:
     lines = [f"leave-on: {doc['shape']} unsharded on {doc['device']}, torch {doc['torch']}, {doc['batch']} x "
              f"{doc['seq']} tokens, {doc['window']}; first point (job's thread) {doc['first_point_ms']}",
              "| way | warm: step + point ms | vs off | fresh | vs off | compiled | vs off |", "| --- " * 7 + "|"]
-    for m in (*MODES, "prebuilt"):
+    for m in MODES:
         cells = []
         for key, rk in (("loop_ms", "loop_vs_off"), ("fresh_loop_ms", "fresh_vs_off"),
                         ("compiled_loop_ms", "compiled_vs_off")):
@@ -282,9 +274,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
-    ap.add_argument("--no-prebuilt", dest="prebuilt", action="store_false",
-                    help="leave out the fresh in-code job whose capture starts the probe's build when it opens")
-    ap.add_argument("--prebuild", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)
     ap.add_argument("--out", default="job_leave_on.json")

@@ -3,7 +3,8 @@
 #     WB_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_job_leave_on.sh
 # benchmarks/job_leave_on.py: off, in-code defaults and `workbench job --every 1` in interleaved rounds, each job a
 # fresh process, the first round with fresh Triton/inductor/CUDA caches; the Llama-3.2-1B shape unsharded, 2 x 512
-# tokens, a point every step. Leaves in $OUT: env.txt, job_leave_on_<N>gpu.json and .txt.
+# tokens, a point every step; first benchmarks/probe_nvrtc.py (the probe's NVRTC kernel against Triton's; a mismatch
+# stops the call there). Leaves in $OUT: env.txt, probe_nvrtc_<N>gpu.json/.txt, job_leave_on_<N>gpu.json/.txt.
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_job_leave_on.sh", carry=[".whl"]).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -15,9 +16,12 @@ n=1  # one rank: the job is unsharded, whatever the machine holds
 'gpus', torch.cuda.device_count(), 'transformers', transformers.__version__, 'triton', triton.__version__, \
 'main', '$WB_COMMIT')"
 } 2>&1 | tee "$OUT/env.txt"
+# the probe's NVRTC kernel against Triton's, in a process with fresh caches (what a job's first point meets)
+CUDA_CACHE_PATH=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout -k 10 120 $PY benchmarks/probe_nvrtc.py \
+  --out "$OUT/probe_nvrtc_${n}gpu.json" 2>&1 | tee "$OUT/probe_nvrtc_${n}gpu.txt" || exit 1
 t0=$(date +%s)
-timeout -k 20 "${LIMIT:-540}" $PY benchmarks/job_leave_on.py --shape "${SHAPE:-llama-3.2-1b}" \
-  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-430}" \
+timeout -k 20 "${LIMIT:-470}" $PY benchmarks/job_leave_on.py --shape "${SHAPE:-llama-3.2-1b}" \
+  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-380}" \
   --out "$OUT/job_leave_on_${n}gpu.json" 2>&1 | tee "$OUT/job_leave_on_${n}gpu.txt"
 rc=${PIPESTATUS[0]}
 echo "leave-on runs $(( $(date +%s) - t0 ))s, rc=$rc" | tee -a "$OUT/job_leave_on_${n}gpu.txt"

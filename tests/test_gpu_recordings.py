@@ -106,3 +106,17 @@ def test_recording_of_a_point_every_step_left_on_has_every_way():
             assert {"off", "defaults", "zero_code"} <= set(rec[key]), (path.name, key, rec[key])
         assert "fresh" in rec["first_point_ms"], (path.name, rec["first_point_ms"])
     assert any(GPU.glob("job_leave_on_*gpu.json"))
+
+
+def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
+    """benchmarks/probe_nvrtc.py (issue 62): a check of the recording. The CUDA probe kernel NVRTC builds was
+    compared with Triton's over every tensor it lists, and through the dispatch a job's point takes, with no
+    mismatch; its build time and both kernels' times are recorded."""
+    paths = sorted(GPU.glob("probe_nvrtc_*gpu.json"))
+    assert paths
+    for path in paths:
+        rec = json.loads(path.read_text())
+        assert rec["nvrtc_build"]["nvrtc"] is True and rec["nvrtc_build"]["build_s"] > 0, path.name
+        assert rec["tensors"] > 0 and rec["dispatch_rows"] > 0, path.name
+        assert rec["identical"] is True and rec["n_mismatches"] == 0 and not rec["mismatches"], path.name
+        assert {"triton", "nvrtc"} <= set(rec["kernel_ms"]), path.name

@@ -18,7 +18,7 @@ import uuid
 import weakref
 from typing import Any
 
-from workbench.job import debug_server, guest, keys, writer
+from workbench.job import debug_server, keys, writer
 from workbench.job.api import takes as _takes
 from workbench.rank import shard_format
 
@@ -45,19 +45,6 @@ def store_job() -> str | None:
 class Points:
     """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the
     writer that finishes a GPU job's points (``flush``) and the manifest each point rewrites."""
-
-    def _prebuild(self) -> None:
-        """Start the fused probe's kernel build now, in a child (GPU machines with a cold Triton cache only):
-        until it is built every point takes the plain path, and a build begun at the first point finished after
-        the job's 22 steps on a fresh H200 (fixtures/gpu/job_leave_on_1gpu.json); begun here, points ran fused
-        from step 15. A capture that cannot start it goes on without: the build then happens at the first point."""
-        from workbench.rank import probe_child
-
-        try:
-            probe_child.prebuild_probe()
-        except OSError as exc:  # a child that cannot start (no fork, no python): the in-process build remains
-            guest.say(f"workbench: rank {self.rank}: the probe's kernel builds at the first point instead: "
-                      f"{guest.cause(exc)}")
 
     @_takes()
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
@@ -143,7 +130,7 @@ class Points:
         if not self.points and torch.cuda.is_available() and torch.cuda.is_initialized():
             from workbench.rank import probe_fused
 
-            probe_fused.warm_async(plain_meanwhile=True)  # the fused kernel builds aside; until then, the plain path
+            probe_fused.warm_async(plain_meanwhile=True)  # the kernel builds aside (~1 s); meanwhile the plain path
         self._where()
         self._choose_writer()
         when = f"before point `{name}`"

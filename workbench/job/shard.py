@@ -411,7 +411,6 @@ class Capture(Points, Attach, Reads):
             self._unwound = True
             raise
         self._closed = False
-        self._prebuild()
 
     def _install(self, poison: bool | str, ledger: bool | str, attempt: int) -> None:
         """Install step by step, each step's undo on the stack before the next step runs: a step that fails

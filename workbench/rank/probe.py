@@ -4,10 +4,10 @@ All reductions run on the tensor's own device and land in one flat float64 buffe
 crosses to the host once, so a probe costs one sync whatever the number of tensors.
 The row vocabulary (column names) is shared by frames, the CLI's JSON and bundles.
 
-On CUDA, with Triton present, bf16/fp16/fp32 tensors are summarised by one fused pass
-per dtype (``_fused``): one kernel reads each byte once and computes every statistic and
-the fingerprint, so probing a billion-parameter model costs about one read of its
-memory. Everything else (CPU, other dtypes, odd sizes or alignments) takes the plain
+On CUDA, bf16/fp16/fp32 tensors are summarised by one fused pass (``probe_fused``): one
+kernel (NVRTC's build, or Triton's where NVRTC cannot build) reads each byte once and
+computes every statistic and the fingerprint, so probing a billion-parameter model costs
+about one read of its memory. Everything else (CPU, other dtypes, odd sizes or alignments) takes the plain
 torch path, which computes the same values (the fingerprint bit for bit).
 
 The fingerprint hashes the tensor's bytes as little-endian 32-bit words (zero-padded to

@@ -1,5 +1,9 @@
 """The fused probe on CUDA: one kernel launch for every tensor, one copy back, rows from arrays.
 
+The kernel is NVRTC's build of it (``_probe_nvrtc``: about a second, on the warm-up's thread, no toolchain nor
+cache) or, where NVRTC cannot build, Triton's (``_probe_triton``: built in a child process into Triton's cache;
+seconds on a fresh machine). Until one is loaded, a job's points take the plain torch path.
+
 A ``Plan`` is everything about a fixed list of tensors that does not depend on their values:
 the packed descriptor table on the device (pointer, 32-bit words, first program, dtype kind),
 the program -> tensor map, the accumulator buffer and its pinned host twin, and the host-side
@@ -24,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench.rank import _probe_nvrtc
 from workbench.rank.columns import WINDOW, WINDOW_OFFSETS
 
 HEAD = 8
@@ -47,15 +52,23 @@ _WARM_LOCK = threading.RLock()  # orders the warm-up's step from the child's bui
 
 
 def fused_enabled() -> bool:
-    """Whether CUDA tensors can take the fused Triton pass (env WORKBENCH_PROBE_FUSED=0 turns it off)."""
+    """Whether CUDA tensors can take a fused pass: NVRTC's build of the kernel once it is loaded, else Triton's
+    (env WORKBENCH_PROBE_FUSED=0 turns both off)."""
     if os.environ.get("WORKBENCH_PROBE_FUSED", "1") == "0":
         return False
+    if _nvrtc_ready():
+        return True
     if _WARM.get("plain_meanwhile"):
         t = _WARM.get("thread")
         if t is not None and t is not threading.current_thread():
             if t.is_alive():
                 return False  # a job's point while the kernel builds: the plain path, no wait (same values)
             _WARM.pop("thread", None)
+    return _triton_ok()
+
+
+def _triton_ok() -> bool:
+    """Whether Triton's kernel is importable (imported on the first ask)."""
     if "ok" not in _TRITON:
         try:
             from workbench.rank import _probe_triton  # imports triton: only where CUDA tensors are probed
@@ -66,6 +79,12 @@ def fused_enabled() -> bool:
         except Exception as exc:
             _TRITON.update(ok=False, why=f"{type(exc).__name__}: {exc}")
     return bool(_TRITON["ok"])
+
+
+def _nvrtc_ready() -> bool:
+    """Whether NVRTC's kernel is loaded for this thread's CUDA device (no wait)."""
+    index = _probe_nvrtc.loaded()
+    return index is not None and torch.cuda.current_device() == index
 
 
 def fusable(t: torch.Tensor) -> bool:
@@ -136,7 +155,7 @@ class Plan:
         if timing:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
-        self._kernel(_TRITON["hint"])
+        self._kernel(_TRITON.get("hint", True))
         if timing:
             ev1.record()
             _KERNEL_EVENTS.append((ev0, ev1))
@@ -145,7 +164,16 @@ class Plan:
             self.done.record()
 
     def _kernel(self, hint: bool) -> None:
-        await_warm()
+        if not _probe_nvrtc.ready(self.device):
+            await_warm()  # an engine's warm-up still building: the kernel it builds, not a second build here
+        if _probe_nvrtc.ready(self.device):
+            return _probe_nvrtc.launch(self)  # NVRTC's build of the kernel: the same rows
+        if not _triton_ok():
+            raise RuntimeError(f"probe: no fused kernel for {self.device}: {_TRITON.get('why')}")
+        self.triton(hint)
+
+    def triton(self, hint: bool = True) -> None:
+        """Triton's kernel over this plan (the benchmarks call it to compare it with NVRTC's)."""
         w = [o // 4 for o in WINDOW_OFFSETS]
         cap = {"maxnreg": MAXNREG} if MAXNREG else {}
         try:
@@ -156,7 +184,7 @@ class Plan:
             if not hint:
                 raise
             _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
-            self._kernel(False)
+            self.triton(False)
 
     def columns(self, stamp=None) -> dict[str, list]:
         """Wait for the copy, then every statistic column as a list, in row order (``stamp``: a benchmark's
@@ -223,20 +251,28 @@ def warm(device: torch.device | str | int | None = None) -> dict[str, Any]:
 
 def warm_async(device: torch.device | str | int | None = None,
                plain_meanwhile: bool = False) -> threading.Thread | None:
-    """``warm`` on a daemon thread (once per process), started when a CUDA rank joins its group: the build
-    overlaps the group's formation and the first steps, and a probe that comes sooner waits only for the
-    rest of it (``await_warm``). ``plain_meanwhile`` (a job's capture, at its first point): a probe that comes
-    sooner takes the plain torch path instead of waiting (a cold Triton cache builds for ~9 s on an H200; the
-    job's first point is not to wait for it). WORKBENCH_PROBE_WARM=0 turns it off."""
+    """The kernel's build on a daemon thread (once per process), started when a CUDA rank joins its group or at
+    a job's first point: NVRTC's (about a second), else Triton's (``warm`` after a child's build; ~9 s on an
+    H200 with a cold cache). A probe that comes sooner waits for the rest of it (``await_warm``), or, with
+    ``plain_meanwhile`` (a job's capture: its points are not to wait), takes the plain torch path.
+    WORKBENCH_PROBE_WARM=0 turns it off; WORKBENCH_PROBE_NVRTC=0 builds Triton's only."""
     if os.environ.get("WORKBENCH_PROBE_WARM", "1") == "0" or "thread" in _WARM or "result" in _WARM:
         return _WARM.get("thread")
-    if plain_meanwhile:
-        _WARM["plain_meanwhile"] = True
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if plain_meanwhile:
+        _WARM["plain_meanwhile"] = True
 
     def run() -> None:
         try:
+            if nvrtc:
+                if _nvrtc(device):
+                    return
+                with _WARM_LOCK:
+                    if _WARM.get("closing"):  # the job closed its capture meanwhile: no second build
+                        _WARM["result"] = {"warm": False, "why": "the capture closed before the build ended"}
+                        return
+                    _WARM["phase"] = "child"
             _WARM["child"] = _build_aside(device)
             with _WARM_LOCK:
                 if _WARM.get("closing"):  # the job closed its capture while the child built: nothing to load
@@ -247,10 +283,29 @@ def warm_async(device: torch.device | str | int | None = None,
         except Exception as exc:  # a thread's boundary: said in the result; the probe's plain path works without it
             _WARM["result"] = {"warm": False, "why": f"{type(exc).__name__}: {exc}"}
 
+    nvrtc = _nvrtc_possible(device)
     t = threading.Thread(target=run, name="workbench-probe-warm", daemon=True)
-    _WARM["thread"], _WARM["phase"] = t, "child"
+    _WARM["thread"], _WARM["phase"] = t, "nvrtc" if nvrtc else "child"
     t.start()
     return t
+
+
+def _nvrtc_possible(device: torch.device | str | int) -> bool:
+    """Whether the warm-up tries NVRTC first: a CUDA device, and WORKBENCH_PROBE_NVRTC not 0 (Triton's build only)."""
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return dev.type == "cuda" and os.environ.get("WORKBENCH_PROBE_NVRTC", "1") != "0"
+
+
+def _nvrtc(device: torch.device | str | int) -> bool:
+    """NVRTC's build of the kernel on a CUDA device (about a second, no toolchain, the GIL free while NVRTC
+    compiles): whether it loaded. Where it cannot (no NVRTC, an older torch), Triton's build follows; the
+    reason is kept in ``_WARM["nvrtc"]``."""
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    _WARM["nvrtc"] = built = _probe_nvrtc.build(index)
+    if built.get("nvrtc"):
+        _WARM["result"] = {"warm": True, "kernel": "nvrtc", "device": f"cuda:{index}", "build_s": built["build_s"]}
+    return bool(built.get("nvrtc"))
 
 
 def _build_aside(device: torch.device | str | int) -> dict[str, Any] | None:

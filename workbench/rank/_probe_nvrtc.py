@@ -1,0 +1,211 @@
+"""The fused probe on CUDA, built by NVRTC: ``_probe_triton``'s kernel in CUDA C.
+
+Why a second copy of one kernel: Triton builds its kernel with a toolchain (gcc for its C helpers and launcher)
+into an on-disk cache, so on a fresh machine the build took 9-11 s, and a job's points meanwhile took the plain
+torch path, a dozen passes over every tensor: 4.7x a Llama-1B step on an H200 (``fixtures/gpu/job_leave_on_1gpu.json``
+at 0b91b8c). NVRTC ships inside torch's CUDA wheels; it builds this in about a second with no toolchain nor
+cache, on a thread of the rank's own process (its ctypes calls release the GIL), and the kernel it builds ran
+1.6x faster than Triton's on an H200 (``fixtures/gpu/probe_nvrtc_1gpu.json``). So on CUDA it is the kernel the
+probe uses; Triton's stays where NVRTC cannot build (an older torch, no NVRTC library) and in the CPU tests,
+which run it through Triton's interpreter.
+
+The contract is ``_probe_triton.probe_all_kernel``'s, argument for argument, into a ``probe_fused.Plan``'s
+buffers, so the rows are the same: counts, min, max, the head, the fingerprint and the raw bytes bit for bit; the
+sum and the sum of squares up to float32 summation order. ``benchmarks/probe_nvrtc.py`` compares the two on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from workbench.rank.columns import WINDOW_OFFSETS
+
+THREADS = 256  # Triton's NUM_WARPS = 8
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+#define PER (%(block)d * %(iters)d)
+#define NT %(threads)d
+
+struct St { float lo, hi, s, q; u32 h1, h2; int nn, ni, np; };
+
+__device__ __forceinline__ float inf_f() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float half_f(u32 h) {
+  float f; unsigned short s = (unsigned short)h;
+  asm("cvt.f32.f16 %%0, %%1;" : "=f"(f) : "h"(s));
+  return f;
+}
+__device__ __forceinline__ void unpack(u32 w, int kind, float &x0, float &x1) {
+  if (kind == 0) { x0 = __uint_as_float(w << 16); x1 = __uint_as_float(w & 0xFFFF0000u); }
+  else if (kind == 1) { x0 = half_f(w & 0xFFFFu); x1 = half_f(w >> 16); }
+  else { x0 = __uint_as_float(w); x1 = x0; }
+}
+__device__ __forceinline__ void hash(u32 w, u32 idx, St &st) {
+  u32 a = (w ^ (idx * 0x9E3779B1u)) * 0x85EBCA77u; a ^= a >> 15;
+  u32 c = (w + idx * 0xC2B2AE3Du) * 0x27D4EB2Fu; c ^= c >> 13;
+  st.h1 += a; st.h2 += c;
+}
+__device__ __forceinline__ void fast(float x, St &st) {
+  st.lo = fminf(st.lo, x); st.hi = fmaxf(st.hi, x); st.s += x; st.q += x * x;
+}
+__device__ __forceinline__ void careful(float x, St &st) {
+  if (x != x) st.nn++;
+  else if (fabsf(x) == inf_f()) st.ni++;
+  else fast(x, st);
+}
+__device__ __forceinline__ void reset(St &st) {
+  st.lo = inf_f(); st.hi = -inf_f(); st.s = 0.f; st.q = 0.f; st.h1 = 0u; st.h2 = 0u;
+}
+__device__ __forceinline__ u32 key(float f) {
+  u32 b = __float_as_uint(f);
+  return (b >> 31) ? (b ^ 0xFFFFFFFFu) : (b | 0x80000000u);
+}
+// Sum over the block of one value per thread; every thread gets it (the shared slots are reused after).
+template <typename T, typename F> __device__ T block_fold(T v, F f, T *sh) {
+  for (int o = 16; o; o >>= 1) v = f(v, __shfl_down_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T r = sh[0];
+  for (int i = 1; i < NT / 32; ++i) r = f(r, sh[i]);
+  return r;
+}
+struct Add { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
+struct Min { __device__ float operator()(float a, float b) const { return fminf(a, b); } };
+struct Max { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+
+extern "C" __global__ void __launch_bounds__(NT) probe_all(
+    const i64 *desc, const int *blk_t, u64 *acc, double *accf, int *words, unsigned char *hexs,
+    int W0, int W1, int W2, int W3) {
+  __shared__ float shf[NT / 32];
+  __shared__ u32 shu[NT / 32];
+  __shared__ int shi[NT / 32];
+  const int pid = blockIdx.x;
+  const int t = blk_t[pid];
+  const i64 *row = desc + (i64)t * 4;
+  const i64 n = row[1];
+  const i64 local = pid - row[2];
+  const int kind = (int)row[3];
+  const u32 *base = (const u32 *)row[0];
+  const i64 start = local * PER;
+  St st; reset(st); st.nn = 0; st.ni = 0; st.np = 0;
+  const bool full = start + PER <= n;
+  if (full) {
+    const uint4 *v = (const uint4 *)(base + start);
+    #pragma unroll 4
+    for (int m = 0; m < PER / (4 * NT); ++m) {
+      const int j = threadIdx.x + m * NT;
+      const uint4 w4 = v[j];
+      const u32 ws[4] = {w4.x, w4.y, w4.z, w4.w};
+      const u32 idx = (u32)(start + 4 * (i64)j + 1);
+      #pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float x0, x1;
+        hash(ws[k], idx + k, st);
+        unpack(ws[k], kind, x0, x1);
+        fast(x0, st);
+        if (kind != 2) fast(x1, st);
+      }
+    }
+  }
+  float total = block_fold(st.s, Add(), shf);
+  if (!full || !(fabsf(total) < inf_f())) {  // a tail, or a NaN, Inf or overflow was read: re-read carefully
+    reset(st);
+    for (i64 p = start + threadIdx.x; p < start + PER && p < n; p += NT) {
+      const u32 w = base[p];
+      float x0, x1;
+      hash(w, (u32)(p + 1), st);
+      unpack(w, kind, x0, x1);
+      careful(x0, st);
+      if (kind == 2) st.np += (w == 0x7FA5A5A5u);
+      else {
+        careful(x1, st);
+        const u32 pz = kind == 0 ? 0x7FA5u : 0x7D5Au;
+        st.np += ((w & 0xFFFFu) == pz) + ((w >> 16) == pz);
+      }
+    }
+    total = block_fold(st.s, Add(), shf);
+  }
+  const float q = block_fold(st.q, Add(), shf);
+  const float lo = block_fold(st.lo, Min(), shf);
+  const float hi = block_fold(st.hi, Max(), shf);
+  const u32 h1 = block_fold(st.h1, Add(), shu);
+  const u32 h2 = block_fold(st.h2, Add(), shu);
+  const int nn = block_fold(st.nn, Add(), shi);
+  const int ni = block_fold(st.ni, Add(), shi);
+  const int np = block_fold(st.np, Add(), shi);
+  if (threadIdx.x == 0) {
+    u64 *a = acc + (i64)t * 9;
+    double *af = accf + (i64)t * 9;
+    atomicAdd(a + 0, (u64)nn); atomicAdd(a + 1, (u64)ni); atomicAdd(a + 2, (u64)np);
+    atomicAdd(a + 3, (u64)h1); atomicAdd(a + 4, (u64)h2);
+    atomicMax(a + 5, (u64)(0xFFFFFFFFu - key(lo))); atomicMax(a + 6, (u64)key(hi));
+    atomicAdd(af + 7, (double)total); atomicAdd(af + 8, (double)q);
+  }
+  if (local == 0 && threadIdx.x < 96) {  // the first 64 words, then 8 at each window offset, and their hex
+    const int o = threadIdx.x;
+    const int k = (o - 64) / 8;
+    const int win = (k == 0 ? W0 : k == 1 ? W1 : k == 2 ? W2 : W3) + (o - 64) %% 8;
+    const i64 src = o < 64 ? o : win;
+    const u32 w = src < n ? base[src] : 0u;
+    words[(i64)t * 96 + o] = (int)w;
+    for (int j = 0; j < 8; ++j) {
+      const u32 nib = (w >> ((j / 2) * 8 + (1 - j %% 2) * 4)) & 0xFu;
+      hexs[(i64)t * 768 + o * 8 + j] = (unsigned char)(nib + 48 + (nib > 9) * 39);
+    }
+  }
+}
+"""
+
+_K: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def build(device: int) -> dict[str, Any]:
+    """Compile and load the kernel for CUDA device ``device`` (once per process); what it took, or why not.
+    NVRTC missing, a torch without ``torch.cuda._compile_kernel``, a driver refusing the PTX: each leaves
+    ``why``, and the probe builds Triton's kernel instead (``probe_fused.warm_async``)."""
+    from workbench.rank import probe_fused as pf
+
+    with _LOCK:
+        if "kernel" in _K:
+            return _K["result"]
+        if "why" in _K:
+            return {"nvrtc": False, "why": _K["why"]}
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.device(device):
+                # a thread new to CUDA has no current context, and NVRTC's module load is a driver call that needs
+                # one ("invalid device context" on the warm-up's thread): a runtime call binds the device's own
+                torch.cuda.current_stream(device).query()
+                src = SOURCE % {"block": pf.WORDS_PER_ITER, "iters": pf.ITERS, "threads": THREADS}
+                kernel = torch.cuda._compile_kernel(src, "probe_all")
+        # a boundary with a third party (NVRTC, the driver, torch's private API): any failure means this kernel
+        # is not used, said in ``why`` (the warm-up's result keeps it); Triton's and the plain path remain
+        except Exception as exc:
+            _K["why"] = f"{type(exc).__name__}: {exc}"
+            return {"nvrtc": False, "why": _K["why"]}
+        _K.update(kernel=kernel, device=device, result={"nvrtc": True, "build_s": time.perf_counter() - t0})
+        return _K["result"]
+
+
+def loaded() -> int | None:
+    """The CUDA device index the kernel is loaded for; None before (or without) a build."""
+    return _K.get("device") if "kernel" in _K else None
+
+
+def ready(device: torch.device) -> bool:
+    """Whether the kernel is loaded for ``device`` (no wait)."""
+    return "kernel" in _K and device.type == "cuda" and _K["device"] == device.index
+
+
+def launch(plan: Any) -> None:
+    """The kernel over a ``probe_fused.Plan`` (its accumulators zeroed), on the current stream."""
+    w = [o // 4 for o in WINDOW_OFFSETS]
+    _K["kernel"](grid=(plan.programs, 1, 1), block=(THREADS, 1, 1),
+                 args=[plan.desc, plan.blk, plan.acc, plan.accf, plan.words, plan.hexs, *w])
