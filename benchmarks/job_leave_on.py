@@ -133,12 +133,40 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
         losses.append(float(o.loss))
         del o
     window = loop[2:] if len(loop) > 3 else loop[1:]
+    profile = _profile(args, model, opt, config, device, g, point, tag) if args.profile and not backend else None
     del model, opt
-    return {"loop_ms": 1e3 * statistics.median(window), "loop_ms_mean": 1e3 * statistics.fmean(window),
+    return {"profile": profile,
+            "loop_ms": 1e3 * statistics.median(window), "loop_ms_mean": 1e3 * statistics.fmean(window),
             "loop_ms_all": [round(1e3 * x, 2) for x in loop], "point_ms_all": [round(1e3 * x, 2) for x in points],
             "meta_point_ms": 1e3 * meta_s, "to_empty_point_ms": 1e3 * empty_s,
             "first_point_ms": 1e3 * (empty_s if cap is not None else 0.0), "losses": losses[:3] + losses[-1:],
             "steps_t0": steps_t0}
+
+
+def _profile(args, model, opt, config, device, g, point, tag: str) -> str:
+    """cProfile of ``--profile`` more steps, each with its point, after the timed ones (their time is not among the
+    figures): where the host's time goes, the hooks' and the point's among it. The top 30 by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    pr = cProfile.Profile()
+    for i in range(args.profile):
+        ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        pr.enable()
+        o = model(input_ids=ids, labels=ids)
+        o.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        point(f"{tag}prof{i}", model=model, logits=o.logits)
+        float(o.loss)
+        pr.disable()
+        del o
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(30)
+    return out.getvalue()[-6000:]
 
 
 def _build_facts() -> dict:
@@ -159,7 +187,7 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(Path(__file__).resolve()), "--role", "job", "--mode", job_mode,
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--result", str(result), "--capture", str(work / f"cap-{tag}")]
+           "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0)]
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -274,6 +302,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)
     ap.add_argument("--out", default="job_leave_on.json")
