@@ -125,8 +125,9 @@ def main() -> int:
     torch.empty(1, device=dev)
     cuda_s = time.perf_counter() - t0
     got: dict = {}
-    builder = threading.Thread(target=lambda: got.update(_probe_nvrtc.build(0)))  # as the warm-up builds: on a
-    builder.start()  # thread new to CUDA, which must find the device's context itself
+    # built as the warm-up builds it: on a thread new to CUDA, which must find the device's context itself
+    builder = threading.Thread(target=lambda: got.update(_probe_nvrtc.build(0, pf.WORDS_PER_ITER, pf.ITERS)))
+    builder.start()
     builder.join()
     built = dict(got)
     doc: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda_start_s": cuda_s,

@@ -363,6 +363,9 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/rank/poison.py", "workbench/rank/probe.py", "workbench/rank/probe_cpu.py",
         "workbench/rank/probe_fused.py",
     ),
+    "tests/test_probe_nvrtc.py::test_where_nvrtc_cannot_build_it_says_why_once_and_the_warm_up_goes_on_to_tritons": (
+        "workbench/rank/_probe_nvrtc.py",
+    ),
     "tests/test_rank_side.py::test_the_probes_child_build_runs_once_and_says_why_it_built_nothing_without_cuda": (
         "workbench/rank/_probe_build.py", "workbench/rank/probe_child.py",
     ),

@@ -166,12 +166,11 @@ _K: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
-def build(device: int) -> dict[str, Any]:
+def build(device: int, block: int, iters: int) -> dict[str, Any]:
     """Compile and load the kernel for CUDA device ``device`` (once per process); what it took, or why not.
     NVRTC missing, a torch without ``torch.cuda._compile_kernel``, a driver refusing the PTX: each leaves
-    ``why``, and the probe builds Triton's kernel instead (``probe_fused.warm_async``)."""
-    from workbench.rank import probe_fused as pf
-
+    ``why``, and the probe builds Triton's kernel instead (``probe_fused.warm_async``). ``block`` and ``iters``:
+    the plan's words a program reads per iteration and its iterations (``probe_fused.WORDS_PER_ITER``, ``ITERS``)."""
     with _LOCK:
         if "kernel" in _K:
             return _K["result"]
@@ -183,7 +182,7 @@ def build(device: int) -> dict[str, Any]:
                 # a thread new to CUDA has no current context, and NVRTC's module load is a driver call that needs
                 # one ("invalid device context" on the warm-up's thread): a runtime call binds the device's own
                 torch.cuda.current_stream(device).query()
-                src = SOURCE % {"block": pf.WORDS_PER_ITER, "iters": pf.ITERS, "threads": THREADS}
+                src = SOURCE % {"block": block, "iters": iters, "threads": THREADS}
                 kernel = torch.cuda._compile_kernel(src, "probe_all")
         # a boundary with a third party (NVRTC, the driver, torch's private API): any failure means this kernel
         # is not used, said in ``why`` (the warm-up's result keeps it); Triton's and the plain path remain

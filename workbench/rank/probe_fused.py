@@ -302,7 +302,7 @@ def _nvrtc(device: torch.device | str | int) -> bool:
     reason is kept in ``_WARM["nvrtc"]``."""
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    _WARM["nvrtc"] = built = _probe_nvrtc.build(index)
+    _WARM["nvrtc"] = built = _probe_nvrtc.build(index, WORDS_PER_ITER, ITERS)
     if built.get("nvrtc"):
         _WARM["result"] = {"warm": True, "kernel": "nvrtc", "device": f"cuda:{index}", "build_s": built["build_s"]}
     return bool(built.get("nvrtc"))
