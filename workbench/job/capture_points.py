@@ -46,6 +46,8 @@ class Points:
     """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the
     writer that finishes a GPU job's points (``flush``) and the manifest each point rewrites."""
 
+    _world_pg: Any = None  # the job's world process group, held from the first point to the close (``_where``)
+
     @_takes()
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
         """An output for the next point (logits, a loss), with scalar extras (``ref_max_abs_diff=...``)."""
@@ -233,6 +235,14 @@ class Points:
         if dist.is_available() and dist.is_initialized():
             self.doc["backend"] = dist.get_backend()
             self.ctx.backend = self.doc["backend"]
+            if self._world_pg is None:
+                # Held until the capture closes, so that the world group's last reference never drops inside the
+                # job's own teardown: torch's ``~ProcessGroupGloo`` joins its worker threads with the GIL held,
+                # while a worker may be dropping a finished backward's work, whose thread-local state holds a Python
+                # object (``_engine_run_backward`` stashes a context), so it waits for the GIL: a deadlock at a
+                # DDP job's exit, 7 of 24 zero-code accelerate jobs on a loaded 2-core box (gdb). At close the
+                # workers are idle and the join is immediate.
+                self._world_pg = dist.group.WORLD
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             dev = torch.device("cuda", torch.cuda.current_device())
             self.ctx.device = dev
