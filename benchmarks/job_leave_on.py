@@ -133,14 +133,56 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
         losses.append(float(o.loss))
         del o
     window = loop[2:] if len(loop) > 3 else loop[1:]
+    paired = _paired(args, model, opt, config, device, g, point, tag, cap) if args.paired and not backend else None
     profile = _profile(args, model, opt, config, device, g, point, tag) if args.profile and not backend else None
     del model, opt
-    return {"profile": profile,
+    return {"profile": profile, "paired": paired,
             "loop_ms": 1e3 * statistics.median(window), "loop_ms_mean": 1e3 * statistics.fmean(window),
             "loop_ms_all": [round(1e3 * x, 2) for x in loop], "point_ms_all": [round(1e3 * x, 2) for x in points],
             "meta_point_ms": 1e3 * meta_s, "to_empty_point_ms": 1e3 * empty_s,
             "first_point_ms": 1e3 * (empty_s if cap is not None else 0.0), "losses": losses[:3] + losses[-1:],
             "steps_t0": steps_t0}
+
+
+def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict | None:
+    """A point's whole cost inside one process, free of the between-process noise (a job's median step moved
+    59-76 ms between processes of one device call): ``--paired`` blocks of 6 more steps, points on in every other
+    block (the in-code job takes them; the zero-code job's hooks have ``every`` set to 1 or 0), each step timed
+    with its point and synchronised. Each block's first step is left out (it carries the switch and the previous
+    block's writer). ``ratio``: the median step with a point over the median step without, the capture open in both."""
+    import torch
+
+    from workbench.job import process
+
+    hooks = process.STATE.hooks
+    if cap is None and hooks is None:
+        return None
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for blk in range(args.paired):
+        on = blk % 2 == 0
+        if hooks is not None:
+            hooks.every = 1 if on else 0
+        for j in range(6):
+            ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            o = model(input_ids=ids, labels=ids)
+            o.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if on and cap is not None:
+                point(f"{tag}pair{blk}_{j}", model=model, logits=o.logits)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if j:
+                times[on].append(time.perf_counter() - t0)
+            del o
+    if hooks is not None:
+        hooks.every = 1
+    with_pt, without = statistics.median(times[True]), statistics.median(times[False])
+    return {"with_point_ms": round(1e3 * with_pt, 2), "without_ms": round(1e3 * without, 2),
+            "ratio": round(with_pt / without, 4), "steps_each": len(times[True])}
 
 
 def _profile(args, model, opt, config, device, g, point, tag: str) -> str:
@@ -187,7 +229,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(Path(__file__).resolve()), "--role", "job", "--mode", job_mode,
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0)]
+           "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0),
+           "--paired", str(args.paired)]
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -271,6 +314,9 @@ def summarise(args, runs: list[dict]) -> dict:
         "loop_ms": loop, "loop_vs_off": _ratios(loop), "fresh_loop_ms": fresh, "fresh_vs_off": _ratios(fresh),
         "compiled_loop_ms": comp, "compiled_vs_off": _ratios(comp),
         "first_point_ms": first,
+        "paired_ratio": {m: sorted(r["eager"]["paired"]["ratio"] for r in runs
+                                   if r["mode_key"] == m and (r.get("eager") or {}).get("paired"))
+                         for m in MODES[1:]},
         "probe_build": {f"{r['mode_key']}-r{r['round']}": r.get("probe_build") for r in runs},
         "runs": [{k: r.get(k) for k in ("mode_key", "round", "fresh", "rc", "process_s", "imports_s", "wall_s",
                                         "eager", "compiled", "log")} for r in runs],
@@ -288,6 +334,7 @@ def table(doc: dict) -> str:
             v = doc[key].get(m)
             cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk].get(m, 0):.3f}x" if v is not None else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append(f"in one process, step + point over step (--paired, each job): {doc['paired_ratio']}")
     return "\n".join(lines)
 
 
@@ -302,6 +349,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
+    ap.add_argument("--paired", type=int, default=0, help="blocks of 6 more steps, points on in every other one")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)
