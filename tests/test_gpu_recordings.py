@@ -98,13 +98,15 @@ def test_recording_of_an_unmodified_job_under_workbench_job_on_4_gpus():
 
 def test_recording_of_a_point_every_step_left_on_has_every_way():
     """scripts/gpu_job_leave_on.sh (issue 62): a check of the recording, not of its figures. Every way the job ran
-    (off, the in-code defaults, zero-code ``--every 1``) has its figure fresh, warm and compiled, and the in-code
-    job's first point on the job's thread is recorded."""
+    (off, the in-code defaults, zero-code ``--every 1``) has its figure fresh, warm and compiled, the in-code
+    job's first point on the job's thread is recorded, and so is each capturing job's in-process ratio
+    (``--paired``)."""
     for path in sorted(GPU.glob("job_leave_on_*gpu.json")):
         rec = json.loads(path.read_text())
         for key in ("loop_ms", "fresh_loop_ms", "compiled_loop_ms"):
             assert {"off", "defaults", "zero_code"} <= set(rec[key]), (path.name, key, rec[key])
         assert "fresh" in rec["first_point_ms"], (path.name, rec["first_point_ms"])
+        assert all(rec["paired_ratio"].get(m) for m in ("defaults", "zero_code")), (path.name, rec["paired_ratio"])
     assert any(GPU.glob("job_leave_on_*gpu.json"))
 
 
