@@ -243,6 +243,7 @@ class Points:
                 # DDP job's exit, 7 of 24 zero-code accelerate jobs on a loaded 2-core box (gdb). At close the
                 # workers are idle and the join is immediate.
                 self._world_pg = dist.group.WORLD
+                self._stack.callback(setattr, self, "_world_pg", None)  # back to torch's own lifetime at the unwind
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             dev = torch.device("cuda", torch.cuda.current_device())
             self.ctx.device = dev

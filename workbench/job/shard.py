@@ -498,10 +498,7 @@ class Capture(Points, Attach, Reads):
         """Every install step undone, last first (each runs whatever the others do; the first error is raised
         after)."""
         stack, self._stack = self._stack, contextlib.ExitStack()
-        try:
-            stack.close()
-        finally:
-            self._world_pg = None  # the world group back to torch's own lifetime (``Points._where``)
+        stack.close()
 
     # -- the guest's rule: the capture's own faults are one line, never the job's ----------------
     def _usable(self) -> bool:
