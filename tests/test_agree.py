@@ -155,6 +155,39 @@ def test_records_without_the_columns_keep_todays_rule():
     assert list(findings.status(t)["status"]) == ["ok", "differs"]
 
 
+def test_a_points_columns_are_reused_only_while_nothing_synced_since_and_never_from_a_gradient():
+    """A job's point every step reads the columns its last point computed (``agree.annotate``'s cache, keyed by the
+    probe's plan stamp): a collective since, or a new gradient, must still change them."""
+    from workbench.rank import agree
+
+    agree.forget()
+    m = nn.Linear(4, 2)
+    rows = lambda: [{"name": "m.weight"}, {"name": "m.bias"}]  # noqa: E731
+    whole, every, stamp = {"m.weight": m.weight, "m.bias": m.bias}, {"m": m}, (("m", id(m), 1),)
+
+    def read() -> dict[str, str]:
+        got = rows()
+        agree.annotate(got, whole, every, stamp=stamp)
+        return {r["name"]: r["agree_by"] for r in got}
+
+    assert read() == {"m.weight": "", "m.bias": ""}
+    agree.synced([m.weight], [0, 1], "broadcast")  # since the last point: a new answer, same stamp
+    assert read() == {"m.weight": "broadcast", "m.bias": "its module's `weight` was broadcast"}
+    calls = []
+    real = agree._columns
+    agree._columns = lambda *a: calls.append(a) or real(*a)
+    try:
+        assert read()["m.weight"] == "broadcast" and calls == []  # nothing since: the last point's columns
+        m.bias.grad = torch.ones(2)
+        agree.synced([m.bias.grad], [0, 1], "all_reduce")
+        assert read()["m.bias"] == "its gradient is all-reduced"
+        m.bias.grad = torch.zeros(2)  # the next step's gradient: a new tensor that nothing synced, nothing bumped
+        assert read()["m.bias"] == "its module's `weight` was broadcast" and len(calls) == 2
+    finally:
+        agree._columns = real
+        agree.forget()
+
+
 # -- a live data-parallel step --------------------------------------------------------------------------------
 dp = wb.Scenario("dp-per-rank-batches", params={"break_mean": False})
 
