@@ -1,7 +1,8 @@
 """What a capture's point records and writes: the ``Points`` part of ``shard.Capture``.
 
 A point probes the objects it is given with what the job told the capture since the last one (outputs,
-expectations, notes, a forward trace), appends its line to ``points.jsonl`` and rewrites the manifest; on a GPU
+expectations, notes, a forward trace), appends its line to ``points.jsonl`` and rewrites the manifest (at most
+once a second: ``MANIFEST_EVERY_S``); on a GPU
 job the line is written by the writer thread (``writer.py``) while the device works, ``flush`` waiting for it.
 Flight Recorder's record is read on the way (``FR_READ_EVERY``). Its own module so that ``Capture`` (``shard.py``:
 install, close, the guest's rule) stays small enough to read whole; the attributes it reads are the ones
@@ -26,6 +27,11 @@ from workbench.rank import shard_format
 # the whole ring took 4 ms a point on 2 x H200 (torch 2.11, ~50 calls a step, a 2000-entry ring), the dearest part
 # of a point; each call is still named by the point it led to (``ledger_fr.Complement.mark``).
 FR_READ_EVERY = 8
+# A point rewrites the manifest at most this often (the first point's always): each rewrite is the whole document,
+# every point's name in it, ~0.7 ms a point on an H200 host at 20 points and growing with every point of a job left
+# on. The points file is what was recorded (the reader's and ``shard_format.last_point``'s); the close, a fault and
+# an attach rewrite it at once.
+MANIFEST_EVERY_S = 1.0
 
 
 def store_job() -> str | None:
@@ -44,9 +50,10 @@ def store_job() -> str | None:
 
 class Points:
     """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the
-    writer that finishes a GPU job's points (``flush``) and the manifest each point rewrites."""
+    writer that finishes a GPU job's points (``flush``) and the manifest the points rewrite."""
 
     _world_pg: Any = None  # the job's world process group, held from the first point to the close (``_where``)
+    _manifest_at = float("-inf")  # when a point last rewrote the manifest (``MANIFEST_EVERY_S``)
 
     @_takes()
     def output(self, name: str, tensor: Any, **extra: Any) -> None:
@@ -199,7 +206,10 @@ class Points:
         info["bytes"] = len(line)
         if self._ledger is not None:
             self._settle()
-        self._write_manifest(points)
+        now = time.monotonic()
+        if now - self._manifest_at >= MANIFEST_EVERY_S:
+            self._manifest_at = now
+            self._write_manifest(points)
 
     def _choose_writer(self) -> None:
         """Once, at the first point (the device is known by then): the writer thread on a GPU job."""

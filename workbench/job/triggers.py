@@ -740,7 +740,7 @@ def _dead(cap: engine.Host, rank: int) -> dict[str, Any] | None:
         return None
     if not isinstance(doc, dict) or not shard_format.gone(doc):
         return None
-    after = (doc.get("points") or [None])[-1]
+    after = shard_format.last_point(shard_format.rank_dir(cap.root, rank)) or (doc.get("points") or [None])[-1]
     return {"rank": rank, "role": "dead", "after": after, "line": shard_format.dead_line(rank, after)}
 
 

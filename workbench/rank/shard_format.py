@@ -82,6 +82,30 @@ def gone(doc: dict[str, Any]) -> bool:
         return not os.path.exists(f"/proc/{doc['pid']}")
 
 
+def last_point(d: Path) -> str | None:
+    """The name of the last point whose line is whole in ``d``'s points file, read from its end (a line per point:
+    the manifest's list may be up to ``job/capture_points.MANIFEST_EVERY_S`` behind it); None where it holds
+    none or cannot be read."""
+    try:
+        with open(d / POINTS, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            head = b""
+            while pos > 0:
+                step = min(1 << 20, pos)
+                pos -= step
+                f.seek(pos)
+                lines = (f.read(step) + head).split(b"\n")
+                head = lines.pop(0) if pos > 0 else b""  # maybe the tail of a line that starts further back
+                for raw in reversed(lines):
+                    with contextlib.suppress(ValueError):  # a line cut short by the kill: the one before it
+                        rec = json.loads(raw)
+                        if isinstance(rec, dict) and rec.get("kind") == "point":
+                            return str(rec.get("point"))
+    except OSError:
+        return None
+    return None
+
+
 def dead_line(rank: int, after: str | None) -> str:
     """``rank 1 stopped after point `step1` (its shard ends without a close: killed or crashed)``."""
     where = f"after point `{after}`" if after else "before its first point"
