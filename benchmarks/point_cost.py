@@ -1,0 +1,113 @@
+"""Where a warm point's host time goes (issue 62): the job's thread and the writer's, by function.
+
+    python benchmarks/point_cost.py                       # CPU: a 16-layer Llama of width 64 (146 tensors)
+    python benchmarks/point_cost.py --shape llama-3.2-1b  # one GPU: the leave-on job's shape, bf16
+
+One process, one rank, the in-code capture (``wj.capture``), AdamW steps of 2 x ``--seq`` tokens. After
+``--warm`` steps with their points (the probe's kernel built, its plans cached), ``--points`` more: each step is
+synchronised, then its point is timed on the job's thread (``point_ms``) and the writer drained and timed apart
+(``drain_ms``: the JSON line and the manifest, which run on the writer thread of a GPU job and hold the GIL the
+job's next step launches with). Then the same points again under cProfile. Prints a table of the medians and the
+top functions by own time; ``--out`` writes them as JSON. A point's whole cost is ``point_ms`` + the writer's share;
+the leave-on goal (<= 3% of a ~65 ms step on an H200) leaves about 2 ms for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from job_leave_on import SHAPES  # the leave-on job's shapes: the same model
+
+SHAPES = {**SHAPES, "cpu-16": dict(SHAPES["tiny"], num_hidden_layers=16)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="cpu-16", choices=sorted(SHAPES))
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--points", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import workbench.job as wj
+
+    cap = wj.capture(tempfile.mkdtemp(prefix="point-cost-"))
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    seq = args.seq if gpu else min(args.seq, 32)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    config = LlamaConfig(attn_implementation="sdpa", **SHAPES[args.shape])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device, torch.bfloat16 if gpu else torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> torch.Tensor:
+        ids = torch.randint(1, config.vocab_size, (2, seq), device=device)
+        o = model(input_ids=ids, labels=ids)
+        o.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return o.logits
+
+    for i in range(args.warm):
+        cap.point(f"warm{i}", model=model, logits=step())
+        cap.flush()
+    step_ms, point_ms, drain_ms = [], [], []
+    for i in range(args.points):
+        t0 = time.perf_counter()
+        logits = step()
+        t1 = time.perf_counter()
+        cap.point(f"p{i}", model=model, logits=logits)
+        t2 = time.perf_counter()
+        cap.flush()
+        step_ms.append(1e3 * (t1 - t0))
+        point_ms.append(1e3 * (t2 - t1))
+        drain_ms.append(1e3 * (time.perf_counter() - t2))
+    prof = cProfile.Profile()
+    for i in range(args.points):
+        logits = step()
+        prof.enable()
+        cap.point(f"prof{i}", model=model, logits=logits)
+        cap.flush()
+        prof.disable()
+    cap.close()
+    rows = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    out = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+           "torch": torch.__version__, "tensors": rows, "points": args.points,
+           "step_ms": round(statistics.median(step_ms), 3), "point_ms": round(statistics.median(point_ms), 3),
+           "drain_ms": round(statistics.median(drain_ms), 3), "point_ms_all": [round(x, 3) for x in point_ms]}
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(35)
+        out[f"profile_{key}"] = s.getvalue()
+    print(f"{'shape':<14}{'device':<22}{'tensors':>8}{'step ms':>10}{'point ms':>10}{'drain ms':>10}{'vs step':>9}")
+    share = (out["point_ms"] + out["drain_ms"]) / out["step_ms"]
+    print(f"{args.shape:<14}{out['device'][:21]:<22}{rows:>8}{out['step_ms']:>10.2f}{out['point_ms']:>10.3f}"
+          f"{out['drain_ms']:>10.3f}{share:>9.3f}")
+    print(out["profile_tottime"][:7000])
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WORKBENCH_CAPTURE_POISON", "to_empty")
+    main()
