@@ -251,6 +251,10 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
     "tests/test_close_leaves_torch.py::test_close_gives_back_every_patch_mode_hook_and_thread": (
         "workbench/job/patch.py", "workbench/job/process.py",
     ),
+    "tests/test_close_leaves_torch.py::test_a_ranks_files_undo_what_they_opened_and_installed_on_the_stack_they_"
+    "were_given": (
+        "workbench/rank/ledger_calls.py", "workbench/rank/shard_files.py",
+    ),
     "tests/test_collectives.py::test_an_argument_c10d_refuses_is_the_raising_ranks_cause": (
         "workbench/analysis/cause.py", "workbench/analysis/stacks.py",
     ),
@@ -313,8 +317,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/job/__init__.py", "workbench/postmortem/shards.py", "workbench/rank/shard_format.py",
     ),
     "tests/test_job.py::test_srun_sets_rank_world_and_job": (
-        "workbench/job/engine.py", "workbench/job/shard.py", "workbench/rank/ledger_calls.py",
-        "workbench/rank/phases.py",
+        "workbench/job/engine.py", "workbench/job/shard.py", "workbench/rank/phases.py",
     ),
     "tests/test_job_guest.py::test_nocapture_answers_every_public_method_and_property_of_capture": (
         "workbench/job/api.py", "workbench/job/capture_attach.py", "workbench/job/capture_points.py",

@@ -152,3 +152,40 @@ def test_the_world_group_is_held_from_the_first_point_to_the_close(group, tmp_pa
     assert cap._world_pg is dist.group.WORLD
     cap.close()
     assert cap._world_pg is None
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_a_ranks_files_undo_what_they_opened_and_installed_on_the_stack_they_were_given(group, tmp_path, failing):
+    """``shard_files.RankFiles``: the folder, the points file and the calls ledger (its wrappers around
+    ``torch.distributed``, Flight Recorder's complement) each put their undo on the caller's stack as they open, so
+    the stack's close leaves torch as it was; a step that fails (here the ledger's file, a directory in its place)
+    leaves nothing of the steps before it. The run before in that folder is kept aside under ``previous/``."""
+    import contextlib
+
+    from workbench.rank import shard_files, shard_format
+
+    root = tmp_path / "cap"
+    old = shard_format.rank_dir(root, 0)
+    old.mkdir(parents=True)
+    (old / shard_format.MANIFEST).write_text("{}")  # a shard of the run before
+    if failing:
+        (old / shard_format.MANIFEST).unlink()  # nothing to keep aside; the ledger's file cannot be opened
+        (old / "rank0.jsonl").mkdir()
+    before = _state()
+    stack = contextlib.ExitStack()
+    try:
+        files = shard_files.RankFiles(root, 0, stack, ledger="calls", session="s", attempt=0, fault=None,
+                                      before_destroy=lambda: None)
+    except OSError:
+        assert failing
+        files = None
+    if files is not None:
+        assert not failing
+        assert _diff(before, _state()), "the calls ledger installed nothing: the test would prove nothing"
+        assert files.fr is not None and files.calls.flight_recorder is not None
+        assert (root / "previous" / "rank0" / shard_format.MANIFEST).is_file()  # the run before, kept aside
+        assert not files.points.closed
+    stack.close()
+    assert _diff(before, _state()) == []
+    if files is not None:
+        assert files.points.closed

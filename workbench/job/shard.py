@@ -72,7 +72,7 @@ from workbench.job.capture_points import FR_READ_EVERY, Points  # noqa: F401 (FR
 from workbench.job.capture_points import store_job as _store_job
 from workbench.job.capture_reads import Reads
 from workbench.job.launcher import launcher_env
-from workbench.rank import shard_format
+from workbench.rank import shard_files, shard_format
 
 ENV_OFF = config.ENV  # an OFF word ("0", "off", "false", "no"): capture is a no-op; a directory: capture into it
 ENV_JOB = config.ENV_JOB
@@ -416,14 +416,17 @@ class Capture(Points, Attach, Reads):
         """Install step by step, each step's undo on the stack before the next step runs: a step that fails
         (the ledger's file, the stacks file) leaves nothing of the steps before it (no mode, no wrapper)."""
         from workbench.rank import agree
-        from workbench.rank import ledger as ledger_mod
         from workbench.rank import poison as poison_mod
 
         stack = self._stack
-        _keep_previous(self.root, self.rank)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._points_file = open(self.dir / shard_format.POINTS, "a", buffering=1)
-        stack.callback(self._points_file.close)
+        # the folder, its points file and the ledger (``rank/shard_files.py``): each undo on the stack as it opens
+        files = shard_files.RankFiles(
+            self.root, self.rank, stack, ledger=ledger, session=self.job or "", attempt=attempt,
+            fault=None if self.strict else (lambda exc: self._fault("in the ledger's hook", exc, now=False)),
+            before_destroy=lambda: self.fill_from_flight_recorder("before destroy_process_group"))
+        self._points_file, self._ledger, self._calls, self._fr = files.points, files.ledger, files.calls, files.fr
+        if files.fr is not None:
+            self.doc["flight_recorder"] = True
         stack.callback(poison_mod.saved())  # to_empty and the poison state back as the capture found them
         poison_mod.reset_tracking()
         agree.forget()  # what an earlier capture in this process synced is not this run's
@@ -435,32 +438,6 @@ class Capture(Points, Attach, Reads):
             self._poison_mode = poison_mod._Allocations()
             self._poison_mode.__enter__()
             stack.callback(self._leave_poison_mode)
-        if ledger:
-            self._ledger = ledger_mod.Ledger(str(self.dir), self.rank, session=self.job or "", attempt=attempt)
-            stack.callback(self._ledger.close, settle_later=True)  # calls still running end later
-            if not self.strict:
-                self._ledger.guest = lambda exc: self._fault("in the ledger's hook", exc, now=False)
-            self._ledger.step = "0"  # calls on the way to point 0; the reader names them after it
-            if ledger == "calls":  # around the job's collective calls only: no per-op cost, torch.compile compiles
-                from workbench.rank.ledger_calls import CallLedger
-
-                calls = CallLedger(self._ledger)
-                stack.callback(calls.uninstall)
-                calls.install()
-                from workbench.rank.ledger_fr import Complement, records, switch_on
-
-                switch_on()  # where no process group exists yet and the job set no buffer size of its own
-                calls.flight_recorder = records()  # NCCL's hot calls then pass to its record (ledger_calls.FR_OPS)
-                self._calls = calls
-                self._fr = Complement(self._ledger)
-                self.doc["flight_recorder"] = True
-                # A job that destroys its groups before the capture closes: their record is read there, on every
-                # rank (at close there is nothing left to read, and a rank whose hang watcher had read it while
-                # the rank lingered would be the only one to hold its last calls).
-                stack.callback(ledger_mod.before_destroy(
-                    lambda: self.fill_from_flight_recorder("before destroy_process_group")))
-            else:
-                stack.callback(ledger_mod.start_recording(self._ledger, "0"))
         if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
             stacks_file = open(self.dir / shard_format.STACKS, "w")
             stack.callback(stacks_file.close)
@@ -589,21 +566,6 @@ class Capture(Points, Attach, Reads):
 WARM_AT_CLOSE_S = 20.0
 
 
-
-
-def _keep_previous(root: Path, rank: int) -> None:
-    """This rank's shard of the run before (an elastic restart's earlier attempt, a rerun into the same
-    directory) moves to ``<root>/previous/rank<r>``, which opens as shards of its own; the one before
-    that goes."""
-    import shutil
-
-    here = shard_format.rank_dir(root, rank)
-    if not (here / shard_format.MANIFEST).exists():
-        return
-    prev = shard_format.rank_dir(root / "previous", rank)
-    shutil.rmtree(prev, ignore_errors=True)
-    prev.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(here, prev)
 
 
 def _versions() -> dict[str, str]:
