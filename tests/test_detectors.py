@@ -72,6 +72,25 @@ def test_rope_reference_is_exact_for_a_correct_bf16_cast_and_catches_garbage():
     assert rows[0]["ref_diff"] == 0.0 and rows[1]["ref_diff"] > 0.1 and rows[2]["ref_diff"] is None
 
 
+def test_a_reference_diff_is_reused_only_for_the_same_bytes_against_the_same_expectation():
+    """A point every step re-reads the rope's buffers: where the probe's hash of the whole tensor and the expectation
+    are the last point's, so is the diff; new bytes (the job overwrote the buffer) are compared afresh."""
+    exp = torch.linspace(0.1, 1.0, 8)
+    buf = exp.clone()
+
+    def diff(fingerprint: str | None, expected: torch.Tensor = exp) -> float | None:
+        rows = [{"name": "m.inv_freq", "fingerprint": fingerprint}]
+        reference.annotate(rows, {"m.inv_freq": buf}, {"m.inv_freq": expected})
+        return rows[0]["ref_diff"]
+
+    assert diff("00000000000000aa") == 0.0
+    buf.fill_(5.0)  # new bytes, and the probe's hash with them
+    assert diff("00000000000000bb") > 3.0
+    assert diff("00000000000000aa") == 0.0  # the first bytes' hash: the first answer, reused
+    assert diff(None) > 3.0  # no hash: always compared
+    assert diff("00000000000000aa", exp.clone()) > 3.0  # another expectation: compared afresh
+
+
 def test_reference_check_flags_garbage_every_rank_agrees_on():
     garbage = torch.full((32,), 7.0)
     diffs = [{"inv_freq": 6.0}, {"inv_freq": 6.0}]

@@ -65,8 +65,23 @@ def annotate(rows: list[dict[str, Any]], tensors: dict[str, torch.Tensor], expec
         exp, t = expected.get(row["name"]), tensors.get(row["name"])
         if exp is None or t is None or t.is_meta or t.numel() != exp.numel():
             continue
+        # The same bytes (the probe's hash of the whole tensor) against the same expectation: the last point's
+        # answer, without its kernels and their wait (a job's point every step: ~0.5 ms on an H200 host)
+        fp = row.get("fingerprint")
+        key = (row["name"], fp, str(t.dtype), t.numel(), t.device) if isinstance(fp, str) and len(fp) == 16 else None
+        hit = _DIFFS.get(key) if key is not None else None
+        if hit is not None and hit[0] is exp:
+            row["ref_diff"] = hit[1]
+            continue
         with torch.no_grad():
             t = t.detach().reshape(-1)
             e = exp.detach().reshape(-1).to(device=t.device, dtype=t.dtype).float()
             diff = (t.float() - e).abs().nan_to_num(nan=float("inf")).max().item()
         row["ref_diff"] = diff
+        if key is not None:
+            if len(_DIFFS) > 256:
+                _DIFFS.clear()
+            _DIFFS[key] = (exp, diff)
+
+
+_DIFFS: dict[tuple, tuple[torch.Tensor, float]] = {}  # (name, fingerprint, dtype, numel, device) -> (expected, diff)
