@@ -190,3 +190,22 @@ def test_fused_rows_through_the_interpreter_are_the_references_bytes():
 
 if __name__ == "__interpreted__":
     _interpreted()
+
+
+def test_a_plan_is_reused_only_for_the_same_addresses_sizes_and_dtypes():
+    """``probe_fused.plan_for``: a job's logits are a new tensor every step, mostly where the last ones were; their
+    plan (descriptor table, buffers, host constants) is reused only when every tensor's address, size and dtype
+    are the ones it was built for."""
+    from workbench.rank import probe_fused
+
+    a, b = torch.zeros(300), torch.zeros(64, dtype=torch.bfloat16)
+    plan = probe_fused.plan_for([a, b])
+    assert probe_fused.plan_for([a, b]) is plan
+    assert probe_fused.plan_for([a.view(torch.int32).view(torch.float32), b]) is plan  # same memory, same reading
+    assert probe_fused.plan_for([a[:200], b]) is not plan  # fewer elements
+    assert probe_fused.plan_for([torch.zeros(300), b]) is not plan  # another address
+    assert probe_fused.plan_for([a.view(torch.bfloat16), b]) is not plan  # another dtype
+    assert probe_fused.plan_for([b, a]) is not plan  # another order: another descriptor table
+    for i in range(20):  # the cache keeps the newest
+        probe_fused.plan_for([torch.zeros(8 + i)])
+    assert len(probe_fused._PLAN_CACHE) <= 16 and probe_fused.plan_for([a, b]) is not plan

@@ -296,7 +296,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
                 fused.setdefault(dev, []).append((row, t))
                 continue
         plain.append((row, t.reshape(-1)))
-    plans = [(members, _pf.Plan([t for _, t in members])) for members in fused.values()]
+    plans = [(members, _pf.plan_for([t for _, t in members])) for members in fused.values()]
     for _, plan in plans:
         plan.launch()  # the kernels run while the plain path below queues its own work
     if plain:

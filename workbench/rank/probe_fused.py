@@ -100,6 +100,22 @@ def n_windows(nbytes: int) -> int:
     return sum(1 for off in WINDOW_OFFSETS if nbytes >= off + WINDOW) if nbytes > RAW_SMALL else 0
 
 
+def plan_for(tensors: list[torch.Tensor]) -> Plan:
+    """A plan for ``tensors``: the last one built for the same addresses, sizes and dtypes (its descriptor table,
+    buffers and host constants are then exactly what a new one would hold), else a new one. A job's outputs (the
+    logits) are new tensors every step, mostly at the address the caching allocator gave the last ones: a point
+    every step then skips the build (~0.5 ms of a profiled point on an H200 host)."""
+    key = (tensors[0].device, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
+    plan = _PLAN_CACHE.pop(key, None) or Plan(tensors)
+    _PLAN_CACHE[key] = plan  # the newest last: the oldest goes first
+    while len(_PLAN_CACHE) > 16:
+        del _PLAN_CACHE[next(iter(_PLAN_CACHE))]
+    return plan
+
+
+_PLAN_CACHE: dict[tuple, Plan] = {}
+
+
 class Plan:
     """One launch's worth of fusable tensors on one device (see the module docstring)."""
 
