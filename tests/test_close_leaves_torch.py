@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,43 @@ def test_a_ranks_files_undo_what_they_opened_and_installed_on_the_stack_they_wer
     assert _diff(before, _state()) == []
     if files is not None:
         assert files.points.closed
+
+
+PINNED = r'''
+import os, sys, tempfile
+import torch, torch.distributed as dist
+import workbench.job as wj
+
+d = tempfile.mkdtemp()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+pg = dist.group.WORLD
+threads = len(os.listdir("/proc/self/task"))
+cap = wj.capture(os.path.join(d, "cap"), ledger=sys.argv[1])
+dist.all_reduce(torch.ones(2))  # through the recorder's mode: torch imports torch._dynamo and ~900 modules here
+cap.point("step0", model=torch.nn.Linear(2, 2))
+cap.close()
+dist.destroy_process_group()
+refs = sys.getrefcount(pg) - 1
+del pg  # the last reference, where nothing else holds the group: its threads are joined here
+print("refs", refs, "threads", threads, len(os.listdir("/proc/self/task")))
+'''
+
+
+@pytest.mark.parametrize("ledger", ["calls", "full"])
+def test_the_job_s_destroy_frees_its_group_after_a_capture_opened_after_init(tmp_path, ledger):
+    """Opened after ``init_process_group``, the capture's ledger imports ``torch._dynamo`` (``ledger.prepare``),
+    and with it ``torch.distributed.nn.functional``, whose functions take ``group=group.WORLD`` as a default
+    evaluated at import: the job's world group, held for good. The job's ``destroy_process_group`` then freed
+    nothing: gloo's worker threads lived into interpreter exit, where one dropping a finished all-reduce's work
+    (its tensor's Python object died with ``main()``) takes the GIL during finalisation and aborts the process
+    ("terminate called without an active exception"; 2 of ~116 full-disk fault jobs under load, core dump). The
+    group's last references must be the job's: after its destroy, only this script's ``pg``; its threads gone."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", PINNED, ledger], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.split()
+    refs, before, after = int(words[1]), int(words[3]), int(words[4])
+    assert refs == 1, out.stdout  # the script's own name for it, nothing else
+    assert after < before, out.stdout  # the group's worker threads joined at its destroy

@@ -43,6 +43,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypedDict
 
@@ -1010,11 +1011,48 @@ def prepare() -> None:
     rather than at the first collective)."""
     if _PREPARED:
         return
+    before = set(sys.modules)
     import torch._dynamo  # what ``_disable_dynamo`` imports at its first call
 
     with _Recorder(_Off()):  # type: ignore[arg-type]
         torch.ops.aten.empty.memory_format([0])
     _PREPARED.append(True)
+    _unpin_world(set(sys.modules) - before)
+
+
+def _unpin_world(modules: Iterable[str]) -> None:
+    """Where ``prepare``'s import ran after the job's ``init_process_group`` (a capture opened after it), the modules
+    it imported that take ``group=group.WORLD`` as a default evaluated at import (``torch.distributed.nn.functional``,
+    ``torch.distributed._shard``'s ops) hold the job's world group for good: its ``destroy_process_group`` then frees
+    nothing, gloo's workers live into interpreter exit, and one that drops a finished work there aborts the process
+    (``tests/test_close_leaves_torch.py`` says how). Those defaults become None, what they are when torch is imported
+    before the group (the common order), and what ``group=None`` means: the default group."""
+    world = dist.distributed_c10d._world.default_pg if dist.is_available() and dist.is_initialized() else None
+    if world is None:
+        return
+    for name in modules:
+        module = sys.modules.get(name)
+        # plain functions only, read from the dicts: never an attribute lookup (a lazy module imports on one)
+        for value in list(vars(module).values()) if isinstance(module, types.ModuleType) else ():
+            for fn in _functions(value):
+                if fn.__defaults__ and any(d is world for d in fn.__defaults__):
+                    fn.__defaults__ = tuple(None if d is world else d for d in fn.__defaults__)
+                if fn.__kwdefaults__ and any(v is world for v in fn.__kwdefaults__.values()):
+                    fn.__kwdefaults__ = {k: None if v is world else v for k, v in fn.__kwdefaults__.items()}
+
+
+def _functions(value: Any) -> list[types.FunctionType]:
+    """A module attribute's Python functions: itself, or a class's own methods (static and class ones unwrapped)."""
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if not isinstance(value, type):
+        return []
+    out = []
+    for member in list(vars(value).values()):
+        member = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+        if isinstance(member, types.FunctionType):
+            out.append(member)
+    return out
 
 
 def start_recording(ledger: Ledger, step: str = "") -> Any:
