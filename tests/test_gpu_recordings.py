@@ -122,3 +122,17 @@ def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
         assert rec["tensors"] > 0 and rec["dispatch_rows"] > 0, path.name
         assert rec["identical"] is True and rec["n_mismatches"] == 0 and not rec["mismatches"], path.name
         assert {"triton", "nvrtc"} <= set(rec["kernel_ms"]), path.name
+
+
+def test_recording_of_a_warm_points_host_time_names_where_it_goes():
+    """benchmarks/point_cost.py (issue 62): a check of the recording. A warm point's time on the job's thread and
+    the writer's drain are recorded beside the step, for every point timed, with the profile by own time that
+    says where the host's time goes."""
+    paths = sorted(GPU.glob("point_cost_*gpu.json"))
+    assert paths
+    for path in paths:
+        rec = json.loads(path.read_text())
+        assert rec["device"] != "cpu" and rec["tensors"] > 0, path.name
+        assert len(rec["point_ms_all"]) == rec["points"] and all(x > 0 for x in rec["point_ms_all"]), path.name
+        assert {"step_ms", "point_ms", "drain_ms"} <= set(rec), path.name
+        assert "capture_points.py" in rec["profile_cumulative"] and "ncalls" in rec["profile_tottime"], path.name
