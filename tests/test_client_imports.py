@@ -26,6 +26,7 @@ import json, sys
 import workbench.cli
 from workbench import scenarios
 import workbench.live.connect, workbench.live.session, workbench.postmortem.bundle, workbench.analysis.findings
+import workbench.job.shard  # the capture's module: what an attach, the site hook and a capture-off job import
 decl = {n: (s.step_names, sorted(s.fixes)) for n in scenarios.names() for s in [scenarios.get(n)]}
 print(json.dumps({"decl": decl, "loaded": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))}))
 """

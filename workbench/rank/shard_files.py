@@ -1,5 +1,7 @@
 """A rank's folder as a capture opens it: what the run before left there kept aside, the points file, the ledger.
 
+Standard library at import (``job/shard.py`` imports it, and a client that never captures must not import torch).
+
 The capture (``job/shard.py``) hands its directory here once and keeps what comes back; the names inside the
 folder are the shard format's (``shard_format.py``, which the reader imports too). Every file opened and every
 wrapper installed puts its undo on the caller's stack, the moment it is opened or installed, so that a step that
@@ -14,10 +16,12 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workbench.rank import ledger as ledger_mod
 from workbench.rank import shard_format
+
+if TYPE_CHECKING:
+    from workbench.rank.ledger import Ledger
 
 
 class RankFiles:
@@ -35,7 +39,7 @@ class RankFiles:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.points = open(self.dir / shard_format.POINTS, "a", buffering=1)
         stack.callback(self.points.close)
-        self.ledger: ledger_mod.Ledger | None = None
+        self.ledger: Ledger | None = None
         self.calls: Any = None  # the calls ledger (``ledger_calls.CallLedger``), where ledger="calls"
         self.fr: Any = None  # Flight Recorder's complement of the calls ledger (``ledger_fr.Complement``)
         if ledger:
@@ -43,6 +47,9 @@ class RankFiles:
 
     def _ledger(self, rank: int, stack: contextlib.ExitStack, how: bool | str, session: str, attempt: int,
                 fault: Callable[[BaseException], None] | None, before_destroy: Callable[[], None]) -> None:
+        from workbench.rank import ledger as ledger_mod  # torch: imported only by a capture that records (the
+        # module is imported wherever ``job/shard.py`` is, and that stays free of torch until a capture opens)
+
         book = self.ledger = ledger_mod.Ledger(str(self.dir), rank, session=session, attempt=attempt)
         stack.callback(book.close, settle_later=True)  # calls still running end later
         if fault is not None:
