@@ -111,3 +111,40 @@ def test_warm_up_builds_the_kernel_and_changes_no_row():
 
 if __name__ == "__interpreted__":
     _interpreted()
+
+
+def test_a_capture_starts_the_kernels_build_when_the_job_initialises_cuda(tmp_path, monkeypatch):
+    """The capture queues the probe kernel's build for the job's CUDA initialisation (``torch.cuda._lazy_call``), so
+    the first point after ``to_empty`` need not take the plain path while NVRTC builds. A capture closed by then
+    starts nothing, and nothing the queued call meets may fail the job's CUDA initialisation (torch raises a
+    queued call's error from ``_lazy_init``). On CPU: torch's queue and the build are stand-ins, recorded."""
+    import torch
+
+    import workbench.job as wj
+    from workbench.job import shard
+    from workbench.rank import probe_fused
+
+    for k in ("WORKBENCH_CAPTURE", "WORKBENCH_CAPTURE_PID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(shard, "_SAID", set())
+    queued: list = []
+    built: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
+    monkeypatch.setattr(probe_fused, "warm_async", lambda **kw: built.append(kw))
+
+    cap = wj.capture(tmp_path / "open", ledger=False, poison=False)
+    assert len(queued) == 1 and built == []  # queued, not started: CUDA is not initialised yet
+    queued[-1]()  # the job initialises CUDA
+    assert built == [{"plain_meanwhile": True}]
+    cap.close()
+    queued[-1]()
+    assert len(built) == 1  # closed since: nothing started
+
+    def broken(**kw):
+        raise RuntimeError("a build that cannot start")
+
+    monkeypatch.setattr(probe_fused, "warm_async", broken)
+    cap = wj.capture(tmp_path / "broken", ledger=False, poison=False)
+    queued[-1]()  # must not raise into the job's _lazy_init
+    cap.close()

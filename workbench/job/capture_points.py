@@ -211,6 +211,30 @@ class Points:
             self._manifest_at = now
             self._write_manifest(points)
 
+    def _warm_when_cuda_starts(self) -> None:
+        """The probe's kernel starts building when the job initialises CUDA (``torch.cuda._lazy_call``: at once where
+        it has), not at the first point: a job's first point on real tensors comes right after ``to_empty``, and it
+        took the plain path while NVRTC built (384-598 ms on an H200, over the 0.5 s goal). Points meanwhile take the
+        plain path as before (``plain_meanwhile``). A capture closed or stopped by then starts nothing."""
+        import torch
+
+        lazy_call = getattr(torch.cuda, "_lazy_call", None)
+        if lazy_call is None or not torch.cuda.is_available():
+            return
+        this = weakref.ref(self)
+
+        def start() -> None:
+            # A boundary inside the job's own CUDA initialisation, where a raise would fail its ``_lazy_init``
+            # (torch's DeferredCudaCallError): whatever goes wrong here, the first point starts the build instead.
+            with contextlib.suppress(Exception):
+                cap = this()
+                if cap is not None and not cap._closed and cap.stopped is None:
+                    from workbench.rank import probe_fused
+
+                    probe_fused.warm_async(plain_meanwhile=True)
+
+        lazy_call(start)
+
     def _choose_writer(self) -> None:
         """Once, at the first point (the device is known by then): the writer thread on a GPU job."""
         if self._writer_chosen:

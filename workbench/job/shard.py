@@ -451,6 +451,7 @@ class Capture(Points, Attach, Reads):
         process.STATE.capture = self
         stack.callback(self._forget)
         debug_server.register()
+        self._warm_when_cuda_starts()
         self._write_manifest()
 
     def _leave_poison_mode(self) -> None:
