@@ -186,11 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--kernel", choices=("nvrtc", "triton"), default="nvrtc",
+                    help="the fused pass's kernel on CUDA: NVRTC's build (what a job's probe uses) or Triton's")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.kernel == "nvrtc":  # built before anything is timed, as a job's warm-up builds it
+            probe_fused.warm_async(device)
+            probe_fused.await_warm()
+        results_kernel = dict(probe_fused._WARM.get("result") or {"kernel": "triton"})
+    else:
+        results_kernel = {}
     shape = args.shape or ("1.7b" if device.type == "cuda" else "small")
     t0 = time.perf_counter()
     model = build(shape, device)
@@ -202,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(device, min(2 << 30, max(64 << 20, total_bytes // 2)))
     floor_s = total_bytes / bw
     results: dict = {
+        "fused_kernel": results_kernel,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "shape": shape, "tensors": len(items), "bytes": total_bytes,
         "build_s": build_s, "copy_bw_TBps": bw / 1e12, "floor_ms": floor_s * 1e3, "planted": planted,
@@ -258,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     results["goal_bytes_met"] = main_path["pickled_bytes"] <= GOAL_BYTES
 
     print(f"probe at scale: {results['device']}, torch {results['torch']}, shape {shape}: "
-          f"{len(items)} tensors, {total_bytes / 1e9:.3f} GB; built in {build_s:.1f}s")
+          f"{len(items)} tensors, {total_bytes / 1e9:.3f} GB; built in {build_s:.1f}s; fused kernel "
+          f"{results_kernel.get('kernel', '-')}")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write) -> floor {floor_s * 1e3:.3f} ms")
     hdr = f"{'path':<7} {'probe ms':>9} {'x floor speed':>13} {'device ms':>9} {'pickled KB':>10} {'json KB':>8}"
     print(hdr)

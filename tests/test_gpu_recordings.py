@@ -136,3 +136,13 @@ def test_recording_of_a_warm_points_host_time_names_where_it_goes():
         assert len(rec["point_ms_all"]) == rec["points"] and all(x > 0 for x in rec["point_ms_all"]), path.name
         assert {"step_ms", "point_ms", "drain_ms"} <= set(rec), path.name
         assert "capture_points.py" in rec["profile_cumulative"] and "ncalls" in rec["profile_tottime"], path.name
+
+
+def test_recording_of_the_probe_at_scale_with_nvrtcs_kernel():
+    """benchmarks/probe_scale.py --kernel nvrtc (issue 62): a check of the recording. The fused pass ran NVRTC's kernel,
+    its rows equal the plain path's (means to float32 order) with the planted NaN, Inf and poison seen, and the
+    floor it is measured against is recorded."""
+    rec = json.loads((GPU / "probe_scale_nvrtc_1gpu.json").read_text())
+    assert rec["fused_kernel"].get("kernel") == "nvrtc" and rec["paths"]["fused"]["packed"] is True
+    assert rec["fused_vs_plain_equal"] is True and rec["planted_seen"]["nan"] == 1 and rec["planted_seen"]["inf"] == 1
+    assert rec["floor_ms"] > 0 and rec["paths"]["fused"]["probe_ms"] > 0
