@@ -9,10 +9,12 @@ per-dtype launches, today's probe one launch over a cached plan. The GPU compari
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,22 @@ def _interpreted() -> None:
     m.register_buffer("extra", torch.rand(8))  # every old tensor alive where it was: launched early, then
     same_rows(m)  # the key differs (a new buffer), so the plan is rebuilt and launched again
     assert probe._PLANS[m][1][0] is not plan and probe._PLANS[m][1][1][-1][0] == "extra"
+    changes = (  # each leaves every other tensor where it was; the cached plan must not be the one read
+        lambda: setattr(m[2], "weight", nn.Parameter(m[2].weight.detach().clone())),  # a parameter swapped
+        lambda: m.to(torch.float32),  # the same parameters (``p.data = ...``), new dtype and memory
+        lambda: m.__setitem__(1, nn.LayerNorm(48)),  # a child swapped
+        lambda: m.register_buffer("extra", m.extra, persistent=False),  # the same buffer, now non-persistent
+        lambda: setattr(m[1], "bias", None),  # a parameter set to None
+    )
+    for change in changes:
+        plan = probe._PLANS[m][1][0]
+        change()
+        same_rows(m)
+        assert probe._PLANS[m][1][0] is not plan
+    gone = weakref.ref(m)
+    del m, plan
+    gc.collect()
+    assert gone() is None, "the plan cache kept its module alive"
     same_rows(mixed_model())  # the general path: fused members in one launch beside the plain ones
     tied = tied_model()
     tied_rows(tied)  # the packed path: ties known when its plan is built
