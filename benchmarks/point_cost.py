@@ -82,6 +82,7 @@ def main() -> None:
         step_ms.append(1e3 * (t1 - t0))
         point_ms.append(1e3 * (t2 - t1))
         drain_ms.append(1e3 * (time.perf_counter() - t2))
+    match = rows_match(cap, model, step())
     prof = cProfile.Profile()
     for i in range(args.points):
         logits = step()
@@ -94,7 +95,8 @@ def main() -> None:
     out = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
            "torch": torch.__version__, "tensors": rows, "points": args.points,
            "step_ms": round(statistics.median(step_ms), 3), "point_ms": round(statistics.median(point_ms), 3),
-           "drain_ms": round(statistics.median(drain_ms), 3), "point_ms_all": [round(x, 3) for x in point_ms]}
+           "drain_ms": round(statistics.median(drain_ms), 3), "point_ms_all": [round(x, 3) for x in point_ms],
+           "deferred_points": sum(d is not None for d in _TAKEN), "all_points": len(_TAKEN), **match}
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(35)
@@ -103,11 +105,45 @@ def main() -> None:
     share = (out["point_ms"] + out["drain_ms"]) / out["step_ms"]
     print(f"{args.shape:<14}{out['device'][:21]:<22}{rows:>8}{out['step_ms']:>10.2f}{out['point_ms']:>10.3f}"
           f"{out['drain_ms']:>10.3f}{share:>9.3f}")
+    print(f"points finished on the writer: {out['deferred_points']} of {out['all_points']}; its rows are the job's "
+          f"thread's: {out['rows_match']}")
     print(out["profile_tottime"][:7000])
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
+_TAKEN: list = []  # per point on the writer path: the deferred point, or None where it ran on the job's thread
+
+
+def _count_deferred() -> None:
+    from workbench.rank import point_deferred
+
+    launch = point_deferred.launch
+    point_deferred.launch = lambda *a: _TAKEN.append(launch(*a)) or _TAKEN[-1]
+
+
+def rows_match(cap, model, logits) -> dict:
+    """One more point, then the same state probed on the job's thread as an inline point would: the rows must be
+    equal (on a GPU job the point's rows were made on the writer, ``rank/point_deferred.py``)."""
+    from workbench.rank import probe, remote, shard_format
+
+    cap.point("check", model=model, logits=logits)
+    cap.flush()
+    rec = cap.latest
+    cap.ctx.output("logits", logits)
+    held: dict = {}
+    rows = probe.probe_objects({"model": model}, cap.rank, held)
+    remote._annotate(rows, {"model": model}, cap.ctx, held)
+    outs = probe.probe_dict(cap.ctx.outputs, cap.rank, kind="output")
+    remote.annotate_outputs(outs, cap.ctx)
+    cap.ctx.outputs.clear()
+    cap.ctx.output_extras.clear()
+    plain = json.loads(json.dumps({"tensors": rows, "outputs": outs}, default=shard_format.plain))
+    same = plain["tensors"] == rec["tensors"] and plain["outputs"] == rec["outputs"]
+    return {"rows_match": same, "rows_checked": len(rows) + len(outs)}
+
+
 if __name__ == "__main__":
+    _count_deferred()
     os.environ.setdefault("WORKBENCH_CAPTURE_POISON", "to_empty")
     main()

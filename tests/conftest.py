@@ -366,6 +366,9 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/rank/poison.py", "workbench/rank/probe.py", "workbench/rank/probe_cpu.py",
         "workbench/rank/probe_fused.py",
     ),
+    "tests/test_point_deferred.py::test_a_point_finished_on_the_writer_writes_the_rows_the_jobs_thread_would": (
+        "workbench/rank/point_deferred.py",
+    ),
     "tests/test_probe_nvrtc.py::test_where_nvrtc_cannot_build_it_says_why_once_and_the_warm_up_goes_on_to_tritons": (
         "workbench/rank/_probe_nvrtc.py",
     ),

@@ -128,7 +128,7 @@ class Points:
     def _point(self, name: str, same_on: Any, objects: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from workbench.rank import probe, remote, trace
+        from workbench.rank import point_deferred, probe, remote, trace
 
         t0 = time.perf_counter()
         now = time.time()
@@ -158,11 +158,17 @@ class Points:
                 del objects[key]
         self._remember(objects)
         with self._poison.poisoned(False):  # the probe's own scratch is not the job's memory
-            held: dict[str, list] = {}
-            rows = probe.probe_objects(objects, self.rank, held)
-            remote._annotate(rows, objects, self.ctx, held)
-            outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
-        remote.annotate_outputs(outputs, self.ctx)
+            deferred = point_deferred.launch(objects, self.ctx, self.rank) if self._writer is not None else None
+            if deferred is None:
+                held: dict[str, list] = {}
+                rows = probe.probe_objects(objects, self.rank, held)
+                remote._annotate(rows, objects, self.ctx, held)
+                outputs = probe.probe_dict(self.ctx.outputs, self.rank, kind="output")
+        if deferred is None:
+            remote.annotate_outputs(outputs, self.ctx)
+            count = len(rows) + len(outputs)
+        else:  # the rows are made on the writer, once the kernel is done (``_finish_handed``)
+            rows, outputs, count = None, None, deferred.count
         record = {"kind": "point", "point": name, "index": len(self.points), "t": now,
                   "elapsed": now - self._t_last, "probe_s": time.perf_counter() - t0, "tensors": rows,
                   "outputs": outputs, "trace": trace.take(self.ctx), "notes": self.ctx.notes[:]}
@@ -173,12 +179,12 @@ class Points:
         self._latest = record
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
-        info = {"point": name, "rows": len(rows) + len(outputs), "bytes": None, "seconds": 0.0}
+        info = {"point": name, "rows": count, "bytes": None, "seconds": 0.0}
         points = list(self.points)
         if self._writer is None:
             self._finish_point(record, info, points)
         else:  # bytes filled in once written (``flush``)
-            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points))
+            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points, deferred))
             info["_handed"] = True
             if read_fr:  # after the point's own work: the writer reads while the job launches its next step
                 self._writer.submit(f"reading Flight Recorder {when}",
@@ -187,8 +193,11 @@ class Points:
         info["seconds"] = time.perf_counter() - t0
         return info
 
-    def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str]) -> None:
+    def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str],
+                       deferred: Any = None) -> None:
         try:
+            if deferred is not None and self.stopped is None:
+                record["tensors"], record["outputs"] = deferred.rows()
             self._finish_point(record, info, points)
         finally:
             self._gc.release()

@@ -356,28 +356,34 @@ def annotate(rows: list[dict[str, Any]], by_name: Mapping[str, Any], every: Mapp
     so): the columns are then the last point's (~2 ms a point at 16 layers on an H200, a job's point every step),
     while nothing synced or declared since (``_VERSION``) and every object is a module (the stamp vouches for no
     other). An answer read from a gradient is never reused: a job's next gradient is a new tensor."""
+    cols = columns([row["name"] for row in rows], by_name, every, rank_local, stamp)
+    for row in rows:
+        row.update(cols[row["name"]])
+
+
+def columns(names: list[str], by_name: Mapping[str, Any], every: Mapping[str, Any], rank_local: Iterable[str] = (),
+            stamp: tuple | None = None) -> dict[str, dict[str, str]]:
+    """``annotate``'s columns per row name, without the rows: a point finished on the writer thread reads them on
+    the job's thread, where the objects are as the point found them."""
     local = set(rank_local)
     key = None
     if stamp is not None and all(isinstance(v, nn.Module) for v in every.values()):
-        key = (stamp, _VERSION[0], frozenset(local), tuple(row["name"] for row in rows))
+        key = (stamp, _VERSION[0], frozenset(local), tuple(names))
         cols = _COLS.get(key)
         if cols is not None:
-            for row in rows:
-                row.update(cols[row["name"]])
-            return
-    cols = _columns(rows, by_name, every, local, stamp)
+            return cols
+    cols = _columns(names, by_name, every, local, stamp)
     if key is not None and not any("gradient" in c["agree_by"] for c in cols.values()):
         if len(_COLS) > 8:
             _COLS.clear()
         _COLS[key] = cols
-    for row in rows:
-        row.update(cols[row["name"]])
+    return cols
 
 
 _COLS: dict[tuple, dict[str, dict[str, str]]] = {}  # ``annotate``'s key -> its columns
 
 
-def _columns(rows: list[dict[str, Any]], by_name: Mapping[str, Any], every: Mapping[str, Any], local: set[str],
+def _columns(names: list[str], by_name: Mapping[str, Any], every: Mapping[str, Any], local: set[str],
              stamp: tuple | None) -> dict[str, dict[str, str]]:
     owned = _OWNED.get(stamp) if stamp is not None else None
     if owned is None:
@@ -387,12 +393,12 @@ def _columns(rows: list[dict[str, Any]], by_name: Mapping[str, Any], every: Mapp
                 _OWNED.clear()
             _OWNED[stamp] = owned
     cols: dict[str, dict[str, str]] = {}
-    for row in rows:
-        if row["name"].split(".", 1)[0] in local:
-            cols[row["name"]] = OWN_DECLARED
+    for name in names:
+        if name.split(".", 1)[0] in local:
+            cols[name] = OWN_DECLARED
             continue
-        t = by_name.get(row["name"])
-        cols[row["name"]] = of_tensor(t, owned) if t is not None else dict(OWN)
+        t = by_name.get(name)
+        cols[name] = of_tensor(t, owned) if t is not None else dict(OWN)
     _with_module({k: v for k, v in every.items() if k not in local}, cols)
     return cols
 

@@ -122,23 +122,35 @@ def written_state(t: torch.Tensor, poisoned: int | None = None, fingerprint: str
     """
     if t.is_meta or t.numel() == 0:
         return None
+    return written_from(t.numel(), t.dtype in POISON_BITS, poisoned, fingerprint, _TRACKED.get(t.data_ptr()), t)
+
+
+def written_from(numel: int, poisonable: bool, poisoned: int | None, fingerprint: str | None,
+                 entry: tuple | None, t: torch.Tensor | None = None) -> str | None:
+    """``written_state`` from facts read earlier: the tensor's size, whether poison can mark its dtype, the probe's
+    poison count and hash, its tracking entry (``tracked``). A point finished on the writer thread reads these
+    at the point, on the job's thread; ``t`` is read only where the probe gave neither count nor hash."""
     left: int | None = None
-    if t.dtype in POISON_BITS:
+    if poisonable:
         # Poison bits are only ever written by poison_: where some remain, the answer needs no tracking entry
         # (a view into a flat buffer, an address reused since, all read the same).
         left = int(poison_count(t)) if poisoned is None else int(poisoned)
         if left:
-            return "never written" if left == t.numel() else "partly written"
-    entry = _TRACKED.get(t.data_ptr())
-    if entry is None or entry[2] != t.numel():
+            return "never written" if left == numel else "partly written"
+    if entry is None or entry[2] != numel:
         return None
     was_poisoned, fp, _ = entry
     if was_poisoned:
         n = left or 0  # None: a dtype poison cannot mark
-        return "never written" if n == t.numel() else ("partly written" if n else "written")
+        return "never written" if n == numel else ("partly written" if n else "written")
     if fingerprint is not None and len(fingerprint) == 16:  # not "meta"/"empty" (a complex tensor's)
         return "never written" if int(fingerprint, 16) == fp & _U64 else "written"  # fp: a signed int64
     return "never written" if int(_fingerprint(t.reshape(-1))) == fp else "written"
+
+
+def tracked(ptrs: list[int]) -> list[tuple | None]:
+    """The tracking entries at these addresses now (``written_from``'s ``entry``)."""
+    return list(map(_TRACKED.get, ptrs))
 
 
 def reset_tracking() -> None:

@@ -268,11 +268,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
         dev_name = dev_names.get(dev)
         if dev_name is None:
             dev_name = dev_names[dev] = str(dev)
-        row = {
-            "rank": rank, "name": name, "kind": kind, "dtype": _dtype_name(t.dtype),
-            "device": dev_name, "is_meta": meta, "shape": "x".join(map(str, t.shape)) or "()",
-            "numel": t.numel(),
-        }
+        row = _fixed_row(rank, name, kind, t, dev_name)
         rows.append(row)
         if meta or row["numel"] == 0 or t.is_complex():
             row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="", sumsq=None)
@@ -314,6 +310,13 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     for i, layout in layouts:  # after the statistics: a DTensor's row ends with its layout
         rows[i].update(layout)
     return rows
+
+
+def _fixed_row(rank: int, name: str, kind: str, t: torch.Tensor, dev_name: str | None = None) -> dict[str, Any]:
+    """A row's columns before its statistics (``t``: the local tensor)."""
+    return {"rank": rank, "name": name, "kind": kind, "dtype": _dtype_name(t.dtype),
+            "device": _device_name(t.device) if dev_name is None else dev_name, "is_meta": t.is_meta,
+            "shape": "x".join(map(str, t.shape)) or "()", "numel": t.numel()}
 
 
 def _layout(t: Any) -> dict[str, str]:
@@ -474,9 +477,22 @@ def _packed(module: nn.Module, rank: int, prefix: str,
     tree's modules, by C loops, not by a walk that names anything (~0.1 ms for 148 tensors where the walk took
     1.5 ms of an H200 host's point): a tree that changed anywhere changes some dict the list holds. A key that
     differs rebuilds the plan from ``named_tensors``."""
+    stamp = _PHASES.append if _PHASES is not None else None
+    entry = _fit(module, prefix)
+    if entry is None:
+        return None
+    if stamp:
+        stamp(("checked", time.perf_counter()))
+    slot = entry.plan.launch()
+    if stamp:
+        stamp(("launched", time.perf_counter()))
+    return _rows(entry, rank, slot, held, stamp)
+
+
+def _fit(module: nn.Module, prefix: str) -> _Entry | None:
+    """The module's plan, still fitting its tree and tensors (else built anew); None: the general path."""
     if type(module).named_parameters is not nn.Module.named_parameters or not fused_enabled():
         return None
-    stamp = _PHASES.append if _PHASES is not None else None
     cached = _PLANS.get(module)
     try:
         if (cached is None or cached.key[0] != prefix or cached.key[1] != _tree_key(cached.mods)
@@ -485,19 +501,14 @@ def _packed(module: nn.Module, rank: int, prefix: str,
             _PLANS[module] = cached
     except RuntimeError:  # a tensor without storage (data_ptr refused): the general path
         return None
-    entry = cached.entry
-    if entry is None:
-        return None
-    if stamp:
-        stamp(("checked", time.perf_counter()))
-    plan, static = entry.plan, entry.static
-    plan.launch()
-    # The fixed columns while the kernel runs; the statistics into the same dicts once it is done.
+    return cached.entry
+
+
+def _rows(entry: _Entry, rank: int, slot: Any, held: list | None = None, stamp: Any = None) -> list[dict[str, Any]]:
+    """A launched plan's rows: the fixed columns, then the statistics once ``slot``'s copy is back."""
     rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
-            for n, k, d, dv, sh, ne in static]
-    if stamp:
-        stamp(("launched, rows begun", time.perf_counter()))
-    cols = plan.columns(stamp)
+            for n, k, d, dv, sh, ne in entry.static]
+    cols = entry.plan.columns(stamp, slot)
     for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
         deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
     for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)

@@ -142,9 +142,9 @@ class Plan:
         self.accf = self.acc.view(torch.float64)
         self.words = self.buf[self.o_words: self.o_hexs].view(torch.int32)
         self.hexs = self.buf[self.o_hexs:].view(torch.uint8)
-        cuda = dev.type == "cuda"
-        self.host = torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=cuda) if cuda else self.buf
-        self.done = torch.cuda.Event() if cuda else None
+        self.cuda = dev.type == "cuda"
+        self._free: list[tuple[torch.Tensor, Any]] = []  # host copies and their events no launch holds now
+        self.last: tuple[torch.Tensor, Any] | None = None  # the newest launch's: what ``columns()`` reads
         self._host_constants(tensors, nbytes, kinds)
 
     def _host_constants(self, tensors: list[torch.Tensor], nbytes: list[int], kinds: list[int]) -> None:
@@ -160,14 +160,16 @@ class Plan:
                        for i, b in enumerate(nbytes)]
         self.fp_sl = [slice(16 * i, 16 * i + 16) for i in range(len(nbytes))]
 
-    def launch(self) -> None:
-        """Zero the accumulators, run the kernel over every tensor, queue the copy back."""
-        cur = torch.cuda.current_device() if self.done is not None else None
+    def launch(self) -> tuple[torch.Tensor, Any]:
+        """Zero the accumulators, run the kernel over every tensor, queue the copy back. Returns the launch's
+        slot (its host copy and the event after it), for ``columns``: each launch copies into a slot of its own,
+        so a point finished on the writer thread reads its own results while the job's next point launches."""
+        cur = torch.cuda.current_device() if self.cuda else None
         if cur is not None and cur != self.device.index:
             with torch.cuda.device(self.device):
                 return self.launch()
         self.acc.zero_()
-        timing = _KERNEL_EVENTS is not None and self.done is not None
+        timing = _KERNEL_EVENTS is not None and self.cuda
         if timing:
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
@@ -175,9 +177,17 @@ class Plan:
         if timing:
             ev1.record()
             _KERNEL_EVENTS.append((ev0, ev1))
-        if self.done is not None:
-            self.host.copy_(self.buf, non_blocking=True)
-            self.done.record()
+        if not self.cuda:  # the tests' CPU kernel (Triton's interpreter) ran already: a copy of its own
+            self.last = (self.buf.clone(), None)
+            return self.last
+        try:
+            slot = self._free.pop()
+        except IndexError:  # list.pop is atomic: the writer may give one back meanwhile
+            slot = (torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        slot[0].copy_(self.buf, non_blocking=True)
+        slot[1].record()
+        self.last = slot
+        return slot
 
     def _kernel(self, hint: bool) -> None:
         if not _probe_nvrtc.ready(self.device):
@@ -202,15 +212,22 @@ class Plan:
             _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
             self.triton(False)
 
-    def columns(self, stamp=None) -> dict[str, list]:
-        """Wait for the copy, then every statistic column as a list, in row order (``stamp``: a benchmark's
-        timer, told when the copy is back)."""
-        if self.done is not None:
-            wait(self.done, self.device)
+    def columns(self, stamp=None, slot: tuple[torch.Tensor, Any] | None = None) -> dict[str, list]:
+        """Wait for the copy of ``slot`` (``launch``'s; left out, the newest launch's), then every statistic column
+        as a list, in row order (``stamp``: a benchmark's timer, told when the copy is back)."""
+        host, done = self.last if slot is None else slot
+        if done is not None:
+            wait(done, self.device)
         if stamp:
             stamp(("copied back", time.perf_counter()))
+        try:
+            return self._columns(host.numpy())
+        finally:
+            if done is not None and not any(h is host for h, _ in self._free):  # read twice (a benchmark): once
+                self._free.append((host, done))  # read: the next launch may copy into it
+
+    def _columns(self, h: np.ndarray) -> dict[str, list]:
         T = self.T
-        h = self.host.numpy()
         a = h[: T * _ACC].reshape(T, _ACC)
         nan, inf = a[:, 0], a[:, 1]
         nfin = (self.numel - nan - inf).astype(np.float64)

@@ -73,15 +73,20 @@ def annotate(rows: list[dict[str, Any]], tensors: dict[str, torch.Tensor], expec
         if hit is not None and hit[0] is exp:
             row["ref_diff"] = hit[1]
             continue
-        with torch.no_grad():
-            t = t.detach().reshape(-1)
-            e = exp.detach().reshape(-1).to(device=t.device, dtype=t.dtype).float()
-            diff = (t.float() - e).abs().nan_to_num(nan=float("inf")).max().item()
-        row["ref_diff"] = diff
+        row["ref_diff"] = diff = diff_of(t, exp)
         if key is not None:
             if len(_DIFFS) > 256:
                 _DIFFS.clear()
             _DIFFS[key] = (exp, diff)
+
+
+def diff_of(t: torch.Tensor, exp: torch.Tensor) -> float:
+    """max |t - exp| with ``exp`` cast to ``t``'s dtype first, NaN read as inf (on ``t``'s device: a host copy of a
+    GPU tensor gives the same value, every step of it exact in fp32)."""
+    with torch.no_grad():
+        t = t.detach().reshape(-1)
+        e = exp.detach().reshape(-1).to(device=t.device, dtype=t.dtype).float()
+        return (t.float() - e).abs().nan_to_num(nan=float("inf")).max().item()
 
 
 _DIFFS: dict[tuple, tuple[torch.Tensor, float]] = {}  # (name, fingerprint, dtype, numel, device) -> (expected, diff)

@@ -1,0 +1,108 @@
+"""A point finished on the writer thread (``rank/point_deferred.py``) writes the rows the job's thread would have.
+
+A GPU job's points are launched on the job's thread and made into rows on the capture's writer once the probe's
+kernel is done. Here the same job runs twice through Triton's interpreter (the fused kernel on CPU tensors, in a
+subprocess: the flag is read when the kernel is defined): once with the writer thread, where the deferred path is
+taken, once inline. Every row of every point must be the same, byte for byte: the statistics, ``written`` against
+``to_empty``'s poison, the rope's ``ref_diff``, agreement, the outputs' annotations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(out: str) -> None:
+    """A tiny Llama built on meta, materialised with ``to_empty`` (poisoned), its rope left as ``to_empty`` left it
+    and one projection never written; three AdamW steps, a point after each with the logits and the loss."""
+    import torch
+
+    from workbench.rank import point_deferred, probe_fused
+
+    probe_fused.FUSED_DEVICES = ("cuda", "cpu")
+    probe_fused.WORDS_PER_ITER, probe_fused.ITERS = 256, 2
+    taken = []
+    launch = point_deferred.launch
+    point_deferred.launch = lambda *a: taken.append(launch(*a)) or taken[-1]
+
+    import workbench.job as wj
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cap = wj.capture(out, ledger=False)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "model.layers.1.mlp.up_proj.weight":
+                p.copy_(torch.randn_like(p) * 0.02 if p.dim() > 1 else torch.ones_like(p))
+    cap.point("materialised", model=model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+        out_ = model(input_ids=ids, labels=ids)
+        out_.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.point(f"step{step}", model=model, logits=out_.logits, loss=out_.loss)
+    cap.close()
+    print("deferred", sum(d is not None for d in taken), "of", len(taken))
+
+
+def _points(folder: Path) -> list[dict]:
+    files = list(folder.rglob("points.jsonl"))
+    assert len(files) == 1, files
+    out = []
+    for line in files[0].read_text().splitlines():
+        rec = json.loads(line)
+        for k in ("t", "elapsed", "probe_s"):
+            rec.pop(k, None)
+        out.append(rec)
+    return out
+
+
+def test_a_point_finished_on_the_writer_writes_the_rows_the_jobs_thread_would(tmp_path):
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    from workbench.rank import point_deferred
+
+    assert point_deferred.launch({}, None, 0) is None  # a point of bare outputs: made on the job's thread
+    procs = {}
+    for how in ("thread", "inline"):  # both at once
+        code = (f"import runpy; runpy.run_path({str(Path(__file__))!r}, run_name='__job__')"
+                f"['_job']({str(tmp_path / how)!r})")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), WORKBENCH_CAPTURE_WRITER=how)
+        for k in ("WORKBENCH_CAPTURE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(k, None)
+        procs[how] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+    runs = {}
+    for how, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        runs[how] = (stdout, _points(tmp_path / how))
+    assert "deferred 4 of 4" in runs["thread"][0], runs["thread"][0]
+    assert "deferred 0 of 0" in runs["inline"][0], runs["inline"][0]
+    deferred, inline = runs["thread"][1], runs["inline"][1]
+    assert [p["point"] for p in deferred] == ["materialised", "step0", "step1", "step2"]
+    rows = {r["name"]: r for r in deferred[0]["tensors"]}
+    assert rows["model.model.layers.1.mlp.up_proj.weight"]["written"] == "never written"
+    assert rows["model.model.layers.1.mlp.down_proj.weight"]["written"] == "written"
+    assert rows["model.model.rotary_emb.inv_freq"]["ref_diff"] not in (None, 0.0)
+    assert {r["name"] for r in deferred[-1]["outputs"]} == {"logits", "loss"}
+    for a, b in zip(deferred, inline):
+        assert json.dumps(a) == json.dumps(b), a["point"]
