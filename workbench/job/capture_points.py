@@ -289,8 +289,9 @@ class Points:
                 self._stack.callback(setattr, self, "_world_pg", None)  # back to torch's own lifetime at the unwind
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             dev = torch.device("cuda", torch.cuda.current_device())
-            self.ctx.device = dev
-            self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
+            if dev != self.ctx.device:  # the device's name once (a driver query: ~0.1 ms of every point on an H200)
+                self.ctx.device = dev
+                self.doc["device"] = f"{dev} {torch.cuda.get_device_name(dev)}"
 
     def _write_manifest(self, points: list[str] | None = None) -> None:
         self.doc.update(job=self.job, points=list(self.points) if points is None else points, updated_at=time.time())
