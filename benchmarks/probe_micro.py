@@ -48,31 +48,30 @@ def main() -> None:
     model = build("1.7b", dev)
     plant(model)
     probe.probe_module(model, 0)
-    plan, static, refs, ptrs = probe._PLANS[model][1]
-    _, ts = probe._walk(model)
+    cached = probe._PLANS[model]
+    plan, static = cached.entry.plan, cached.entry.static
     plan.launch()
     cols = plan.columns()
     T = plan.T
-    h = plan.host.numpy()
+    slot = plan.copy_back()
+    torch.cuda.synchronize()
+    h = slot[0].numpy()
     a = h[: T * 8].reshape(T, 8)
     w = h[T * 8: T * 56].view(np.uint32).reshape(T, 96)
     rows = [dict(zip(probe.COLUMNS[:8], (0, *s[:4], False, *s[4:]))) for s in static]
     out = {
         "e2e probe_module": lambda: probe.probe_module(model, 0),
-        "alive check": lambda: probe._alive(refs, ptrs),
-        "launch (zero, kernel, copy, record)": lambda: plan.launch(),
+        "fit and launch": lambda: plan.columns(None, probe.fit_and_launch(model, "")[1]),
+        "  tree key": lambda: probe._tree_key(cached.mods),
+        "  tensor key": lambda: probe._tensor_key(cached.whole, cached.plain),
+        "launch (zero, kernel, copy, record)": lambda: plan.columns(None, plan.launch()),
         "  acc.zero_": lambda: plan.acc.zero_(),
         "  kernel launch": lambda: plan._kernel(probe_fused._TRITON["hint"]),
-        "  copy_ + record": lambda: (plan.host.copy_(plan.buf, non_blocking=True), plan.done.record()),
-        "walk": lambda: probe._walk(model),
-        "key maps": lambda: (list(map(id, ts)), list(map(torch.Tensor.data_ptr, ts)), list(map(probe._shape, ts)),
-                             list(map(probe._dtype, ts)), list(map(torch.Tensor.is_contiguous, ts))),
-        "  shape map": lambda: list(map(probe._shape, ts)),
-        "  contig map": lambda: list(map(torch.Tensor.is_contiguous, ts)),
+        "  copy_ + record": lambda: plan.columns(None, plan.copy_back()),
         "rows begun (8 keys)": lambda: [{"rank": 0, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False,
                                          "shape": sh, "numel": ne} for n, k, d, dv, sh, ne in static],
         "columns (after sync)": lambda: plan.columns(),
-        "  host.numpy": lambda: plan.host.numpy(),
+        "  host.numpy": lambda: slot[0].numpy(),
         "  heads": lambda: plan._heads(w),
         "  hex decode": lambda: h[T * 56:].tobytes().decode("ascii"),
         "  tolist x6": lambda: [a[:, i].tolist() for i in range(6)],

@@ -77,9 +77,7 @@ def run_kernel(plan, which: str) -> dict:
         _probe_nvrtc.launch(plan)
     else:
         plan.triton(pf._TRITON.get("hint", True))
-    plan.host.copy_(plan.buf, non_blocking=True)
-    plan.done.record()
-    return plan.columns()
+    return plan.columns(None, plan.copy_back())
 
 
 def compare(a: dict, b: dict, names: list[str], counts: list[int]) -> list[str]:

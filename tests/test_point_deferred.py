@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _job(out: str) -> None:
     """A tiny Llama built on meta, materialised with ``to_empty`` (poisoned), its rope left as ``to_empty`` left it
-    and one projection never written; three AdamW steps, a point after each with the logits and the loss."""
+    and one projection never written, its head expected to be zero (it is not); three AdamW steps, a point after each
+    with the logits and the loss."""
     import torch
 
     from workbench.rank import point_deferred, probe_fused
@@ -47,6 +48,7 @@ def _job(out: str) -> None:
         for name, p in model.named_parameters():
             if name != "model.layers.1.mlp.up_proj.weight":
                 p.copy_(torch.randn_like(p) * 0.02 if p.dim() > 1 else torch.ones_like(p))
+    cap.expect("model.lm_head.weight", torch.zeros(cfg.vocab_size, cfg.hidden_size))  # 4 KB: a host copy
     cap.point("materialised", model=model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
@@ -102,7 +104,8 @@ def test_a_point_finished_on_the_writer_writes_the_rows_the_jobs_thread_would(tm
     rows = {r["name"]: r for r in deferred[0]["tensors"]}
     assert rows["model.model.layers.1.mlp.up_proj.weight"]["written"] == "never written"
     assert rows["model.model.layers.1.mlp.down_proj.weight"]["written"] == "written"
-    assert rows["model.model.rotary_emb.inv_freq"]["ref_diff"] not in (None, 0.0)
+    assert rows["model.model.rotary_emb.inv_freq"]["ref_diff"] not in (None, 0.0)  # read from its row's bytes
+    assert rows["model.lm_head.weight"]["ref_diff"] not in (None, 0.0)  # from a host copy
     assert {r["name"] for r in deferred[-1]["outputs"]} == {"logits", "loss"}
     for a, b in zip(deferred, inline):
         assert json.dumps(a) == json.dumps(b), a["point"]

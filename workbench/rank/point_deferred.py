@@ -6,11 +6,11 @@ then built ~150 rows and their annotations while the GPU sat idle: 5.2 ms of a 7
 are as the point found them, launches, and hands the rest to the capture's writer thread; the job's next step
 queues behind the probe's kernel, never behind the host.
 
-What is read at the launch, on the job's thread: each plan's fit (``probe._fit``), the tensors' tracking entries
-(``poison.written_from``), the agreement columns (``agree.columns``: collectives and declarations as of the point),
-host copies of the tensors with a computable value (``reference``), the outputs' annotation. What waits for the
-kernel: the statistics, and every column computed from them. The rows are those the job's thread would have
-made, byte for byte (``tests/test_point_deferred.py``).
+What is read at the launch, on the job's thread: each plan's fit (``probe.fit_and_launch``), the tensors' tracking
+entries (``poison.written_from``), the agreement columns (``agree.columns``: collectives and declarations as of the
+point), host copies of the tensors with a computable value too large for the kernel to keep whole (``reference``),
+the outputs' annotation. What waits for the kernel: the statistics, and every column computed from them. The rows
+are those the job's thread would have made, byte for byte (``tests/test_point_deferred.py``).
 
 Taken only where every object is a module whose cached plan fits and every output is one fusable tensor on the
 same device, with no host reads in force (``probe._HOST_READ``); ``launch`` returns None otherwise and the point
@@ -38,7 +38,8 @@ class Deferred:
         self.modules: list[tuple[Any, Any]] = []  # (plan entry, launch slot)
         self.facts: list[tuple[int, bool, tuple | None, bool]] = []  # per row: numel, poisonable, tracked, sharded
         self.cols: dict[str, dict[str, str]] = {}  # agree's columns per row name
-        self.refs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (host copy, expected value)
+        self.refs: dict[str, tuple[Any, torch.Tensor]] = {}  # name -> (host copy or dtype, expected value)
+        self.copied: tuple | None = None  # the host copies' event and device (CUDA)
         self.outputs: tuple[Any, Any, list[dict[str, Any]], list[dict[str, Any]]] | None = None
         self.count = 0
 
@@ -52,9 +53,11 @@ class Deferred:
             row["sharded"] = sharded
         for row in rows:
             row.update(self.cols[row["name"]])
+        if self.copied is not None:
+            _pf.wait(*self.copied)
         for row in rows:
             ref = self.refs.get(row["name"])
-            row["ref_diff"] = None if ref is None else reference.diff_of(*ref)
+            row["ref_diff"] = None if ref is None else reference.diff_of(_value(ref[0], row), ref[1])
         outputs: list[dict[str, Any]] = []
         if self.outputs is not None:
             plan, slot, outputs, annotations = self.outputs
@@ -72,18 +75,17 @@ def launch(objects: Mapping[str, Any], ctx: Any, rank: int) -> Deferred | None:
     must run whole on the job's thread (see the module docstring)."""
     if probe._HOST_READ or not objects or not all(isinstance(o, nn.Module) for o in objects.values()):
         return None
-    entries = []
-    for key, obj in objects.items():
-        entry = probe._fit(obj, f"{key}.")
-        if entry is None:
-            return None
-        entries.append((key, entry))
     outs = _outputs(ctx, rank)
     if outs is None:
         return None
     point = Deferred(rank)
+    for key, obj in objects.items():
+        fit = probe.fit_and_launch(obj, f"{key}.")
+        if fit is None:
+            return None  # what was launched is read by no one: the point runs on the job's thread
+        point.modules.append(fit)
     whole: dict[str, Any] = {}
-    for key, entry in entries:
+    for key, (entry, _) in zip(objects, point.modules):
         held = list(map(weakref.ref.__call__, entry.whole))
         whole.update(zip(entry.names, held))
         point.facts += _facts(key, entry, held, ctx.rank_local)
@@ -91,12 +93,20 @@ def launch(objects: Mapping[str, Any], ctx: Any, rank: int) -> Deferred | None:
     stamp = probe.plan_stamp(every)
     names = list(whole)
     point.cols = agree.columns(names, whole, every, ctx.rank_local, stamp)
+    copies = []
     for name, exp in reference.expectations(dict(objects), ctx.expected, stamp).items():
         t = whole.get(name)
         t = probe._local(t) if t is not None else None
-        if t is not None and not t.is_meta and t.numel() == exp.numel():
-            point.refs[name] = (_host_copy(t), exp)  # queued before the kernels: their events cover it
-    point.modules = [(entry, entry.plan.launch()) for _, entry in entries]
+        if t is None or t.is_meta or t.numel() != exp.numel():
+            continue
+        if t.numel() * t.element_size() <= _pf.RAW_SMALL:  # the kernel keeps its bytes whole: read from its row
+            point.refs[name] = (t.dtype, exp)
+        else:
+            point.refs[name] = (_host_copy(t), exp)
+            copies.append(t)
+    if copies and copies[0].is_cuda:
+        point.copied = (torch.cuda.Event(), copies[0].device)
+        point.copied[0].record()
     point.count = len(names)
     if outs:
         plan, rows, annotations = outs
@@ -139,6 +149,14 @@ def _outputs(ctx: Any, rank: int) -> tuple | None:
     skeleton = [{"name": name} for name in outputs]
     remote.annotate_outputs(skeleton, ctx)  # what the job's thread adds to an output's row, read at the point
     return _pf.plan_for(tensors), rows, [{k: v for k, v in s.items() if k != "name"} for s in skeleton]
+
+
+def _value(held: Any, row: dict[str, Any]) -> torch.Tensor:
+    """A tensor with a computable value as the point read it: its host copy, or (a dtype) its bytes as the kernel
+    kept them whole in the row's ``raw`` (hex, memory order)."""
+    if isinstance(held, torch.Tensor):
+        return held
+    return torch.frombuffer(bytearray.fromhex(row["raw"]), dtype=held)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
