@@ -71,8 +71,8 @@ def test_what_the_command_line_sets_is_what_the_ranks_read(monkeypatch, tmp_path
 @pytest.mark.parametrize("name, raw, field, default", [
     (config.ENV_POISON, "to-empty", "poison", Poison.TO_EMPTY),
     (config.ENV_LEDGER, "cals", "ledger", None),
-    (config.ENV_EVERY, "x", "every", 0),
-    (config.ENV_EVERY, "-2", "every", 0),
+    (config.ENV_EVERY, "x", "every", None),
+    (config.ENV_EVERY, "-2", "every", None),
     (config.ENV_POINTS, "step,warp", "points", tuple(config.POINTS)),
     (config.ENV_ATTACH, "always", "attach", "on-deadlock"),
     (config.ENV_DEADLINE, "0", "attach_deadline", 600.0),
@@ -88,7 +88,7 @@ def test_each_bad_value_is_kept_as_one_problem_and_its_default_used(name, raw, f
 
 @pytest.mark.parametrize("name, raw, key, default", [
     (config.ENV_POISON, "bogus", "poison", "to_empty"),
-    (config.ENV_EVERY, "three", "every", 0),
+    (config.ENV_EVERY, "three", "every", None),
     (config.ENV_HANG_AFTER, "-1", "hang_after", 60.0),
 ])
 def test_the_automatic_points_say_a_bad_value_once_and_go_on_with_the_default(name, raw, key, default, capfd):
@@ -164,3 +164,33 @@ def test_the_launchers_pid_is_the_name_triggers_reads():
     from workbench.job import triggers
 
     assert config.ENV_LAUNCHER == triggers.ENV_LAUNCHER
+
+
+def test_by_default_a_gpu_job_takes_a_point_every_step_and_a_cpu_job_after_its_first(tmp_path, monkeypatch):
+    """Unset, ``--every`` is ``auto`` (issue 62): a GPU rank's point costs about 2% of its step, so one every
+    step; a CPU rank's costs more than its step at a real size, so the first step's only. A number says it."""
+    import torch
+
+    import workbench.job as wj
+
+    class OnGpu(torch.Tensor):  # a CPU tensor that says it is on a GPU: what the default reads of the optimizer's
+        is_cuda = property(lambda self: True)
+
+    cap = wj.capture(tmp_path / "cap", ledger=False, poison=False)
+    try:
+        assert CaptureConfig.from_env({}).every is None and CaptureConfig.from_env({config.ENV_EVERY: "auto"}) \
+            == CaptureConfig()
+        taken: list[str] = []
+        for every, device, steps in ((None, "cpu", ["step1"]), (None, "gpu", ["step1", "step2", "step3"]),
+                                     (0, "gpu", ["step1"]), (2, "cpu", ["step1", "step2"])):
+            hk = hooks.Hooks(cap, every=every)  # not installed: its step hook called as torch calls it
+            monkeypatch.setattr(hk, "point", lambda name, module, outputs=None: taken.append(name))
+            p = torch.ones(2)
+            opt = torch.optim.SGD([p.as_subclass(OnGpu) if device == "gpu" else p], lr=0.1)
+            for _ in range(3):
+                hk._stepped(opt)
+            assert taken == steps, (every, device, taken)
+            assert hk.followed()["every"] == (every if every is not None else (1 if device == "gpu" else 0))
+            taken.clear()
+    finally:
+        cap.close()

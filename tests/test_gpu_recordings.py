@@ -127,7 +127,8 @@ def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
 def test_recording_of_a_warm_points_host_time_names_where_it_goes():
     """benchmarks/point_cost.py (issue 62): a check of the recording. A warm point's time on the job's thread and
     the writer's drain are recorded beside the step, for every point timed, with the profile by own time that
-    says where the host's time goes."""
+    says where the host's time goes; and whether the points were finished on the writer, with their rows checked
+    against the job's thread's at one point (``rows_match``)."""
     paths = sorted(GPU.glob("point_cost_*gpu.json"))
     assert paths
     for path in paths:
@@ -136,6 +137,8 @@ def test_recording_of_a_warm_points_host_time_names_where_it_goes():
         assert len(rec["point_ms_all"]) == rec["points"] and all(x > 0 for x in rec["point_ms_all"]), path.name
         assert {"step_ms", "point_ms", "drain_ms"} <= set(rec), path.name
         assert "capture_points.py" in rec["profile_cumulative"] and "ncalls" in rec["profile_tottime"], path.name
+        assert rec["rows_match"] is True and rec["rows_checked"] > rec["tensors"], path.name
+        assert 0 < rec["deferred_points"] <= rec["all_points"], path.name
 
 
 def test_recording_of_the_probe_at_scale_with_nvrtcs_kernel():

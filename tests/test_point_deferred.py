@@ -34,8 +34,9 @@ def _job(out: str) -> None:
     launch = point_deferred.launch
     point_deferred.launch = lambda *a: taken.append(launch(*a)) or taken[-1]
 
-    import workbench.job as wj
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import workbench.job as wj
 
     cap = wj.capture(out, ledger=False)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

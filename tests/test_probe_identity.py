@@ -142,15 +142,15 @@ def _interpreted() -> None:
     same_rows(m)  # the key differs (a new buffer), so the plan is rebuilt and launched again
     assert probe._PLANS[m][1][0] is not plan and probe._PLANS[m][1][1][-1][0] == "extra"
     changes = (  # each leaves every other tensor where it was; the cached plan must not be the one read
-        lambda: setattr(m[2], "weight", nn.Parameter(m[2].weight.detach().clone())),  # a parameter swapped
-        lambda: m.to(torch.float32),  # the same parameters (``p.data = ...``), new dtype and memory
-        lambda: m.__setitem__(1, nn.LayerNorm(48)),  # a child swapped
-        lambda: m.register_buffer("extra", m.extra, persistent=False),  # the same buffer, now non-persistent
-        lambda: setattr(m[1], "bias", None),  # a parameter set to None
+        lambda m: setattr(m[2], "weight", nn.Parameter(m[2].weight.detach().clone())),  # a parameter swapped
+        lambda m: m.to(torch.float32),  # the same parameters (``p.data = ...``), new dtype and memory
+        lambda m: m.__setitem__(1, nn.LayerNorm(48)),  # a child swapped
+        lambda m: m.register_buffer("extra", m.extra, persistent=False),  # the same buffer, now non-persistent
+        lambda m: setattr(m[1], "bias", None),  # a parameter set to None
     )
     for change in changes:
         plan = probe._PLANS[m][1][0]
-        change()
+        change(m)
         same_rows(m)
         assert probe._PLANS[m][1][0] is not plan
     gone = weakref.ref(m)

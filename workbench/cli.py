@@ -555,8 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _job_options(j: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from workbench.job import config  # its words: the environment reads what the command line takes
 
-    j.add_argument("--every", type=int, default=0, metavar="N", help="a point every N-th optimizer step "
-                   "(default: the first step only)")
+    j.add_argument("--every", type=int, default=None, metavar="N", help="a point every N-th optimizer step; 0: "
+                   "the first step only (default: every step on GPUs, the first step only on CPU)")
     j.add_argument("--points", nargs="?", const="", default=None, metavar="NAMES",
                    help="only these automatic points, comma-separated; alone: list them")
     j.add_argument("--attach", default=None, choices=[*config.ATTACH, "off"],
@@ -634,7 +634,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     if not args.dir or not command:
         raise WorkbenchError("workbench job needs a directory and a command: workbench job DIR -- torchrun ... "
                              "train.py")
-    if args.every < 0:
+    if args.every is not None and args.every < 0:
         raise WorkbenchError(f"--every takes a number of steps (0: the first only); got {args.every}")
     try:
         names = config.check_points(p.strip() for p in (args.points or "").split(",") if p.strip())

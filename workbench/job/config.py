@@ -131,7 +131,7 @@ class CaptureConfig:
     job: str | None = None
     poison: Poison = Poison.TO_EMPTY
     ledger: Ledger | None = None
-    every: int = 0
+    every: int | None = None  # None: auto (every step on a GPU rank, the first step only on a CPU rank)
     points: tuple[str, ...] = tuple(POINTS)
     attach: str | None = "on-deadlock"
     attach_deadline: float = 600.0
@@ -170,7 +170,8 @@ class CaptureConfig:
         """The variables that make ``from_env`` read this configuration back (what ``workbench job`` sets); a
         field at its unset default is left out, but for the automatic points' own (written, as the job reads
         them)."""
-        env = {ENV_EVERY: str(self.every), ENV_POINTS: "" if self.points == tuple(POINTS) else ",".join(self.points),
+        every = "auto" if self.every is None else str(self.every)
+        env = {ENV_EVERY: every, ENV_POINTS: "" if self.points == tuple(POINTS) else ",".join(self.points),
                ENV_ATTACH: self.attach or "off", ENV_DEADLINE: str(float(self.attach_deadline)),
                ENV_HANG_AFTER: str(float(self.hang_after)), ENV_POISON: self.poison.value}
         if not self.enabled or self.directory:
@@ -195,7 +196,9 @@ _BAD = object()
 
 
 def _count(raw: str) -> Any:
-    """A whole number of steps, 0 or more."""
+    """A whole number of steps, 0 or more; ``auto`` (or nothing): None."""
+    if raw.strip().lower() in ("", "auto"):
+        return None
     try:
         value = int(raw.strip())
     except ValueError:
@@ -242,7 +245,7 @@ def _enum(kind: Any) -> Any:
 _READS = (
     (ENV_LEDGER, "ledger", _enum(Ledger), "a ledger mode (calls or default, full or 1, off or 0)"),
     (ENV_POISON, "poison", _enum(Poison), "a poison mode (to_empty, all, off or 0)"),
-    (ENV_EVERY, "every", _count, "a number of steps (0: the first step only)"),
+    (ENV_EVERY, "every", _count, "a number of steps (0: the first step only) or auto"),
     (ENV_POINTS, "points", _points, f"automatic points, comma-separated ({', '.join(POINTS)})"),
     (ENV_ATTACH, "attach", _attach, f"an attach mode ({', '.join(ATTACH)}, off)"),
     (ENV_DEADLINE, "attach_deadline", _seconds, "positive seconds"),
@@ -259,6 +262,8 @@ def _default_word(field: str) -> str:
         return "the script's ledger"
     if field == "points":
         return "every point"
+    if field == "every":
+        return "every=auto"
     default = {f.name: f.default for f in dataclasses.fields(CaptureConfig)}[field]
     if isinstance(default, enum.Enum):
         default = default.value

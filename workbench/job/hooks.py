@@ -183,11 +183,13 @@ def start() -> Hooks | None:
 class Hooks:
     """The automatic points of one capture: ``install()`` wraps the calls, ``uninstall()`` gives them back."""
 
-    def __init__(self, cap: Any, every: int = 0, points: list[str] | tuple[str, ...] | None = None):
+    def __init__(self, cap: Any, every: int | None = None, points: list[str] | tuple[str, ...] | None = None):
         config.check_points(points or ())
-        if every < 0:
+        if every is not None and every < 0:
             raise ValueError(f"every must be 0 (only the first step) or a positive number of steps; got {every}")
-        self.cap, self.every = cap, int(every)
+        self.cap = cap
+        self.every: int | None = None if every is None else int(every)  # None: auto, as the rank's device says
+        self._auto = 0  # what auto came to: 1 once an optimizer stepped GPU tensors
         self.points = set(points or POINTS)
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
@@ -355,8 +357,21 @@ class Hooks:
         self._steps[optimizer] = n
         if self.losses:
             self.losses.stepped()
-        if n == 1 or (self.every and n % self.every == 0):
+        every = self._every(optimizer)
+        if n == 1 or (every and n % every == 0):
             self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer))
+
+    def _every(self, optimizer: Any) -> int:
+        """The step points' interval: ``every`` where the job set it, else auto (issue 62): every step where the
+        optimizer steps GPU tensors (a point costs ~2% of a Llama-1B step on an H200, its rows made off the job's
+        thread: docs/performance.md), the first step only on CPU (a point there reads every tensor on the job's
+        own cores: more than a step at a real size)."""
+        if self.every is not None:
+            return self.every
+        if not self._auto:
+            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+            self._auto = 1 if first is not None and first.is_cuda else 0
+        return self._auto
 
     def _loss_point(self, loss: Any) -> None:
         """The point every rank takes after the first non-finite loss (``losses.py``): the model this backward's
@@ -379,8 +394,9 @@ class Hooks:
         """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
         the last step a point was taken after. A report that reads clean says where its view ended."""
         ran = max(self._steps.values(), default=0)
-        last = (ran // self.every) * self.every if self.every else 0
-        return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": self.every}
+        every = self.every if self.every is not None else self._auto
+        last = (ran // every) * every if every else 0
+        return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": every}
 
     # the point -------------------------------------------------------------------------------------------
     def point(self, name: str, module: Any, outputs: dict[str, Any] | None = None) -> None:
