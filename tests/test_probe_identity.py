@@ -153,6 +153,18 @@ def _interpreted() -> None:
         change(m)
         same_rows(m)
         assert probe._PLANS[m][1][0] is not plan
+    split = probe_fused.SPLIT_BYTES
+    probe_fused.SPLIT_BYTES = 0  # every module in two launches: the rows in the same order, the same bytes
+    try:
+        same_rows(fusable_model())
+        assert len(probe._PLANS[m][1][0].parts) == 1  # built before: one launch
+        tied_rows(tied_model())
+        big = fusable_model()
+        same_rows(big)
+        # the largest tensors that hold half the bytes go last (0.weight: 6144 of 7148)
+        assert [at for _, at in probe._PLANS[big][1][0].parts] == [[1, 2, 3, 4, 5, 6], [0]]
+    finally:
+        probe_fused.SPLIT_BYTES = split
     gone = weakref.ref(m)
     del m, plan
     gc.collect()

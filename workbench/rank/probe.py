@@ -512,13 +512,16 @@ def fit_and_launch(module: nn.Module, prefix: str) -> tuple[_Entry, Any] | None:
     return None if cached.entry is None else (cached.entry, cached.entry.plan.launch())
 
 
-def _rows(entry: _Entry, rank: int, slot: Any, held: list | None = None, stamp: Any = None) -> list[dict[str, Any]]:
-    """A launched plan's rows: the fixed columns, then the statistics once ``slot``'s copy is back."""
+def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp: Any = None) -> list[dict[str, Any]]:
+    """A launched plan's rows: the fixed columns, then the statistics once each part's copy is back (``slot``: the
+    parts' slots, as ``Parts.launch`` gave them)."""
     rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
             for n, k, d, dv, sh, ne in entry.static]
-    cols = entry.plan.columns(stamp, slot)
-    for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
-        deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
+    for (plan, at), part_slot in zip(entry.plan.parts, slot):  # the first part's rows while the second's kernel runs
+        cols = plan.columns(stamp, part_slot)
+        part = rows if len(at) == len(rows) else [rows[i] for i in at]
+        for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
+            deque(map(operator.setitem, part, repeat(name), cols[name]), maxlen=0)
     for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)
         rows[i].update(layout)
     for i, v in entry.shares.items():  # shared tensors (ties), known when the plan was built: none in most models
@@ -604,7 +607,7 @@ def plan_stamp(objects: Mapping[str, Any]) -> tuple | None:
 class _Entry(NamedTuple):
     """A module's cached plan and what its rows take from it without a walk."""
 
-    plan: Any  # probe_fused.Plan: the launch
+    plan: Any  # probe_fused.Parts: the launch (one plan, or two past SPLIT_BYTES)
     static: list[tuple]  # per row: name, kind, dtype, device, shape, numel
     shares: dict[int, str]  # row -> the other names its tensor is held under
     layouts: dict[int, dict[str, str]]  # row -> a DTensor's layout columns
@@ -628,7 +631,7 @@ def _build_plan(module: nn.Module, named: list[tuple[str, str, torch.Tensor]], t
         same.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), []).append(name)
     shares = _shares([n for n, _, _ in items], ties, same)  # the cache key holds every tensor's identity and address
     layouts = {i: _layout(t) for i, (_, _, t) in enumerate(named) if type(t) not in _PLAIN_TYPES}
-    return _Entry(_pf.Plan(locs), static, shares, layouts, [n for n, _, _ in named], whole, next(_SERIAL))
+    return _Entry(_pf.Parts(locs), static, shares, layouts, [n for n, _, _ in named], whole, next(_SERIAL))
 
 
 def _shards(tensors: list) -> list | None:

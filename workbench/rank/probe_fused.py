@@ -115,6 +115,38 @@ def plan_for(tensors: list[torch.Tensor]) -> Plan:
 
 _PLAN_CACHE: dict[tuple, Plan] = {}
 
+SPLIT_BYTES = 256 << 20  # a module's tensors past this many bytes are launched in two parts (``Parts``)
+
+
+class Parts:
+    """A module's cached plan as one or two launches, in row order once read (``parts``: each plan with the rows it
+    holds). Past ``SPLIT_BYTES``, the tensors that hold half the bytes (few: a model's largest weights) go in a
+    second launch, so the first part's many rows are made on the host while the GPU reads the second's bytes: the
+    rows made after the last copy back are those few (the Qwen3-1.7B shape: 229 rows made under the kernel, 84
+    after it, where all 313 were made after it)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        idx = list(range(len(tensors)))
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        total, order = sum(nbytes), [idx]
+        if total > SPLIT_BYTES and len(tensors) > 1:
+            tail: set[int] = set()
+            held = 0
+            for i in sorted(idx, key=nbytes.__getitem__, reverse=True):
+                if held * 2 >= total:
+                    break
+                tail.add(i)
+                held += nbytes[i]
+            head = [i for i in idx if i not in tail]
+            if head:
+                order = [head, sorted(tail)]
+        self.parts = [(Plan([tensors[i] for i in rows]), rows) for rows in order]
+        self.T = len(tensors)
+
+    def launch(self) -> list[tuple[torch.Tensor, Any]]:
+        """Every part's launch, in order: their slots (``Plan.launch``)."""
+        return [plan.launch() for plan, _ in self.parts]
+
 
 class Plan:
     """One launch's worth of fusable tensors on one device (see the module docstring)."""
