@@ -363,7 +363,7 @@ class Hooks:
 
     def _every(self, optimizer: Any) -> int:
         """The step points' interval: ``every`` where the job set it, else auto (issue 62): every step where the
-        optimizer steps GPU tensors (a point costs ~2% of a Llama-1B step on an H200, its rows made off the job's
+        optimizer steps GPU tensors (a point costs 2-3% of a Llama-1B step on an H200, its rows made off the job's
         thread: docs/performance.md), the first step only on CPU (a point there reads every tensor on the job's
         own cores: more than a step at a real size)."""
         if self.every is not None:
