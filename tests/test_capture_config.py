@@ -192,5 +192,12 @@ def test_by_default_a_gpu_job_takes_a_point_every_step_and_a_cpu_job_after_its_f
             assert taken == steps, (every, device, taken)
             assert hk.followed()["every"] == (every if every is not None else (1 if device == "gpu" else 0))
             taken.clear()
+        hk = hooks.Hooks(cap)  # one job, two optimizers: each by its own tensors
+        monkeypatch.setattr(hk, "point", lambda name, module, outputs=None: taken.append(name))
+        on_gpu, on_cpu = (torch.optim.SGD([t], lr=0.1) for t in (torch.ones(2).as_subclass(OnGpu), torch.ones(2)))
+        for _ in range(3):
+            hk._stepped(on_gpu)
+            hk._stepped(on_cpu)
+        assert taken == ["step1", "step1", "step2", "step3"], taken
     finally:
         cap.close()

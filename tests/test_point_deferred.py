@@ -111,3 +111,42 @@ def test_a_point_finished_on_the_writer_writes_the_rows_the_jobs_thread_would(tm
     assert {r["name"] for r in deferred[-1]["outputs"]} == {"logits", "loss"}
     for a, b in zip(deferred, inline):
         assert json.dumps(a) == json.dumps(b), a["point"]
+
+
+def test_until_a_deferred_points_rows_are_made_the_latest_is_the_point_before(tmp_path, monkeypatch):
+    """A point whose kernel waits (queued behind a collective that never completes) has no rows yet: what a post
+    mortem or the debug server reads as the latest is then the point before it, with its rows, not a record
+    without any. Here the deferred point is a stand-in whose rows wait for the test."""
+    import threading
+
+    import torch
+
+    import workbench.job as wj
+    from workbench.rank import point_deferred
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE_WRITER", "thread")
+    for k in ("WORKBENCH_CAPTURE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    cap = wj.capture(tmp_path / "cap", ledger=False, poison=False)
+    try:
+        model = torch.nn.Linear(2, 2)
+        cap.point("before", model=model)  # on CPU: made on the writer, not deferred
+        assert cap.flush() and cap.latest["point"] == "before" and cap.latest["tensors"]
+        release = threading.Event()
+
+        class Waiting:
+            count = 1
+
+            def rows(self):
+                assert release.wait(60)
+                return [{"name": "model.weight"}], []
+
+        monkeypatch.setattr(point_deferred, "launch", lambda objects, ctx, rank: Waiting())
+        cap.point("stuck", model=model)
+        assert cap.latest["point"] == "before" and cap.latest["tensors"]  # not the stuck one's empty record
+        release.set()
+        assert cap.flush()
+        assert cap.latest["point"] == "stuck" and cap.latest["tensors"] == [{"name": "model.weight"}]
+    finally:
+        release.set()
+        cap.close()

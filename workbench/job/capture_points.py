@@ -176,7 +176,8 @@ class Points:
         self.ctx.output_extras.clear()
         self.ctx.notes.clear()
         self.points.append(name)
-        self._latest = record
+        if deferred is None:  # a deferred point is the latest once its rows are made (``_finish_handed``)
+            self._latest, self._latest_at = record, record["index"]
         if self._ledger is not None:
             self._ledger.step = str(len(self.points))  # what follows is on the way to the next point
         info = {"point": name, "rows": count, "bytes": None, "seconds": 0.0}
@@ -198,6 +199,8 @@ class Points:
         try:
             if deferred is not None and self.stopped is None:
                 record["tensors"], record["outputs"] = deferred.rows()
+                if record["index"] > self._latest_at:  # until then the latest is the point before, with its rows
+                    self._latest, self._latest_at = record, record["index"]
             self._finish_point(record, info, points)
         finally:
             self._gc.release()

@@ -189,7 +189,7 @@ class Hooks:
             raise ValueError(f"every must be 0 (only the first step) or a positive number of steps; got {every}")
         self.cap = cap
         self.every: int | None = None if every is None else int(every)  # None: auto, as the rank's device says
-        self._auto = 0  # what auto came to: 1 once an optimizer stepped GPU tensors
+        self._auto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per optimizer: what auto came to
         self.points = set(points or POINTS)
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
@@ -368,10 +368,11 @@ class Hooks:
         own cores: more than a step at a real size)."""
         if self.every is not None:
             return self.every
-        if not self._auto:
+        every = self._auto.get(optimizer)
+        if every is None:
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-            self._auto = 1 if first is not None and first.is_cuda else 0
-        return self._auto
+            every = self._auto[optimizer] = 1 if first is not None and first.is_cuda else 0
+        return every
 
     def _loss_point(self, loss: Any) -> None:
         """The point every rank takes after the first non-finite loss (``losses.py``): the model this backward's
@@ -394,7 +395,7 @@ class Hooks:
         """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
         the last step a point was taken after. A report that reads clean says where its view ended."""
         ran = max(self._steps.values(), default=0)
-        every = self.every if self.every is not None else self._auto
+        every = self.every if self.every is not None else max(self._auto.values(), default=0)
         last = (ran // every) * every if every else 0
         return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": every}
 

@@ -376,6 +376,7 @@ class Capture(Points, Attach, Reads):
         # the last point: its record until written, then its line (one string: its thousands of rows die by refcount
         # instead of ageing into the job's oldest GC generation, which would make full collections come sooner)
         self._latest: dict[str, Any] | str | None = None
+        self._latest_at = -1  # the latest's point index
         self._objects: dict[str, Any] = {}  # the last point's objects (not its tensors): a breakpoint's namespace
         self._objects_weak = True
         self.serving: engine.Serving | None = None  # the attach in progress, while this rank serves

@@ -39,7 +39,7 @@ class Deferred:
         self.facts: list[tuple[int, bool, tuple | None, bool]] = []  # per row: numel, poisonable, tracked, sharded
         self.cols: dict[str, dict[str, str]] = {}  # agree's columns per row name
         self.refs: dict[str, tuple[Any, torch.Tensor]] = {}  # name -> (host copy or dtype, expected value)
-        self.copied: tuple | None = None  # the host copies' event and device (CUDA)
+        self.copied: list[tuple[Any, torch.device]] = []  # per GPU copied from: an event after its host copies
         self.outputs: tuple[Any, Any, list[dict[str, Any]], list[dict[str, Any]]] | None = None
         self.count = 0
 
@@ -53,8 +53,8 @@ class Deferred:
             row["sharded"] = sharded
         for row in rows:
             row.update(self.cols[row["name"]])
-        if self.copied is not None:
-            _pf.wait(*self.copied)
+        for event, dev in self.copied:
+            _pf.wait(event, dev)
         for row in rows:
             ref = self.refs.get(row["name"])
             row["ref_diff"] = None if ref is None else reference.diff_of(_value(ref[0], row), ref[1])
@@ -93,20 +93,24 @@ def launch(objects: Mapping[str, Any], ctx: Any, rank: int) -> Deferred | None:
     stamp = probe.plan_stamp(every)
     names = list(whole)
     point.cols = agree.columns(names, whole, every, ctx.rank_local, stamp)
-    copies = []
+    devices = set()
     for name, exp in reference.expectations(dict(objects), ctx.expected, stamp).items():
         t = whole.get(name)
         t = probe._local(t) if t is not None else None
         if t is None or t.is_meta or t.numel() != exp.numel():
             continue
+        if ctx.expected.get(name) is exp:  # the job's own tensor (``expect``): as it is now, not when the writer reads
+            devices.add(exp.device)
+            exp = _host_copy(exp)
         if t.numel() * t.element_size() <= _pf.RAW_SMALL:  # the kernel keeps its bytes whole: read from its row
             point.refs[name] = (t.dtype, exp)
         else:
             point.refs[name] = (_host_copy(t), exp)
-            copies.append(t)
-    if copies and copies[0].is_cuda:
-        point.copied = (torch.cuda.Event(), copies[0].device)
-        point.copied[0].record()
+            devices.add(t.device)
+    for dev in devices - {torch.device("cpu")}:  # each copy from a GPU is queued on its own device's stream
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        point.copied.append((event, dev))
     point.count = len(names)
     if outs:
         plan, rows, annotations = outs
@@ -127,7 +131,7 @@ def _facts(key: str, entry: Any, held: list, rank_local: set[str]) -> list[tuple
         if len(_STATIC) > 16:
             del _STATIC[next(iter(_STATIC))]
     sizes, ptrs, dtensor = static
-    mine = key in rank_local  # every row's name starts with the object's key: ``sharded`` by ctx.local
+    mine = key.split(".", 1)[0] in rank_local  # as the job's thread reads a row's name: its first part
     return [(n, p, e, d or mine) for (n, p), e, d in zip(sizes, poison.tracked(ptrs), dtensor)]
 
 
@@ -160,7 +164,8 @@ def _value(held: Any, row: dict[str, Any]) -> torch.Tensor:
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` on the host, queued on the job's stream (read only after a later event there)."""
+    """A copy of ``t`` on the host, queued on its device's current stream (read only after a later event there);
+    a CPU tensor's copy at once."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
     out.copy_(t.detach(), non_blocking=t.is_cuda)
     return out

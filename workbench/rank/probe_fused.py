@@ -200,6 +200,10 @@ class Plan:
         if cur is not None and cur != self.device.index:
             with torch.cuda.device(self.device):
                 return self.launch()
+        if self.last is not None and self.last[1] is not None:
+            # A point on another stream than the last (inside ``torch.cuda.stream``) must not zero the buffer before
+            # the last launch's copy left it: its rows may be made on the writer, after this launch
+            torch.cuda.current_stream(self.device).wait_event(self.last[1])
         self.acc.zero_()
         timing = _KERNEL_EVENTS is not None and self.cuda
         if timing:
