@@ -61,10 +61,7 @@ class Deferred:
         outputs: list[dict[str, Any]] = []
         if self.outputs is not None:
             plan, slot, outputs, annotations = self.outputs
-            cols = plan.columns(None, slot)
-            for i, row in enumerate(outputs):
-                for key in probe._STAT_COLUMNS:
-                    row[key] = cols[key][i]
+            probe.fill(outputs, plan.columns(None, slot))
             for row, more in zip(outputs, annotations):
                 row.update(more)
         return rows, outputs

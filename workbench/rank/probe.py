@@ -25,7 +25,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
-from functools import partial
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -256,7 +255,6 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     fused: dict[torch.device, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     use_fused = None
     layouts: list[tuple[int, dict[str, str]]] = []
-    dev_names = _DEVICE_NAMES
     for name, kind, t in items:
         if held is not None:
             held.append((name, t))
@@ -265,10 +263,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
         t = _local(t)
         meta = t.is_meta
         dev = t.device
-        dev_name = dev_names.get(dev)
-        if dev_name is None:
-            dev_name = dev_names[dev] = str(dev)
-        row = _fixed_row(rank, name, kind, t, dev_name)
+        row = _fixed_row(rank, name, kind, t)
         rows.append(row)
         if meta or row["numel"] == 0 or t.is_complex():
             row.update(_NO_DATA, fingerprint="meta" if meta else "empty", raw="", windows="", sumsq=None)
@@ -301,10 +296,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     if plain:
         _probe_plain(plain)
     for members, plan in plans:
-        cols = plan.columns()
-        for i, (row, _) in enumerate(members):
-            for key in _STAT_COLUMNS:
-                row[key] = cols[key][i]
+        fill([row for row, _ in members], plan.columns())
     for row, src in copies:
         row.update({key: src[key] for key in _STAT_COLUMNS}, head=list(src["head"]))
     for i, layout in layouts:  # after the statistics: a DTensor's row ends with its layout
@@ -312,11 +304,17 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     return rows
 
 
-def _fixed_row(rank: int, name: str, kind: str, t: torch.Tensor, dev_name: str | None = None) -> dict[str, Any]:
+def _fixed_row(rank: int, name: str, kind: str, t: torch.Tensor) -> dict[str, Any]:
     """A row's columns before its statistics (``t``: the local tensor)."""
-    return {"rank": rank, "name": name, "kind": kind, "dtype": _dtype_name(t.dtype),
-            "device": _device_name(t.device) if dev_name is None else dev_name, "is_meta": t.is_meta,
-            "shape": "x".join(map(str, t.shape)) or "()", "numel": t.numel()}
+    return {"rank": rank, "name": name, "kind": kind, "dtype": _dtype_name(t.dtype), "device": _device_name(t.device),
+            "is_meta": t.is_meta, "shape": "x".join(map(str, t.shape)) or "()", "numel": t.numel()}
+
+
+def fill(rows: list[dict[str, Any]], cols: dict[str, list]) -> None:
+    """A launch's statistics into its rows (``Plan.columns``: one list per column, in row order), column by column, a
+    C loop each: keys land in COLUMNS order."""
+    for name in _STAT_COLUMNS:
+        deque(map(operator.setitem, rows, repeat(name), cols[name]), maxlen=0)
 
 
 def _layout(t: Any) -> dict[str, str]:
@@ -419,7 +417,6 @@ def _to_host(parts: list[torch.Tensor]):
 # -- the packed path: a module whose every tensor is fusable, its plan cached -----------
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})
-_not_none = partial(operator.is_not, None)
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 
@@ -518,10 +515,7 @@ def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp:
     rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
             for n, k, d, dv, sh, ne in entry.static]
     for (plan, at), part_slot in zip(entry.plan.parts, slot):  # the first part's rows while the second's kernel runs
-        cols = plan.columns(stamp, part_slot)
-        part = rows if len(at) == len(rows) else [rows[i] for i in at]
-        for name in _STAT_COLUMNS:  # column by column, a C loop each: keys land in COLUMNS order
-            deque(map(operator.setitem, part, repeat(name), cols[name]), maxlen=0)
+        fill(rows if len(at) == len(rows) else [rows[i] for i in at], plan.columns(stamp, part_slot))
     for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)
         rows[i].update(layout)
     for i, v in entry.shares.items():  # shared tensors (ties), known when the plan was built: none in most models
