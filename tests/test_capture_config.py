@@ -199,5 +199,10 @@ def test_by_default_a_gpu_job_takes_a_point_every_step_and_a_cpu_job_after_its_f
             hk._stepped(on_gpu)
             hk._stepped(on_cpu)
         assert taken == ["step1", "step1", "step2", "step3"], taken
+        del on_gpu, on_cpu  # a job's optimizer is freed before the capture closes and records what it followed
+        import gc
+
+        gc.collect()
+        assert hk.followed() == {"optimizer_steps": 3, "last_step_point": 3, "every": 1}, hk.followed()
     finally:
         cap.close()

@@ -190,6 +190,9 @@ class Hooks:
         self.cap = cap
         self.every: int | None = None if every is None else int(every)  # None: auto, as the rank's device says
         self._auto: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per optimizer: what auto came to
+        # what the step points followed, kept past the optimizers (held weakly above: a job frees its optimizer
+        # before the capture closes and records it): the most steps any ran, the interval auto came to
+        self._ran = self._auto_every = 0
         self.points = set(points or POINTS)
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
@@ -358,6 +361,7 @@ class Hooks:
         if self.losses:
             self.losses.stepped()
         every = self._every(optimizer)
+        self._ran, self._auto_every = max(self._ran, n), max(self._auto_every, every)
         if n == 1 or (every and n % every == 0):
             self.point(f"step{n}", owners.owner(optimizer, self._known()) or _params(optimizer))
 
@@ -394,8 +398,8 @@ class Hooks:
     def followed(self) -> dict[str, int]:
         """How far the step points followed the job: the optimizer steps it ran (the most of any optimizer) and
         the last step a point was taken after. A report that reads clean says where its view ended."""
-        ran = max(self._steps.values(), default=0)
-        every = self.every if self.every is not None else max(self._auto.values(), default=0)
+        ran = self._ran
+        every = self.every if self.every is not None else self._auto_every
         last = (ran // every) * every if every else 0
         return {"optimizer_steps": ran, "last_step_point": max(last, 1) if ran else 0, "every": every}
 
