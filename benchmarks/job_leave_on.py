@@ -146,10 +146,14 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
 
 def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict | None:
     """A point's whole cost inside one process, free of the between-process noise (a job's median step moved
-    59-76 ms between processes of one device call): ``--paired`` blocks of 6 more steps, points on in every other
-    block (the in-code job takes them; the zero-code job's hooks have ``every`` set to 1 or 0), each step timed
-    with its point and synchronised. Each block's first step is left out (it carries the switch and the previous
-    block's writer). ``ratio``: the median step with a point over the median step without, the capture open in both."""
+    59-76 ms between processes of one device call, and three jobs' in-process ratios spread 0.955-1.041):
+    ``--paired`` blocks of ``--paired-block`` more steps, points on in one block of each pair and off in the other
+    (the in-code job takes them; the zero-code job's hooks have ``every`` set to 1 or 0), in the order on-off,
+    off-on, ... so a drift through the job weighs on both alike. Each step is timed with its point and
+    synchronised; each block's first step is left out (it carries the switch and the previous block's writer).
+    ``ratio``: the median step with a point over the median step without, the capture open in both; ``pair_ratio``:
+    the median of each pair's own ratio (its on block's median over its off block's), with ``ci95``, a bootstrap
+    interval of it over the pairs, so one job can show whether the cost is under a goal (``ci95[1]``) or not."""
     import torch
 
     from workbench.job import process
@@ -158,11 +162,13 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
     if cap is None and hooks is None:
         return None
     times: dict[bool, list[float]] = {True: [], False: []}
-    for blk in range(args.paired):
-        on = blk % 2 == 0
+    blocks: list[tuple[bool, float]] = []
+    for blk in range(2 * max(1, args.paired // 2)):
+        on = (blk % 2 == 0) == (blk // 2 % 2 == 0)  # on, off, off, on, on, off, ...
         if hooks is not None:
             hooks.every = 1 if on else 0
-        for j in range(6):
+        mine = []
+        for j in range(max(2, args.paired_block)):
             ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -176,13 +182,26 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if j:
-                times[on].append(time.perf_counter() - t0)
+                mine.append(time.perf_counter() - t0)
             del o
+        times[on] += mine
+        blocks.append((on, statistics.median(mine)))
     if hooks is not None:
         hooks.every = 1
     with_pt, without = statistics.median(times[True]), statistics.median(times[False])
+    pairs = [(a[1] / b[1]) if a[0] else (b[1] / a[1]) for a, b in zip(blocks[::2], blocks[1::2])]
     return {"with_point_ms": round(1e3 * with_pt, 2), "without_ms": round(1e3 * without, 2),
-            "ratio": round(with_pt / without, 4), "steps_each": len(times[True])}
+            "ratio": round(with_pt / without, 4), "steps_each": len(times[True]), "pairs": len(pairs),
+            "pair_ratio": round(statistics.median(pairs), 4), "ci95": _bootstrap_median(pairs)}
+
+
+def _bootstrap_median(xs: list[float], n: int = 4000, seed: int = 0) -> list[float]:
+    """The 2.5th and 97.5th percentiles of the median of ``xs`` resampled with replacement ``n`` times."""
+    import numpy as np
+
+    a = np.asarray(xs, dtype=np.float64)
+    meds = np.median(np.random.default_rng(seed).choice(a, size=(n, a.size)), axis=1)
+    return [round(float(q), 4) for q in np.percentile(meds, [2.5, 97.5])]
 
 
 def _profile(args, model, opt, config, device, g, point, tag: str) -> str:
@@ -230,7 +249,7 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
            str(Path(__file__).resolve()), "--role", "job", "--mode", job_mode,
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0),
-           "--paired", str(args.paired)]
+           "--paired", str(args.paired), "--paired-block", str(args.paired_block)]
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -317,6 +336,9 @@ def summarise(args, runs: list[dict]) -> dict:
         "paired_ratio": {m: sorted(r["eager"]["paired"]["ratio"] for r in runs
                                    if r["mode_key"] == m and (r.get("eager") or {}).get("paired"))
                          for m in MODES[1:]},
+        "paired_ci95": {m: [{k: r["eager"]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")}
+                            for r in runs if r["mode_key"] == m and (r.get("eager") or {}).get("paired")]
+                        for m in MODES[1:]},
         "probe_build": {f"{r['mode_key']}-r{r['round']}": r.get("probe_build") for r in runs},
         "runs": [{k: r.get(k) for k in ("mode_key", "round", "fresh", "rc", "process_s", "imports_s", "wall_s",
                                         "eager", "compiled", "log")} for r in runs],
@@ -335,6 +357,9 @@ def table(doc: dict) -> str:
             cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk].get(m, 0):.3f}x" if v is not None else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append(f"in one process, step + point over step (--paired, each job): {doc['paired_ratio']}")
+    for m, jobs in doc.get("paired_ci95", {}).items():
+        lines.append(f"  {m}: median pair ratio and its 95% interval, each job: " + "; ".join(
+            f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs" for j in jobs))
     return "\n".join(lines)
 
 
@@ -349,7 +374,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
-    ap.add_argument("--paired", type=int, default=0, help="blocks of 6 more steps, points on in every other one")
+    ap.add_argument("--paired", type=int, default=0, help="blocks of more steps, points on in one of each pair")
+    ap.add_argument("--paired-block", type=int, default=3, help="steps a --paired block (its first is left out)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)

@@ -21,7 +21,7 @@ CUDA_CACHE_PATH=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout -k 10 120 $PY
   --out "$OUT/probe_nvrtc_${n}gpu.json" 2>&1 | tee "$OUT/probe_nvrtc_${n}gpu.txt" || exit 1
 t0=$(date +%s)
 timeout -k 20 "${LIMIT:-470}" $PY benchmarks/job_leave_on.py --shape "${SHAPE:-llama-3.2-1b}" \
-  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-380}" --profile "${PROFILE:-6}" --paired "${PAIRED:-8}" \
+  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-380}" --profile "${PROFILE:-6}" --paired "${PAIRED:-30}" --paired-block "${PAIRED_BLOCK:-3}" \
   --out "$OUT/job_leave_on_${n}gpu.json" 2>&1 | tee "$OUT/job_leave_on_${n}gpu.txt"
 rc=${PIPESTATUS[0]}
 echo "leave-on runs $(( $(date +%s) - t0 ))s, rc=$rc" | tee -a "$OUT/job_leave_on_${n}gpu.txt"
