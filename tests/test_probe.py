@@ -77,12 +77,24 @@ def test_poisoned_to_empty_is_counted_as_never_written():
     assert one(m.weight * 1.0)["poisoned"] == 0
 
 
-def test_to_empty_is_left_alone_when_poison_is_off():
-    with torch.device("meta"):
-        m = nn.Linear(4, 4)
-    with poisoned(False):
-        m.to_empty(device="cpu")
-    assert one(m.weight)["poisoned"] == 0
+def test_to_empty_is_left_alone_when_poison_is_off(monkeypatch):
+    """Off, ``to_empty``'s hook only tracks: it writes nothing. Asked of the writes, not of the bytes: the allocator
+    may hand out memory an earlier test poisoned and freed (a probe of it then counts poison the hook never wrote,
+    which failed this test under ``pytest -n 2``'s default order). On, the same hook writes both tensors."""
+    from workbench.rank import poison
+
+    writes: list[int] = []
+    real = poison.poison_
+    monkeypatch.setattr(poison, "poison_", lambda t: writes.append(t.numel()) or real(t))
+    for on, want in ((False, []), (True, [16, 4])):
+        writes.clear()
+        with torch.device("meta"):
+            m = nn.Linear(4, 4)
+        with poisoned(on):
+            m.to_empty(device="cpu")
+        assert sorted(writes, reverse=True) == want, (on, writes)
+        assert poison._TRACKED[m.weight.data_ptr()][0] is on  # tracked either way, as poisoned only when on
+    assert one(m.weight)["poisoned"] == 16
 
 
 def test_poison_fills_integers_with_a_sentinel():
