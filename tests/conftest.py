@@ -301,6 +301,9 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/analysis/frames.py", "workbench/analysis/rankgroups.py", "workbench/analysis/trace.py",
         "workbench/analysis/weightsync_order.py", "workbench/rank/ledger_read.py",
     ),
+    "tests/test_close_leaves_torch.py::test_the_close_names_who_holds_the_world_group_after_the_job_destroyed_it": (
+        "workbench/job/teardown.py",
+    ),
     "tests/test_diagnosis_rules.py::test_agreed_wrong_pre_empts_wrong_value": (
         "workbench/analysis/diagnosis_rules/tensor.py", "workbench/analysis/weightsync.py",
     ),

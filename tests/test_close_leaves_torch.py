@@ -230,3 +230,31 @@ def test_the_job_s_destroy_frees_its_group_after_a_capture_opened_after_init(tmp
     refs, before, after = int(words[1]), int(words[3]), int(words[4])
     assert refs == 1, out.stdout  # the script's own name for it, nothing else
     assert after < before, out.stdout  # the group's worker threads joined at its destroy
+
+
+def test_the_close_names_who_holds_the_world_group_after_the_job_destroyed_it():
+    """A group the job destroyed but something still holds lives into interpreter exit, where gloo may abort the
+    rank after its last line (DeepSpeed's parameters each hold one: ``ds_process_group``). The close records the
+    holders by what they call it; a group still in torch's registry, or held by the capture alone, is no leak."""
+    from workbench.job import teardown
+
+    class Holder:
+        pass
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    cap = Holder()
+    cap.pg = dist.group.WORLD  # the capture's own reference (``Points._world_pg``)
+    try:
+        held = [Holder() for _ in range(3)]
+        for h in held:  # as DeepSpeed's parameters: the group among other attributes
+            h.ds_process_group, h.ds_shape = cap.pg, [4, 4]
+        assert teardown.outlived(cap, "pg") is None  # not destroyed: torch's registry holds it
+    finally:
+        dist.destroy_process_group()
+    assert teardown.outlived(cap, "pg") == {"refs": 3, "holders": "3 objects' `ds_process_group`"}
+    held[0].other = cap.pg
+    assert teardown.outlived(cap, "pg")["holders"] == "3 objects' `ds_process_group`, 1 object's `other`"
+    hidden = {"group": cap.pg}  # a dict of untracked objects only: the collector does not see it
+    assert teardown.outlived(cap, "pg")["holders"] == "3 objects' `ds_process_group`, 1 object's `other`, 1 more"
+    del held, hidden, h
+    assert teardown.outlived(cap, "pg") is None  # only the capture's: nothing to say

@@ -205,6 +205,20 @@ def test_a_right_jobs_capture_read_the_models_values(stack, request):
 
 
 @pytest.mark.slow
+def test_a_group_held_past_the_jobs_destroy_is_said(stack):
+    """Why a job that reads clean may still exit 1 (``_exit_abort``): DeepSpeed's parameters hold the world group past
+    the job's ``destroy_process_group``, and the report says who holds it; the other stacks let it go."""
+    for label in ("right 0", "right 1"):
+        d = wb.load(stack[label][0]).bug.diagnose()
+        said = "the world group outlived the job's `destroy_process_group`" in d.sentence
+        if stack["name"] == "deepspeed":
+            assert d.clean and said and "objects' `ds_process_group`" in d.sentence, (label, d.sentence)
+            assert "on ranks 0,1" in d.sentence and "terminate called without an active exception" in d.sentence
+        else:
+            assert not said, (label, d.sentence)
+
+
+@pytest.mark.slow
 def test_a_planted_bug_leaves_the_job_as_without_the_workbench(stack):
     plain = stack["plain bug"]
     _, run = stack["bug"]

@@ -65,7 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.job import api, config, debug_server, engine, guest, process, triggers, writer
+from workbench.job import api, config, debug_server, engine, guest, process, teardown, triggers, writer
 from workbench.job.api import takes as _takes
 from workbench.job.capture_attach import Attach
 from workbench.job.capture_points import FR_READ_EVERY, Points  # noqa: F401 (FR_READ_EVERY: read here as before)
@@ -540,6 +540,9 @@ class Capture(Points, Attach, Reads):
             self._closed = self._unwound = True
             if self.watch is not None:
                 self.watch.end()
+            with contextlib.suppress(Exception):  # a note of the close's, never a reason to lose the close
+                if held := teardown.outlived(self, "_world_pg"):  # before the unwind drops the capture's reference
+                    self.doc["group_outlived"] = held
             self._unwind()
             if self.doc["status"] == "running":
                 self.doc["status"] = "finished"

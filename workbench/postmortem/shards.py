@@ -304,7 +304,9 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         "job": {"id": found.job, "launcher": first.get("launcher"), "argv": first.get("argv"),
                 "hosts": sorted({str(d.get("host")) for d in found.shards.values()}),
                 "status": {str(r): d.get("status") for r, d in sorted(found.shards.items())}, "dead": dead,
-                "followed": _followed(found.shards)},
+                "followed": _followed(found.shards),
+                "group_outlived": {str(r): d["group_outlived"] for r, d in sorted(found.shards.items())
+                                   if isinstance(d.get("group_outlived"), dict)}},
         "problems": list(found.problems),
     }
 

@@ -240,7 +240,8 @@ def says_clean_so_far(f: RunFacts) -> Diagnosis:
     """clean so far: K of N steps ran on every rank, the ranks agree and no detector fired on the latest state"""
     run = f.run
     return Diagnosis("clean", [said(f"clean so far: {len(run.steps)} of {_planned(run)} steps ran on every rank, the "
-                                    "ranks agree and no detector fired on the latest state"), floor_clause(run)], None)
+                                    "ranks agree and no detector fired on the latest state"), floor_clause(run),
+                            *_outlived(run)], None)
 
 
 def says_clean(f: RunFacts) -> Diagnosis:
@@ -248,7 +249,8 @@ def says_clean(f: RunFacts) -> Diagnosis:
     automatic step points stopped before its last optimizer step: where the view ended"""
     run = f.run
     return Diagnosis("clean", [said(f"clean: all {len(run.steps)} step(s) ran on every rank, the ranks agree and no "
-                                    "detector fired on the final state"), floor_clause(run), *_unfollowed(run)], None)
+                                    "detector fired on the final state"), floor_clause(run), *_unfollowed(run),
+                            *_outlived(run)], None)
 
 
 def _unfollowed(run: Run) -> list:
@@ -259,6 +261,23 @@ def _unfollowed(run: Run) -> list:
         return []
     return [said(f"; the capture's last step point is after optimizer step {last} of the {ran} the job ran, so "
                  f"the steps after it are not seen (`workbench job --every N`: a point every N-th step)")]
+
+
+def _outlived(run: Run) -> list:
+    """A job whose world group some object still held after its ``destroy_process_group`` (``job/teardown.py``):
+    why a run that reads clean may still exit 1."""
+    held = ((run.manifest.get("job") or {}).get("group_outlived")) or {}
+    if not held:
+        return []
+    first = min(held, key=int)
+    ranks = ",".join(sorted(held, key=int))
+    how = ("gloo's worker threads run on into interpreter exit, where one may abort the rank after its last line "
+           "('terminate called without an active exception')" if run.manifest.get("backend") == "gloo" else
+           "its backend's threads run on into interpreter exit")
+    return [said(f"; on rank{'s' if len(held) > 1 else ''} {ranks} the world group outlived the job's "
+                 f"`destroy_process_group` (rank {first}: {held[first].get('refs')} references, "
+                 f"{held[first].get('holders')}), so {how}: a job that exited 1 there failed at its teardown, "
+                 "not in its training")]
 
 
 # -- the order: tried top to bottom ------------------------------------------------------------------
