@@ -82,6 +82,9 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
+TIMES: dict[int, list[float]] = {}  # id of the last timed fn's result -> its times (seconds), for the spread
+
+
 def timed(fn, repeats: int, device: torch.device) -> tuple[float, list]:
     out = fn()
     out = fn()  # warm: Triton compiles, caches fill
@@ -91,7 +94,14 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, list]:
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
+    TIMES[id(out)] = times
     return statistics.median(times), out
+
+
+def spread(times: list[float]) -> list[float]:
+    """The 10th, 50th and 90th percentiles in ms: a median that sits between two modes says so."""
+    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+    return [round(q[0] * 1e3, 4), round(statistics.median(times) * 1e3, 4), round(q[-1] * 1e3, 4)]
 
 
 def plant(model: torch.nn.Module) -> dict[str, str]:
@@ -164,6 +174,7 @@ def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> dict:
         for name, t in [*probe._PHASES, ("return", t_end)]:
             out.setdefault(name, []).append((t - prev) * 1e3)
             prev = t
+        out.setdefault("total", []).append((t_end - t0) * 1e3)  # the phases' own runs, whole: against probe_ms
         probe._PHASES = None
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         pick = pickle.dumps(rows)
         js = json.dumps(rows, default=str)
         results["paths"][label] = {"probe_ms": med * 1e3, "speed_vs_floor": floor_s / med, "pickled_bytes": len(pick),
-                                   "json_bytes": len(js), "rows": len(rows)}
+                                   "json_bytes": len(js), "rows": len(rows),
+                                   "probe_ms_p10_p50_p90": spread(TIMES.pop(id(rows)))}
         return rows
 
     rows_plain = run_path("plain", "0")
