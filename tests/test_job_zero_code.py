@@ -25,6 +25,7 @@ import pytest
 
 import workbench as wb
 import workbench.job as wj
+from workbench.analysis import collectives
 from workbench.job import hooks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,3 +351,29 @@ def test_an_hf_trainer_job(tmp_path):
     assert {"loss", "logits"} <= set(first["name"])  # the Trainer's forward output, as outputs
     d = rec.diagnose()
     assert d.clean, d.sentence
+
+
+@pytest.mark.slow
+def test_a_point_one_rank_alone_took_pairs_the_others_by_name(tmp_path):
+    """Rank 0 alone loads a checkpoint after the DDP wrap: its ``load_state_dict`` point has no peer, so pairing
+    points by position read rank 1's ``forward`` as ``load_state_dict`` and cut its calls into the wrong steps, and
+    the report said a rank "never issued" a call both ranks issued (found by hand, an Accelerate job). Paired by
+    name, the calls line up and what is wrong is what the ranks hold: different weights from ``forward`` on."""
+    script = str(JOBS / "rank0_loads_job.py")
+    runs = {}
+    for label, args in (("right", []), ("bug", ["--bug"])):
+        out = tmp_path / label
+        run = _run([*JOB, str(out), "--", *TORCHRUN, script, *args], tmp_path)
+        assert run.returncode == 0 and run.stdout.count("loss") == 3, _says(run)
+        runs[label] = wb.load(out)
+    assert runs["right"].bug.diagnose().clean, runs["right"].bug.diagnose().sentence
+    b = runs["bug"]
+    assert b.problems == ["rank 0 took a point the others did not: 'load_state_dict' (point 0 of rank 0); the "
+                          "points are paired by name"], b.problems
+    assert b.bug.steps[:3] == ["load_state_dict", "forward", "step1"]
+    t = b.bug.tensors
+    assert set(t[t["step"] == "load_state_dict"]["rank"]) == {0}  # rank 1's forward is read as its forward
+    assert collectives.first_divergence(b.bug.ledger) is None  # every call paired: both ranks issued them all
+    d = b.bug.diagnose()
+    assert not d.clean and d.step == "forward" and "never issued" not in d.sentence, d.sentence
+    assert "rank 0 alone took the point `load_state_dict` (rank 1 never did): the ranks part there" in d.sentence

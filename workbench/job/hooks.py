@@ -25,8 +25,8 @@ after its first call; the global optimizer step post hook; ``__init_subclass__``
 point that fails is a line in the shard's ``hook_errors``, never an exception in the job. The user's
 own ``wj.capture(...)`` returns the same capture, so their ``cap.point`` lines still work beside these.
 
-Where a rank takes a point the others do not (rank 0 alone loading a state dict), the ranks' points
-no longer pair by position: the reader says so (``the ranks disagree on point k's name``).
+Where a rank takes a point the others do not (rank 0 alone loading a state dict), the reader pairs the ranks'
+points by name, not position, and says which rank took which point alone (``postmortem/shards.py``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ the layout from this module inside a training process.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -165,8 +166,14 @@ def scan(path: str | os.PathLike) -> Shards:
     return found
 
 
-def _step_names(found: Shards) -> list[str]:
-    """One name per point index: the name most ranks gave it (the lowest rank's on a tie)."""
+def _step_names(found: Shards) -> tuple[list[str], dict[int, list[int]]]:
+    """One name per step, and where each rank's points fall among them (rank -> each of its point's step index).
+    Ranks whose names agree at each position pair by position; where a rank took points the others did not (rank 0
+    alone loading a state dict), by name (``_by_name``); where names differ otherwise, by position again, said."""
+    by_name = _by_name(found)
+    if by_name is not None:
+        order, where = by_name
+        return _unique(order), where
     names: list[str] = []
     depth = max((len(p) for p in found.points.values()), default=0)
     for k in range(depth):
@@ -177,13 +184,90 @@ def _step_names(found: Shards) -> list[str]:
             found.problem(f"the ranks disagree on point {k}'s name: " + "; ".join(
                 f"{_ranks([r for r, x in said.items() if x == n])} {n!r}" for n in count)
                 + f" (read as {name!r}; the rows are kept by position)")
-        if name in names:  # a name reused (a point per iteration): the views key steps by name
+        names.append(name)
+    return _unique(names), {r: list(range(len(p))) for r, p in found.points.items()}
+
+
+def _unique(names: list[str]) -> list[str]:
+    """A name reused (a point per iteration) gets its count: the views key steps by name."""
+    out: list[str] = []
+    for name in names:
+        if name in out:
             n = 2
-            while f"{name} ({n})" in names:
+            while f"{name} ({n})" in out:
                 n += 1
             name = f"{name} ({n})"
-        names.append(name)
-    return names
+        out.append(name)
+    return out
+
+
+def _by_name(found: Shards) -> tuple[list[str], dict[int, list[int]]] | None:
+    """The steps and each rank's place in them where the ranks' names line up once the points some ranks alone took
+    are set among the others' (each said); None where position pairs them, or where no such insertion explains the
+    names (a point named otherwise on one rank)."""
+    seqs = {r: [str(p.get("point")) for p in pts] for r, pts in sorted(found.points.items())}
+    depth = max(map(len, seqs.values()), default=0)
+    if all(len({s[k] for s in seqs.values() if len(s) > k}) <= 1 for k in range(depth)):
+        return None
+    order: list[str] = []
+    for seq in seqs.values():
+        merged: list[str] = []
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, order, seq, autojunk=False).get_opcodes():
+            if op == "replace":
+                return None
+            merged += seq[j1:j2] if op == "insert" else order[i1:i2]
+        order = merged
+    where: dict[int, list[int]] = {}
+    for r, seq in seqs.items():
+        at = [-1] * len(seq)
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, order, seq, autojunk=False).get_opcodes():
+            if op == "equal":
+                at[j1:j2] = range(i1, i2)
+            elif op != "delete":
+                return None
+        where[r] = at
+    for i, name in enumerate(order):
+        takers = [r for r, at in where.items() if i in at]
+        skipped = [r for r, at in where.items() if at and i < at[-1] and i not in at]  # not those that stopped
+        if skipped:
+            others = "the others" if len(takers) + len(skipped) == len(where) else _ranks(skipped)
+            found.problem(f"{_ranks(takers)} took a point {others} did not: {name!r} (point "
+                          f"{where[takers[0]].index(i)} of rank {takers[0]}); the points are paired by name")
+    return order, where
+
+
+def _step_index(where: list[int], token: Any) -> Any:
+    """A rank's own point index (a ledger row's ``step``, an error's ``index``) as the run's step index; a token
+    past its last point counts on from there."""
+    try:
+        k = int(token)
+    except (TypeError, ValueError):
+        return token
+    if k < len(where):
+        return where[k]
+    return (where[-1] if where else -1) + 1 + k - len(where)
+
+
+def _windows(calls: list[dict[str, Any]], where: dict[int, list[int]], names: list[str]) -> None:
+    """A call a rank issued between two of its points that stand more than one step apart (it did not take the
+    points between: ``_by_name``) gets the step in which the ranks that took them issued the same call (its group
+    and number), where that step lies between: every rank issues a collective at once, so that is where it was."""
+    def span(c: dict[str, Any]) -> list[str]:
+        at = where.get(int(c.get("rank", -1)), [])
+        try:
+            k = int(c["own"])
+        except (KeyError, TypeError, ValueError):
+            return []
+        if k >= len(at):
+            return []
+        return names[(at[k - 1] if k else -1) + 1: at[k] + 1]
+
+    key = ("session", "attempt", "group", "seq")
+    spans = [(c, span(c)) for c in calls]
+    single = {tuple(c.get(x) for x in key): c["step"] for c, sp in spans if len(sp) == 1}
+    for c, sp in spans:
+        if len(sp) > 1 and single.get(tuple(c.get(x) for x in key)) in sp:
+            c["step"] = single[tuple(c.get(x) for x in key)]
 
 
 def _step_of(token: Any, names: list[str], planned: list[str] | None = None) -> str:
@@ -211,7 +295,7 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
 
     found = scan(path)
     path = Path(path)
-    names = _step_names(found)
+    names, where = _step_names(found)
     ranks = list(range(found.world_size))
     first = found.shards[min(found.shards)]
     scenario = str(first.get("name") or path.name)
@@ -220,9 +304,11 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
     calls = [dict(c) for c in reader.calls()]  # each rank's ledger starts empty at its capture: this job's
     planned = [str(p) for p in first.get("planned") or []]
     for c in calls:
-        c["step"] = _step_of(c.get("step"), names, planned)
+        c["own"] = c.get("step")
+        c["step"] = _step_of(_step_index(where.get(int(c.get("rank", -1)), []), c.get("step")), names, planned)
+    _windows(calls, where, names)
     ledger = collectives.ledger_table(calls)
-    errors = {r: [{**e, "step": _step_of(e.get("index"), names, planned)} for e in es]
+    errors = {r: [{**e, "step": _step_of(_step_index(where.get(r, []), e.get("index")), names, planned)} for e in es]
               for r, es in found.errors.items()}
     steps = list(names)
     extra = {c["step"] for c in calls} | {e["step"] for es in errors.values() for e in es}
@@ -230,11 +316,13 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
         steps.append(s)  # calls or an exception past the last point some rank reached
     declared = steps + [p for p in planned[len(steps):] if p not in steps]  # what the job meant to reach
     frames = []
+    inverse = {r: {i: j for j, i in enumerate(at)} for r, at in where.items()}  # step index -> the rank's point
     for i, step in enumerate(steps):
         values: dict[int, dict[str, Any]] = {}
         for r in sorted(found.shards):
             pts = found.points[r]
-            p = pts[i] if i < len(names) and len(pts) > i else None
+            j = inverse.get(r, {}).get(i)
+            p = pts[j] if i < len(names) and j is not None else None
             err = next((e for e in errors[r] if e["step"] == step), None)
             if p is None and err is None:
                 continue
@@ -273,7 +361,7 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
                      "line": dead_line(r, found.points[r][-1].get("point") if found.points.get(r) else None)}
             for r, d in sorted(found.shards.items()) if gone(d)}
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
-    notes += [{"step": _step_of(e.get("index"), names, planned), "rank": r,
+    notes += [{"step": _step_of(_step_index(where.get(r, []), e.get("index")), names, planned), "rank": r,
                "note": "released by the workbench's post mortem (its communicators aborted); it ended there"}
               for r, es in sorted(found.released.items()) for e in es[:1]]
     notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]

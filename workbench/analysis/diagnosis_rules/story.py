@@ -8,6 +8,7 @@ probed tensor agrees; else clean (so far, when fewer steps ran than planned).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import cached_property
 from typing import Any
@@ -27,6 +28,7 @@ from workbench.analysis.diagnosis_words import (
     said,
     short,
 )
+from workbench.analysis.rankgroups import ranks_words
 from workbench.analysis.weightsync_order import first_split
 from workbench.errors import LOST
 
@@ -169,8 +171,25 @@ def when_tensors_wrong(f: RunFacts) -> bool:
 
 
 def says_tensors_wrong(f: RunFacts) -> Diagnosis:
-    """the tensor stage's story, from the step they went wrong in and stayed wrong from"""
-    return tensor.tell(tensor.TensorFacts(f.run, f.faults, f.bad_out))
+    """the tensor stage's story, from the step they went wrong in and stayed wrong from; where some ranks alone
+    took the point just before: what they did there is where the ranks part"""
+    d = tensor.tell(tensor.TensorFacts(f.run, f.faults, f.bad_out))
+    return dataclasses.replace(d, clauses=[*d.clauses, *_alone_before(f.run, d.step)])
+
+
+def _alone_before(run: Run, step: str | None) -> list:
+    """The step before ``step`` where fewer ranks took a point than at ``step`` (a job's rank 0 alone loading a state
+    dict: the reader pairs the points by name, ``postmortem/shards.py``)."""
+    steps = list(run.steps)
+    if step not in steps or steps.index(step) == 0 or not len(run.tensors):
+        return []
+    before = steps[steps.index(step) - 1]
+    t = run.tensors
+    took, then = set(t[t["step"] == before]["rank"]), set(t[t["step"] == step]["rank"])
+    if not took or not took < then:
+        return []
+    return [said(f"; just before, {ranks_words(sorted(took))} alone took the point `{before}` "
+                 f"({ranks_words(sorted(then - took))} never did): the ranks part there")]
 
 
 def when_outputs_only(f: RunFacts) -> bool:
