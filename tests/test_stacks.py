@@ -9,7 +9,6 @@ init path is named and the job exits as it does without the workbench. Each scri
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from test_job_zero_code import JOB, JOBS, TORCHRUN, _env, _run, _says
+from test_job_zero_code import EXIT_ABORT, JOB, JOBS, TORCHRUN, _env, _exit_abort, _run, _says
 from torch import nn
 
 import workbench as wb
@@ -110,30 +109,9 @@ NEEDS_D = "needs the stack-agnostic detectors (issue 60)"
 NOT_YET: set[str] = set()  # stacks whose planted bug waits for those detectors
 
 
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def _exit_abort(run: subprocess.CompletedProcess) -> bool:
-    """The stacks' own exit trap, with or without the workbench: a rank aborts in interpreter finalisation after
-    its last line. DeepSpeed's parameters hold its group (``ds_process_group``) past ``destroy_process_group`` and
-    its ZeRO-3 hooks keep the model alive, so gloo's workers live into finalisation, where one dropping a
-    backward's last work takes the GIL and aborts (docs/stacks.md: 3 of 60 plain runs, four at a time on 2 cores;
-    CI's run of 21da7d0 met it in the plain run)."""
-    return run.returncode != 0 and EXIT_ABORT in run.stderr and "SIGABRT" in run.stderr
-
-
-def _launch(cmd: list[str], cwd: Path, env: dict[str, str], out: Path | None = None,
-            tries: int = 3) -> subprocess.CompletedProcess:
-    """One run; again, at most ``tries`` in all, only where it met the stacks' exit abort (``_exit_abort``): what
-    the tests compare is the job with and without the workbench, not that trap's dice. A capture's ``out`` starts
-    empty each time."""
-    for _ in range(tries):
-        if out is not None:
-            shutil.rmtree(out, ignore_errors=True)
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(**env), cwd=cwd)
-        if not _exit_abort(run):
-            return run
-    return run
+def _launch(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """One run, again only where it met torch's exit abort (``test_job_zero_code._run``)."""
+    return _run(cmd, cwd, timeout=600, env=_env(**env))
 
 
 @pytest.fixture(scope="module", params=sorted(STACKS))
@@ -152,11 +130,11 @@ def stack(request, tmp_path_factory) -> dict[str, Any]:
     for label, flags, args in (("right 0", ["--every", "0"], []), ("right 1", ["--every", "1"], []),
                                ("bug", s.bug_job, [s.bug])):
         out = tmp / label.replace(" ", "")
-        runs[label] = (out, _launch([*JOB, str(out), *flags, "--", *TORCHRUN, script, *args], tmp, env, out))
+        runs[label] = (out, _launch([*JOB, str(out), *flags, "--", *TORCHRUN, script, *args], tmp, env))
     return runs
 
 
-def test_only_the_stacks_exit_abort_is_run_again():
+def test_only_torchs_exit_abort_is_run_again():
     """The rerun forgives that one trap and nothing else: a job that fails, or aborts for another reason, counts."""
     trap = "Signal 6 (SIGABRT) received by PID 7"
     cases = {(1, f"{EXIT_ABORT}\n... {trap}"): True, (0, EXIT_ABORT): False,
