@@ -10,7 +10,9 @@ Layout, one folder per rank, each written by its own rank only::
 
 The reader builds the same ``RunRecord`` a live session gives (frames built by
 ``Frame.build``, the ledger by ``collectives.ledger_table``), so the views, the report and
-the diagnosis read it unchanged. Ranks that disagree on a point's name, a rank with no shard,
+the diagnosis read it unchanged. The ranks' points pair by position, or by name where a rank took points the
+others did not (rank 0 alone loading a state dict: ``_by_name``, its calls filed under the steps the others issued
+them in). Ranks that disagree on a point's name otherwise, a rank with no shard,
 a shard of another job, an unreadable line: one line each in ``problems`` (and the log), the
 rest still opens. A call still open in a ledger when the shards are read (a hung or killed
 job) becomes the run's hang: who is inside which call, and who waits.
