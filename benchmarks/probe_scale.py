@@ -82,10 +82,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
-TIMES: dict[int, list[float]] = {}  # id of the last timed fn's result -> its times (seconds), for the spread
-
-
 def timed(fn, repeats: int, device: torch.device) -> tuple[float, list]:
+    times, out = timed_each(fn, repeats, device)
+    return statistics.median(times), out
+
+
+def timed_each(fn, repeats: int, device: torch.device) -> tuple[list[float], list]:
+    """Each of ``repeats`` synchronised calls' time (seconds), after two warm ones, and the last call's result."""
     out = fn()
     out = fn()  # warm: Triton compiles, caches fill
     times = []
@@ -94,8 +97,7 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, list]:
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-    TIMES[id(out)] = times
-    return statistics.median(times), out
+    return times, out
 
 
 def spread(times: list[float]) -> list[float]:
@@ -231,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     def run_path(label: str, fused: str, fn=probe.probe_module) -> list[dict]:
         os.environ["WORKBENCH_PROBE_FUSED"] = fused
         reps = args.repeats if fused == "0" else args.repeats * 10
-        med, rows = timed(lambda: fn(model, rank=0), reps, device)
+        times, rows = timed_each(lambda: fn(model, rank=0), reps, device)
+        med = statistics.median(times)
         pick = pickle.dumps(rows)
         js = json.dumps(rows, default=str)
         results["paths"][label] = {"probe_ms": med * 1e3, "speed_vs_floor": floor_s / med, "pickled_bytes": len(pick),
                                    "json_bytes": len(js), "rows": len(rows),
-                                   "probe_ms_p10_p50_p90": spread(TIMES.pop(id(rows)))}
+                                   "probe_ms_p10_p50_p90": spread(times)}
         return rows
 
     rows_plain = run_path("plain", "0")

@@ -53,7 +53,8 @@ def _exit_abort(run: subprocess.CompletedProcess) -> bool:
     """torch's exit trap, with or without the workbench: a rank aborts in interpreter finalisation after its last
     line, where its gloo group outlived the job's code (a script's module-level DDP model; DeepSpeed's parameters:
     ``job/teardown.py``) and a worker dropping a backward's last work takes the GIL (docs/stacks.md: 3 of 60 plain
-    DeepSpeed runs; CI's runs met it in a plain DeepSpeed job and in plain ``clean_job.py``)."""
+    DeepSpeed runs; CI's run of 21da7d0 met it in a plain DeepSpeed job, a fresh clone of 1f00dcc in plain
+    ``clean_job.py``)."""
     return run.returncode != 0 and EXIT_ABORT in run.stderr and "SIGABRT" in run.stderr
 
 

@@ -228,14 +228,20 @@ def _by_name(found: Shards) -> tuple[list[str], dict[int, list[int]]] | None:
             elif op != "delete":
                 return None
         where[r] = at
+    own = _inverse(where)
     for i, name in enumerate(order):
-        takers = [r for r, at in where.items() if i in at]
-        skipped = [r for r, at in where.items() if at and i < at[-1] and i not in at]  # not those that stopped
+        takers = [r for r in where if i in own[r]]
+        skipped = [r for r, at in where.items() if at and i < at[-1] and i not in own[r]]  # not those that stopped
         if skipped:
             others = "the others" if len(takers) + len(skipped) == len(where) else _ranks(skipped)
             found.problem(f"{_ranks(takers)} took a point {others} did not: {name!r} (point "
-                          f"{where[takers[0]].index(i)} of rank {takers[0]}); the points are paired by name")
+                          f"{own[takers[0]][i]} of rank {takers[0]}); the points are paired by name")
     return order, where
+
+
+def _inverse(where: dict[int, list[int]]) -> dict[int, dict[int, int]]:
+    """Per rank, step index -> the rank's own point index there (the steps it took)."""
+    return {r: {i: j for j, i in enumerate(at)} for r, at in where.items()}
 
 
 def _step_index(where: list[int], token: Any) -> Any:
@@ -305,20 +311,22 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
     reader.poll()
     calls = [dict(c) for c in reader.calls()]  # each rank's ledger starts empty at its capture: this job's
     planned = [str(p) for p in first.get("planned") or []]
+    def step_of(rank: int, token: Any) -> str:  # a rank's own point index as the run's step
+        return _step_of(_step_index(where.get(rank, []), token), names, planned)
+
     for c in calls:
         c["own"] = c.get("step")
-        c["step"] = _step_of(_step_index(where.get(int(c.get("rank", -1)), []), c.get("step")), names, planned)
+        c["step"] = step_of(int(c.get("rank", -1)), c.get("step"))
     _windows(calls, where, names)
     ledger = collectives.ledger_table(calls)
-    errors = {r: [{**e, "step": _step_of(_step_index(where.get(r, []), e.get("index")), names, planned)} for e in es]
-              for r, es in found.errors.items()}
+    errors = {r: [{**e, "step": step_of(r, e.get("index"))} for e in es] for r, es in found.errors.items()}
     steps = list(names)
     extra = {c["step"] for c in calls} | {e["step"] for es in errors.values() for e in es}
     for s in sorted(extra - set(steps)):
         steps.append(s)  # calls or an exception past the last point some rank reached
     declared = steps + [p for p in planned[len(steps):] if p not in steps]  # what the job meant to reach
     frames = []
-    inverse = {r: {i: j for j, i in enumerate(at)} for r, at in where.items()}  # step index -> the rank's point
+    inverse = _inverse(where)
     for i, step in enumerate(steps):
         values: dict[int, dict[str, Any]] = {}
         for r in sorted(found.shards):
@@ -363,7 +371,7 @@ def read(path: str | os.PathLike) -> tuple[Any, list[str]]:
                      "line": dead_line(r, found.points[r][-1].get("point") if found.points.get(r) else None)}
             for r, d in sorted(found.shards.items()) if gone(d)}
     notes = [{"step": f.step, "rank": r, "note": n} for f in frames for r, ns in f.notes.items() for n in ns]
-    notes += [{"step": _step_of(_step_index(where.get(r, []), e.get("index")), names, planned), "rank": r,
+    notes += [{"step": step_of(r, e.get("index")), "rank": r,
                "note": "released by the workbench's post mortem (its communicators aborted); it ended there"}
               for r, es in sorted(found.released.items()) for e in es[:1]]
     notes += [{"step": None, "rank": None, "note": f"shards: {p}"} for p in found.problems]

@@ -184,8 +184,7 @@ def _alone_before(run: Run, step: str | None) -> list:
     if step not in steps or steps.index(step) == 0 or not len(run.tensors):
         return []
     before = steps[steps.index(step) - 1]
-    t = run.tensors
-    took, then = set(t[t["step"] == before]["rank"]), set(t[t["step"] == step]["rank"])
+    took, then = set(run.at(run.tensors, before)["rank"]), set(run.at(run.tensors, step)["rank"])
     if not took or not took < then:
         return []
     return [said(f"; just before, {ranks_words(sorted(took))} alone took the point `{before}` "
