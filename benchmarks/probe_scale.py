@@ -18,6 +18,7 @@ against the plain path's values (means to float32 summation order).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -160,25 +161,76 @@ def ptx_figures(last) -> dict:
             "n_regs": getattr(last, "n_regs", None), "n_spills": getattr(last, "n_spills", None)}
 
 
-def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> dict:
+def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> tuple[dict, dict]:
     """Where the packed probe's time goes (medians, ms): the liveness check and the launch; the walk, cache
-    key and the rows' fixed columns (while the kernel runs); waiting for the kernel and the copy back;
-    arrays to columns and into the rows."""
+    key and the rows' fixed columns (while the kernel runs); waiting for each part's copy back; arrays to columns
+    and into the rows. A stamp a run takes twice (a plan of two parts: one copy back each) is numbered, so each
+    phase's median is of one phase. Also the timeline (each stamp's median offset from the call, ms) with the
+    GPU's own times of each kernel's start and end (CUDA events, from one recorded as the call starts): whether
+    the host waits for the kernel or the kernel for the host."""
     probe.probe_module(model, rank=0)
     out: dict[str, list[float]] = {}
+    at: dict[str, list[float]] = {}
+    cuda = device.type == "cuda"
     for _ in range(repeats):
         sync(device)
         probe._PHASES = []
+        if cuda:
+            probe_fused._KERNEL_EVENTS = []
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         probe.probe_module(model, rank=0)
         t_end = time.perf_counter()
         prev = t0
-        for name, t in [*probe._PHASES, ("return", t_end)]:
+        for name, t in numbered([*probe._PHASES, ("return", t_end)]):
             out.setdefault(name, []).append((t - prev) * 1e3)
+            at.setdefault(name, []).append((t - t0) * 1e3)
             prev = t
         out.setdefault("total", []).append((t_end - t0) * 1e3)  # the phases' own runs, whole: against probe_ms
         probe._PHASES = None
-    return {k: statistics.median(v) for k, v in out.items()}
+        if cuda:
+            sync(device)
+            for i, (a, b) in enumerate(probe_fused._KERNEL_EVENTS, 1):
+                at.setdefault(f"kernel {i} start (GPU)", []).append(start.elapsed_time(a))
+                at.setdefault(f"kernel {i} end (GPU)", []).append(start.elapsed_time(b))
+            probe_fused._KERNEL_EVENTS = None
+    med = {k: round(statistics.median(v), 4) for k, v in out.items()}
+    return med, dict(sorted(((k, round(statistics.median(v), 4)) for k, v in at.items()), key=lambda kv: kv[1]))
+
+
+def numbered(stamps: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """The stamps with a name met again numbered from its second time on ("copied back", "copied back 2")."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, t in stamps:
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if seen[name] == 1 else f"{name} {seen[name]}", t))
+    return out
+
+
+def waits(model: torch.nn.Module, device: torch.device, repeats: int) -> dict[str, list[float]]:
+    """The packed probe timed with the wait its own thread takes (``SYNC_SPIN_S``), with the writer's short spin
+    that the probe took before, and with the collector off, interleaved call by call (the order flipped each
+    round): p10/p50/p90 ms of each, so a sleep across the kernel's end and a collection mid-probe are told apart."""
+    keep = probe_fused.SYNC_SPIN_S
+    arms = {"sync_spin": (keep, False), "short_spin": (probe_fused.SPIN_S, False), "sync_spin_gc_off": (keep, True)}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    try:
+        for i in range(repeats):
+            for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+                probe_fused.SYNC_SPIN_S, gc_off = arms[label]
+                if gc_off:
+                    gc.disable()
+                sync(device)
+                t0 = time.perf_counter()
+                probe.probe_module(model, rank=0)
+                times[label].append(time.perf_counter() - t0)
+                gc.enable()
+    finally:
+        probe_fused.SYNC_SPIN_S = keep
+        gc.enable()
+    return {k: spread(v) for k, v in times.items()}
 
 
 def same_bytes(rows_a: list[dict], rows_b: list[dict]) -> list[str]:
@@ -257,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         fused["kernel_speed_vs_floor"] = floor_s * 1e3 / fused["kernel_ms"]
         fused["config"] = [probe_fused.WORDS_PER_ITER, probe_fused.ITERS, probe_fused.NUM_WARPS]
         fused.update(ptx_figures(probe_fused._TRITON.get("last")))
-        fused["phases_ms"] = phases(model, device, args.repeats * 5)
+        fused["phases_ms"], fused["timeline_ms"] = phases(model, device, args.repeats * 5)
+        fused["waits_p10_p50_p90"] = waits(model, device, args.repeats * 10)
         t1 = time.perf_counter()
         for _ in range(args.repeats):
             probe.named_tensors(model)
@@ -301,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         f = results["paths"]["fused"]
         print("fused phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in f["phases_ms"].items())
               + f"; named_tensors {f['named_tensors_ms']:.3f}; packed plan: {f['packed']}")
+        print("fused timeline (ms from the call): " + ", ".join(f"{k} {v:.3f}" for k, v in f["timeline_ms"].items()))
+        print("fused p10/p50/p90 by wait (ms): " + ", ".join(f"{k} {v}" for k, v in f["waits_p10_p50_p90"].items()))
     print(f"planted: {results['planted_seen']}")
     if "rows_identical" in results:
         print(f"fused rows byte-identical to the probe before: {results['rows_identical']} "
