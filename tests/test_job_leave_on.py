@@ -98,3 +98,56 @@ def test_a_point_rewrites_the_manifest_at_most_once_a_second_and_the_points_file
     assert shard_format.last_point(tmp_path) is None  # no points file
     cap.close()
     assert json.loads((d / shard_format.MANIFEST).read_text())["points"] == [f"step{i}" for i in range(5)]
+
+
+def test_the_writer_holds_a_point_until_the_jobs_backward_runs(monkeypatch):
+    """On a GPU job the writer's work (a point's rows and JSON) holds the GIL, and a step whose host is the
+    bottleneck is lengthened by every millisecond of it in the job's Python. So each handed-over piece waits for the
+    job's next backward (the autograd engine runs without the GIL), for ``HOLD_S``, or for a drain, whichever is
+    first: here it runs while the backward runs, never before it; a drain (close, a breakpoint) never waits on it;
+    with no backward coming it runs once ``HOLD_S`` has passed; and the wrap is gone once undone."""
+    import threading
+    import time
+
+    import torch
+
+    from workbench.job import writer
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.5)  # as the engine's kernels do: without the GIL
+            return g * 2
+
+    faults: list = []
+    gate = writer.Gate()
+    w = writer.Writer(lambda where, exc: faults.append(exc), gate)
+    undo = writer.over_backward(gate)
+    seen: list[float] = []  # when each piece ran
+    try:
+        monkeypatch.setattr(writer, "HOLD_S", 60.0)
+        w.submit("point 1", lambda: seen.append(time.monotonic()))
+        time.sleep(0.3)
+        assert seen == []  # handed over, held: the job's Python runs alone
+        x = torch.ones(3, requires_grad=True)
+        y = Slow.apply(x).sum()
+        t0 = time.monotonic()
+        y.backward()
+        t1 = time.monotonic()
+        assert w.drain(5.0) and len(seen) == 1 and t0 <= seen[0] <= t1, (t0, seen, t1)  # beside the backward
+        w.submit("point 2", lambda: seen.append(time.monotonic()))
+        t0 = time.monotonic()
+        assert w.drain(5.0) and len(seen) == 2 and seen[1] - t0 < 5.0  # a drain opens the gate
+        monkeypatch.setattr(writer, "HOLD_S", 0.2)
+        done = threading.Event()
+        w.submit("point 3", done.set)
+        assert done.wait(10.0)  # no backward came: it ran once held HOLD_S
+    finally:
+        undo()
+        w.stop()
+    assert not faults
+    assert not hasattr(torch.autograd.backward, "__wrapped__")  # the job's own backward again
