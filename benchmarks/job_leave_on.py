@@ -51,10 +51,6 @@ CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH")
 def job(args) -> None:
     t_start = time.perf_counter()
     cap = None
-    if args.hold is not None:
-        from workbench.job import writer
-
-        writer.HOLD_S = args.hold
     if args.mode == "defaults":  # opened at the top, before the build, as a user's script opens it
         import workbench.job as wj
 
@@ -254,8 +250,6 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0),
            "--paired", str(args.paired), "--paired-block", str(args.paired_block)]
-    if args.hold is not None:
-        cmd += ["--hold", str(args.hold)]
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -334,7 +328,7 @@ def summarise(args, runs: list[dict]) -> dict:
     return {
         "shape": args.shape, "config": SHAPES[args.shape], "device": dev, "gpus": 1,
         "torch": next((r.get("torch") for r in runs if r.get("torch")), None),
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds, "hold_s": args.hold,
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
         "window": f"median of steps 2-{args.steps - 1}, pooled over the rounds",
         "loop_ms": loop, "loop_vs_off": _ratios(loop), "fresh_loop_ms": fresh, "fresh_vs_off": _ratios(fresh),
         "compiled_loop_ms": comp, "compiled_vs_off": _ratios(comp),
@@ -385,9 +379,6 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)
-    ap.add_argument("--hold", type=float, default=None,
-                    help="the capture writer's HOLD_S in each job (0: a point is written at once, not held for the "
-                         "next backward); left out, the workbench's own")
     ap.add_argument("--out", default="job_leave_on.json")
     ap.add_argument("--result", default=None)
     ap.add_argument("--capture", default=None)

@@ -253,11 +253,8 @@ class Points:
             return
         self._writer_chosen = True
         if writer.wanted(self.ctx.device.type == "cuda", self.strict):
-            gate = writer.Gate()
-            self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False), gate)
+            self._writer = writer.Writer(lambda where, exc: self._fault(where, exc, now=False))
             self._stack.callback(self._writer.stop)
-            self._stack.callback(writer.over_backward(gate))  # off at the close, then the writer stops (its drain opens
-            # the gate itself)
 
     @_takes(True)
     def flush(self, timeout: float = writer.DRAIN_S) -> bool:

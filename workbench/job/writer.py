@@ -10,28 +10,19 @@ point written in place is on disk before ``point`` returns, which a rank killed 
 A fault of the writer's is the capture's fault (one line, the capture off: ``guest.py``), said from this thread;
 what the job's thread reads of the shard (close, a breakpoint, its exception, the debug server) waits for the
 writer first (``drain``).
-
-When it works (``Gate``): a thread's work holds the GIL, and a step whose host is the bottleneck (the launches of
-a 1B model's step on an H200 host) is lengthened by every millisecond of it that falls in the job's Python. So the
-writer holds each handed-over point until the job's thread enters a backward, where the autograd engine runs
-without the GIL for tens of ms, or until the point is ``HOLD_S`` old, or until someone waits for it (``drain``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 import os
 import queue
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 ENV = "WORKBENCH_CAPTURE_WRITER"  # "thread": the writer thread on any device (tests on CPU); "inline": never
 DRAIN_S = 30.0  # the longest the job's thread waits for points still being written (close, a breakpoint)
-HOLD_S = 1.0  # the longest a handed-over point waits for the job's next backward (0: it never waits)
 
 
 def wanted(on_gpu: bool, strict: bool) -> bool:
@@ -91,72 +82,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_child_after_fork)
 
 
-class Gate:
-    """Open while a thread of the job runs a backward (``over_backward``) or someone waits for the writer (``forced``):
-    the writer's work then runs beside the autograd engine, which holds no GIL, instead of in the job's Python."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._inside = 0  # backwards running now
-        self._forced = 0  # drains waiting now
-
-    @contextlib.contextmanager
-    def opened(self, forced: bool = False) -> Iterator[None]:
-        with self._cond:
-            if forced:
-                self._forced += 1
-            else:
-                self._inside += 1
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
-            with self._cond:
-                if forced:
-                    self._forced -= 1
-                else:
-                    self._inside -= 1
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the gate to open; whether it is open."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._inside or self._forced, timeout) if timeout > 0 else bool(
-                self._inside or self._forced)
-
-
-def over_backward(gate: Gate) -> Callable[[], None]:
-    """``torch.autograd.backward`` (where ``Tensor.backward`` and every stack's backward end) opens ``gate`` while it
-    runs; returns the undo (``patch.replace``: another wrapper put over ours since is kept). The wrapper's frame is
-    plumbing to the calls ledger: a collective the backward issues is the user's line's, not ours."""
-    import torch.autograd
-
-    from workbench.job import patch
-    from workbench.rank import ledger
-
-    original = torch.autograd.backward
-
-    @functools.wraps(original)
-    def backward(*args: object, **kwargs: object) -> object:
-        with gate.opened():
-            return original(*args, **kwargs)
-
-    unpatch = patch.replace(torch.autograd, "backward", backward, original)
-    unplumb = ledger.add_plumbing([os.path.abspath(__file__)])
-
-    def undo() -> None:
-        unpatch()
-        unplumb()
-
-    return undo
-
-
 class Writer:
-    """Runs handed-over work in order on one daemon thread; ``drain`` waits until all of it has run. With a ``gate``,
-    each piece waits first for the gate to open, ``HOLD_S`` at most from when it was handed over."""
+    """Runs handed-over work in order on one daemon thread; ``drain`` waits until all of it has run."""
 
-    def __init__(self, on_fault: Callable[[str, BaseException], None], gate: Gate | None = None):
+    def __init__(self, on_fault: Callable[[str, BaseException], None]):
         self._on_fault = on_fault
-        self._gate = gate
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._done = threading.Condition()
@@ -168,16 +98,14 @@ class Writer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="workbench-capture-writer", daemon=True)
             self._thread.start()
-        self._queue.put((where, work, time.monotonic()))
+        self._queue.put((where, work))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            where, work, handed = item
-            if self._gate is not None:
-                self._gate.wait(handed + HOLD_S - time.monotonic())
+            where, work = item
             try:
                 work()
             except BaseException as exc:  # the capture's fault, never the job's
@@ -195,7 +123,7 @@ class Writer:
         """Wait until everything handed over has run (not from the writer's own thread); False on timeout."""
         if self._thread is None or threading.current_thread() is self._thread:
             return True
-        with self._gate.opened(forced=True) if self._gate is not None else contextlib.nullcontext(), self._done:
+        with self._done:
             return self._done.wait_for(lambda: self._pending == 0, timeout)
 
     def stop(self, timeout: float = DRAIN_S) -> bool:
