@@ -18,7 +18,6 @@ against the plain path's values (means to float32 summation order).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -209,30 +208,6 @@ def numbered(stamps: list[tuple[str, float]]) -> list[tuple[str, float]]:
     return out
 
 
-def waits(model: torch.nn.Module, device: torch.device, repeats: int) -> dict[str, list[float]]:
-    """The packed probe timed with the wait its own thread takes (``SYNC_SPIN_S``), with the writer's short spin
-    that the probe took before, and with the collector off, interleaved call by call (the order flipped each
-    round): p10/p50/p90 ms of each, so a sleep across the kernel's end and a collection mid-probe are told apart."""
-    keep = probe_fused.SYNC_SPIN_S
-    arms = {"sync_spin": (keep, False), "short_spin": (probe_fused.SPIN_S, False), "sync_spin_gc_off": (keep, True)}
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    try:
-        for i in range(repeats):
-            for label in (list(arms) if i % 2 == 0 else list(reversed(arms))):
-                probe_fused.SYNC_SPIN_S, gc_off = arms[label]
-                if gc_off:
-                    gc.disable()
-                sync(device)
-                t0 = time.perf_counter()
-                probe.probe_module(model, rank=0)
-                times[label].append(time.perf_counter() - t0)
-                gc.enable()
-    finally:
-        probe_fused.SYNC_SPIN_S = keep
-        gc.enable()
-    return {k: spread(v) for k, v in times.items()}
-
-
 def same_bytes(rows_a: list[dict], rows_b: list[dict]) -> list[str]:
     """Rows whose pickles differ, with the differing columns."""
     def cols(x: dict, y: dict) -> str:
@@ -310,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         fused["config"] = [probe_fused.WORDS_PER_ITER, probe_fused.ITERS, probe_fused.NUM_WARPS]
         fused.update(ptx_figures(probe_fused._TRITON.get("last")))
         fused["phases_ms"], fused["timeline_ms"] = phases(model, device, args.repeats * 5)
-        fused["waits_p10_p50_p90"] = waits(model, device, args.repeats * 10)
         t1 = time.perf_counter()
         for _ in range(args.repeats):
             probe.named_tensors(model)
@@ -355,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         print("fused phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in f["phases_ms"].items())
               + f"; named_tensors {f['named_tensors_ms']:.3f}; packed plan: {f['packed']}")
         print("fused timeline (ms from the call): " + ", ".join(f"{k} {v:.3f}" for k, v in f["timeline_ms"].items()))
-        print("fused p10/p50/p90 by wait (ms): " + ", ".join(f"{k} {v}" for k, v in f["waits_p10_p50_p90"].items()))
     print(f"planted: {results['planted_seen']}")
     if "rows_identical" in results:
         print(f"fused rows byte-identical to the probe before: {results['rows_identical']} "

@@ -97,30 +97,6 @@ def test_to_empty_is_left_alone_when_poison_is_off(monkeypatch):
     assert one(m.weight)["poisoned"] == 16
 
 
-def test_a_wait_polls_without_sleeping_for_its_spin_then_sleeps(monkeypatch):
-    """``probe_fused.wait`` on an event that is done after 3 ms: with a 5 ms spin (a thread waiting for its own
-    probe) it never sleeps, so it ends within a poll of the work's end; with the writer's 0.5 ms it sleeps 0.1 ms
-    at a time after that."""
-    import time
-
-    from workbench.rank import probe_fused
-
-    class Done:  # a CUDA event's query(), on CPU: done once its time has come
-        def __init__(self, after: float) -> None:
-            self.at = time.perf_counter() + after
-
-        def query(self) -> bool:
-            return time.perf_counter() >= self.at
-
-    real = time.sleep
-    for spin, want in ((probe_fused.SYNC_SPIN_S, {0}), (probe_fused.SPIN_S, {0, 0.0001})):
-        slept: list[float] = []
-        monkeypatch.setattr(time, "sleep", lambda s, slept=slept: slept.append(s) or real(s))
-        probe_fused.wait(Done(0.003), torch.device("cpu"), spin)
-        monkeypatch.setattr(time, "sleep", real)
-        assert set(slept) == want, (spin, sorted(set(slept)))
-
-
 def test_poison_fills_integers_with_a_sentinel():
     t = torch.zeros(3, dtype=torch.int32)
     poison_(t)

@@ -296,7 +296,7 @@ def probe_tensors(items: Iterable[tuple[str, str, torch.Tensor]], rank: int, mem
     if plain:
         _probe_plain(plain)
     for members, plan in plans:
-        fill([row for row, _ in members], plan.columns(spin=_pf.SYNC_SPIN_S))
+        fill([row for row, _ in members], plan.columns())
     for row, src in copies:
         row.update({key: src[key] for key in _STAT_COLUMNS}, head=list(src["head"]))
     for i, layout in layouts:  # after the statistics: a DTensor's row ends with its layout
@@ -480,7 +480,7 @@ def _packed(module: nn.Module, rank: int, prefix: str,
         return None
     if stamp:
         stamp(("checked and launched", time.perf_counter()))
-    return _rows(fit[0], rank, fit[1], held, stamp, _pf.SYNC_SPIN_S)
+    return _rows(fit[0], rank, fit[1], held, stamp)
 
 
 def fit_and_launch(module: nn.Module, prefix: str) -> tuple[_Entry, Any] | None:
@@ -509,14 +509,13 @@ def fit_and_launch(module: nn.Module, prefix: str) -> tuple[_Entry, Any] | None:
     return None if cached.entry is None else (cached.entry, cached.entry.plan.launch())
 
 
-def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp: Any = None,
-          spin: float = _pf.SPIN_S) -> list[dict[str, Any]]:
+def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp: Any = None) -> list[dict[str, Any]]:
     """A launched plan's rows: the fixed columns, then the statistics once each part's copy is back (``slot``: the
-    parts' slots, as ``Parts.launch`` gave them; ``spin``: ``probe_fused.wait``'s)."""
+    parts' slots, as ``Parts.launch`` gave them)."""
     rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
             for n, k, d, dv, sh, ne in entry.static]
     for (plan, at), part_slot in zip(entry.plan.parts, slot):  # the first part's rows while the second's kernel runs
-        fill(rows if len(at) == len(rows) else [rows[i] for i in at], plan.columns(stamp, part_slot, spin))
+        fill(rows if len(at) == len(rows) else [rows[i] for i in at], plan.columns(stamp, part_slot))
     for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)
         rows[i].update(layout)
     for i, v in entry.shares.items():  # shared tensors (ties), known when the plan was built: none in most models

@@ -49,8 +49,6 @@ _TRITON: dict[str, Any] = {}
 _KERNEL_EVENTS: list | None = None  # benchmarks set a list: (start, end) CUDA events around each launch
 _WARM: dict[str, Any] = {}  # the warm-up: its thread while it runs, then what it took
 _WARM_LOCK = threading.RLock()  # orders the warm-up's step from the child's build to the load with a closing capture
-SPIN_S = 0.0005  # seconds ``wait`` polls before it sleeps: a thread waiting beside the job's (the capture's writer)
-SYNC_SPIN_S = 0.005  # a thread waiting for its own probe: the kernel of a 4 GB model is ~1 ms on an H200
 
 
 def fused_enabled() -> bool:
@@ -254,14 +252,12 @@ class Plan:
             _TRITON["hint"] = False  # this Triton refuses the alignment hint: go without it
             self.triton(False)
 
-    def columns(self, stamp=None, slot: tuple[torch.Tensor, Any] | None = None,
-                spin: float = SPIN_S) -> dict[str, list]:
+    def columns(self, stamp=None, slot: tuple[torch.Tensor, Any] | None = None) -> dict[str, list]:
         """Wait for the copy of ``slot`` (``launch``'s; left out, the newest launch's), then every statistic column
-        as a list, in row order (``stamp``: a benchmark's timer, told when the copy is back; ``spin``: see
-        ``wait``)."""
+        as a list, in row order (``stamp``: a benchmark's timer, told when the copy is back)."""
         host, done = self.last if slot is None else slot
         if done is not None:
-            wait(done, self.device, spin)
+            wait(done, self.device)
         if stamp:
             stamp(("copied back", time.perf_counter()))
         try:
@@ -424,15 +420,9 @@ def await_warm() -> None:
         _WARM.pop("thread", None)
 
 
-def wait(event: torch.cuda.Event, device: torch.device, spin: float = SPIN_S) -> None:
+def wait(event: torch.cuda.Event, device: torch.device) -> None:
     """Poll ``event``, never a blocking sync: a rank whose stream sits behind a stuck collective then
-    reports it after the group's timeout instead of hanging inside the driver.
-
-    For the first ``spin`` seconds the poll only yields the GIL (``time.sleep(0)``), then it sleeps between
-    queries. A thread that waits on its own probe passes ``SYNC_SPIN_S``: there a 0.1 ms sleep (about 0.15 ms
-    with the kernel's timer slack) that straddles the kernel's end is added whole to a ~1.5 ms probe. The
-    capture's writer keeps the short spin: its wait runs beside the job's thread, which it must not contend
-    with for the GIL."""
+    reports it after the group's timeout instead of hanging inside the driver."""
     limit = _sync_limit()
     t0 = time.perf_counter()
     while not event.query():
@@ -441,9 +431,7 @@ def wait(event: torch.cuda.Event, device: torch.device, spin: float = SPIN_S) ->
             raise RuntimeError(
                 f"probe: the work queued on {device} did not finish within {limit:g}s; a collective on this "
                 "rank's stream is probably stuck (its peer never posted the matching call)")
-        if waited < spin:
-            time.sleep(0)
-        else:
+        if waited > 0.0005:
             # A point taken right after the job's step (an optimizer hook's) waits here for the step's queued
             # work, tens of ms: 0.1 ms sleeps end the wait within about that of the work's end (sleeps growing by
             # 0.2 ms each overslept it by ~1.5 ms a point on an H200). Past a second, a stuck collective's wait up
