@@ -304,6 +304,24 @@ def test_never_written_pre_empts_a_reference_departure():
         ": `forward` read the unwritten bytes; every rank holds the same garbage, so a cross-rank check sees nothing")
 
 
+def test_unwritten_only_at_to_empty_and_never_looked_at_again_is_not_called_never_written():
+    """The point right after ``to_empty`` reads every tensor it made unwritten: with no later point, "never written"
+    cannot be known, and a raise after it leads; a later point that still reads them unwritten, or the same reading
+    at a point of another name (a user's own, after their init), is "never written" as before."""
+    only = rec(probed(("to_empty", UNWRITTEN)))
+    assert tensor_rule(only) == "unwritten-unseen"
+    assert diagnosis.diagnose(only).sentence == (
+        "`w` on rank 1 was unwritten at step `to_empty`, the first point after their materialisation, and no later "
+        "point looked at them: whether the job wrote them is not known")
+    raised = diagnosis.diagnose(rec(probed(("to_empty", UNWRITTEN)), events=[event("after to_empty", 0)]))
+    assert told("exception", rec(probed(("to_empty", UNWRITTEN)), events=[event("after to_empty", 0)])) == \
+        "raised-after-unseen"
+    assert raised.sentence.startswith("rank 0 raised KeyError in step `after to_empty`: 'bias'; before it: `w` on "
+                                      "rank 1 was unwritten at step `to_empty`"), raised.sentence
+    assert tensor_rule(rec(probed(("to_empty", UNWRITTEN), ("step1", UNWRITTEN)))) == "never-written"
+    assert tensor_rule(rec(probed(("after_init", UNWRITTEN)))) == "never-written"
+
+
 def test_a_tie_that_broke_adds_why_it_was_never_written():
     init = [[("embed", torch.ones(16), {"shares": "head"}), ("head", torch.ones(16), {"shares": "embed"})]
             for _ in range(2)]  # the probe's word for one tensor under two names

@@ -402,3 +402,20 @@ def test_a_point_one_rank_alone_took_pairs_the_others_by_name(tmp_path):
     d = b.bug.diagnose()
     assert not d.clean and d.step == "forward" and "never issued" not in d.sentence, d.sentence
     assert "rank 0 alone took the point `load_state_dict` (rank 1 never did): the ranks part there" in d.sentence
+
+
+def test_a_job_that_raises_before_any_point_saw_its_weights_written_reads_as_the_raise(tmp_path):
+    """The job's only point is the automatic one at ``to_empty``, which reads every tensor it made unwritten (as any
+    is, right after materialisation); the job then writes them (``_init_weights``) and raises a ``TypeError`` of its
+    own. Found by hand (a DeepSpeed script): the report led with "never written after materialisation ... still
+    unwritten at the last step", a claim no point could back. The raise leads; the tensors are said as seen once."""
+    out = tmp_path / "cap"
+    run = _run([*JOB, str(out), "--", *TORCHRUN, str(JOBS / "raise_after_init_job.py")], tmp_path)
+    assert run.returncode != 0 and "TypeError" in run.stderr, _says(run)
+    r = wb.load(out)
+    assert r.bug.steps[0] == "to_empty", r.bug.steps
+    d = r.bug.diagnose()
+    assert d.sentence.startswith("ranks 0,1 raised TypeError at jobs/raise_after_init_job.py:20"), d.sentence
+    assert "never written after materialisation" not in d.sentence and "still unwritten" not in d.sentence
+    assert ("were unwritten at step `to_empty`, the first point after their materialisation, and no later point "
+            "looked at them: whether the job wrote them is not known") in d.sentence, d.sentence

@@ -117,6 +117,22 @@ def says_raised_first(f: ExceptionFacts) -> Diagnosis:
     return e
 
 
+def when_raised_after_unseen(f: ExceptionFacts) -> bool:
+    """a rank raised after the only point that saw the tensors, the one right after their materialisation: the
+    job may have written them before it raised, so the raise is what is known"""
+    return f.error is not None and f.story.mechanism == "unwritten-unseen"
+
+
+def says_raised_after_unseen(f: ExceptionFacts) -> Diagnosis:
+    """rank R raised E at file:line in step `S`: message; before it: the tensors as that one point saw them"""
+    d = f.story
+    raised = cause.causes(f.run.events, f.error.step)
+    d.lead(*told(raised, f.error.step), said("; before it: "))
+    first = sorted({int(e["rank"]) for e in raised})
+    d.ranks = first + [r for r in d.ranks if r not in first]
+    return d
+
+
 def says_story_stands(f: ExceptionFacts) -> Diagnosis:
     """the state's story as it is (no exception, a later one, or one a rank's death or hang already names)"""
     return f.story
@@ -154,6 +170,7 @@ RULES: tuple[Rule, ...] = (
     Rule("exception", "raised-independently", when_raised_independently, says_raised_independently),
     Rule("exception", "raised-leads", when_raised_leads, says_raised_leads),
     Rule("exception", "raised-first", when_raised_first, says_raised_first),
+    Rule("exception", "raised-after-unseen", when_raised_after_unseen, says_raised_after_unseen),
     Rule("exception", "story-stands", always, says_story_stands),
     Rule("exception", "exception-unnamed", when_exception_unnamed, says_exception_unnamed, adds=True),
 )

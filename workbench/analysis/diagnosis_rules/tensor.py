@@ -100,6 +100,35 @@ class TensorFacts:
         return broken_tie(self.run, self.step, list(dict.fromkeys(self.never["name"]))) if len(self.never) else None
 
 
+MATERIALISED = "to_empty"  # the automatic point right after ``to_empty`` (``job/hooks.py``): every tensor it made
+# reads unwritten there, whatever the job writes next
+
+
+def when_unwritten_unseen(f: TensorFacts) -> bool:
+    """the never-written tensors were seen unwritten only at the point right after ``to_empty`` made them (where any
+    tensor it made reads so), and no later point looked at them"""
+    if not len(f.never) or f.step != MATERIALISED:
+        return False
+    run, step, names = f.run, f.step, set(f.never["name"])
+    if real_before(run, step, list(names), sorted(set(f.never["rank"]))):
+        return False  # real before: replaced by unwritten memory there, which is itself the finding
+    t = run.tensors
+    later = t[t["step"].map(run.index) > run.index(step)] if len(t) else t
+    return not (len(later) and later["name"].isin(names).any())
+
+
+def says_unwritten_unseen(f: TensorFacts) -> Diagnosis:
+    """`t` on rank R were unwritten at step `to_empty`, the first point after their materialisation, and no later
+    point looked at them: whether the job wrote them is not known"""
+    names = list(dict.fromkeys(f.never["name"]))
+    ranks = sorted(set(f.never["rank"]))
+    were = "was" if len(names) == 1 else "were"
+    head = (f"{named(names, f.among)} on {ranks_words(ranks)} {were} unwritten at step `{f.step}`, the first point "
+            f"after their materialisation, and no later point looked at them: whether the job wrote them is not known")
+    return Diagnosis("unwritten-unseen", [tensors(head, names), f.out], f.step, ranks, names[0], None,
+                     ev_frame(f.rows()))
+
+
 def when_never_written(f: TensorFacts) -> bool:
     """a tensor holds memory never written since materialisation (poison, or NaN computed from it)"""
     return len(f.never) > 0
@@ -300,6 +329,7 @@ def says_tie_broken(f: TensorFacts, d: Diagnosis) -> Diagnosis:
 
 # -- the order: tried top to bottom ------------------------------------------------------------------
 RULES: tuple[Rule, ...] = (
+    Rule("tensor", "unwritten-unseen", when_unwritten_unseen, says_unwritten_unseen),
     Rule("tensor", "never-written", when_never_written, says_never_written),
     Rule("tensor", "mislabeled", when_mislabeled, says_mislabeled),
     Rule("tensor", "lossy-cast", when_lossy_cast, says_lossy_cast),
