@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import jobrun
 import pandas as pd
 import pytest
 import torch
@@ -27,13 +28,11 @@ JOB = ROOT / "tests" / "jobs" / "parallel_layouts_job.py"
 
 
 def _torchrun(out: Path, ranks: int, *modes: str) -> dict[str, wb.Bundle]:
-    import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_CAPTURE"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(ranks), str(JOB), str(out), *modes], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=out.parent)
+    run = jobrun.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                      str(ranks), str(JOB), str(out), *modes], out, timeout=600, env=env, cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {m: wb.load(out / m) for m in modes}
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jobrun
 import pytest
 import torch
 from torch import nn
@@ -35,9 +36,8 @@ def _env() -> dict[str, str]:
 
 def _job(out: Path, *args: str, every: int = 0) -> tuple[subprocess.CompletedProcess, str]:
     """The job under ``workbench job`` and its report's diagnosis line."""
-    run = subprocess.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--every", str(every), "--",
-                          *TORCHRUN, str(JOB), *args], capture_output=True, text=True, timeout=300, env=_env(),
-                         cwd=out.parent)
+    run = jobrun.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--every", str(every), "--",
+                      *TORCHRUN, str(JOB), *args], out, timeout=300, env=_env(), cwd=out.parent)
     report = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True,
                             text=True, timeout=300, env=_env(), cwd=out.parent)
     line = next((ln for ln in report.stdout.splitlines() if ln.startswith("diagnosis:")), report.stdout + report.stderr)
@@ -237,9 +237,8 @@ def test_the_loss_watch_reads_each_loss_once_and_steps_aside_after_the_first_bad
 # -- clean means looked ---------------------------------------------------------------------------------------
 def test_a_capture_that_probed_no_model_says_so_instead_of_clean(tmp_path):
     out = tmp_path / "cap"
-    run = subprocess.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--", *TORCHRUN,
-                          str(ROOT / "tests" / "jobs" / "bare_params_job.py")], capture_output=True, text=True,
-                         timeout=300, env=_env(), cwd=tmp_path)
+    run = jobrun.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--", *TORCHRUN,
+                      str(ROOT / "tests" / "jobs" / "bare_params_job.py")], out, timeout=300, env=_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     report = subprocess.run([sys.executable, "-m", "workbench.cli", "report", str(out)], capture_output=True,
                             text=True, timeout=300, env=_env(), cwd=tmp_path)

@@ -8,10 +8,10 @@ an FSDP2 job whose own loader is right at 2 ranks and wrong at 4.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import jobrun
 import plotly.graph_objects as go
 import pytest
 
@@ -29,9 +29,8 @@ def _torchrun(script: str, out: Path, *args: str, ranks: int = 2, env: dict[str,
     e = {k: v for k, v in os.environ.items() if k not in ("WORKBENCH_CAPTURE", "ATEN_CPU_CAPABILITY",
                                                           "ONEDNN_MAX_CPU_ISA")}
     e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(ranks), str(EXAMPLES / script), str(out), *args], capture_output=True, text=True,
-                         timeout=300, env=e, cwd=out.parent)
+    run = jobrun.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                      str(ranks), str(EXAMPLES / script), str(out), *args], out, timeout=300, env=e, cwd=out.parent)
     assert (run.returncode == 0) == ok, run.stdout[-3000:] + run.stderr[-3000:]
 
 

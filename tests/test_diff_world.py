@@ -10,10 +10,10 @@ each rank's own (the automatic point declares it so). Then a right FSDP1 job (fl
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import jobrun
 import pytest
 
 import workbench as wb
@@ -32,7 +32,7 @@ def _job(out: Path, ranks: int, *args: str, script: Path = JOB) -> None:
                PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
     cmd = [sys.executable, "-m", "workbench.cli", "job", str(out), "--", sys.executable, "-m",
            "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script), *args]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
+    run = jobrun.run(cmd, out, timeout=600, env=env, cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 

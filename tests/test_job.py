@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import jobrun
 import pytest
 
 import workbench as wb
@@ -37,8 +38,8 @@ def _env() -> dict[str, str]:
 
 
 def torchrun(script: str, out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    run = subprocess.run([*TORCHRUN, str(EXAMPLES / script), str(out), *args], capture_output=True, text=True,
-                         timeout=timeout, env=_env(), cwd=out.parent)
+    run = jobrun.run([*TORCHRUN, str(EXAMPLES / script), str(out), *args], out, timeout=timeout, env=_env(),
+                     cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 
@@ -89,8 +90,8 @@ def test_the_ledger_around_calls_only_records_what_the_full_one_does(fsdp2_run, 
     """``ledger="calls"`` (the default: no dispatch mode between collectives): the same rows, call for call, as the
     full ledger (``WORKBENCH_CAPTURE_LEDGER=full``)."""
     out = tmp_path / "full"
-    run = subprocess.run([*TORCHRUN, str(EXAMPLES / "fsdp2_buffers_job.py"), str(out)], capture_output=True,
-                         text=True, timeout=300, env={**_env(), "WORKBENCH_CAPTURE_LEDGER": "full"}, cwd=tmp_path)
+    run = jobrun.run([*TORCHRUN, str(EXAMPLES / "fsdp2_buffers_job.py"), str(out)], out, timeout=300,
+                     env={**_env(), "WORKBENCH_CAPTURE_LEDGER": "full"}, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     full, calls = wb.load(out).bug, wb.load(fsdp2_run).bug
     assert json.loads((fsdp2_run / "rank0" / shards.MANIFEST).read_text())["ledger"] == "calls"
@@ -212,8 +213,8 @@ def test_a_rank_that_raises_is_an_event_and_the_waiting_rank_is_named(tmp_path):
     """Rank 1 raises in a forward (sys.excepthook under torchrun); rank 0, inside the next all-gather, is
     released by the lost connection. Both exceptions are on disk before the processes end."""
     out = tmp_path / "bad"
-    run = subprocess.run([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out), "--bad-batch"],
-                         capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    run = jobrun.run([*TORCHRUN, str(EXAMPLES / "uneven_eval_job.py"), str(out), "--bad-batch"], out, timeout=300,
+                     env=_env(), cwd=tmp_path)
     assert run.returncode != 0
     rec = wb.load(out).bug
     ev = rec.events.set_index("rank")
@@ -241,7 +242,7 @@ def test_a_balanced_eval_job_ends_clean_and_its_ranks_agree_on_a_job_id(tmp_path
     out = tmp_path / "balanced"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), str(EXAMPLES / "uneven_eval_job.py"), str(out), "--balanced"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+    run = jobrun.run(cmd, out, timeout=300, env=_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rec = wb.load(out).bug
     assert rec.steps == ["build", "shard", "evaluate"] and rec.manifest["hangs"] == []

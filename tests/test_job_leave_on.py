@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jobrun
 import pytest
 
 import workbench as wb
@@ -21,8 +22,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def _run(script: str, out: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKBENCH_CAPTURE", "TORCH_FR", "TORCH_NCCL"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra_env)
-    run = subprocess.run([*TORCHRUN, str(JOBS / script), str(out), *args], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=out.parent)
+    run = jobrun.run([*TORCHRUN, str(JOBS / script), str(out), *args], out, timeout=300, env=env, cwd=out.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 

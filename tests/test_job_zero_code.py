@@ -14,13 +14,13 @@ import inspect
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jobrun
 import psutil
 import pytest
 
@@ -46,32 +46,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def _exit_abort(run: subprocess.CompletedProcess) -> bool:
-    """torch's exit trap, with or without the workbench: a rank aborts in interpreter finalisation after its last
-    line, where its gloo group outlived the job's code (a script's module-level DDP model; DeepSpeed's parameters:
-    ``job/teardown.py``) and a worker dropping a backward's last work takes the GIL (docs/stacks.md: 3 of 60 plain
-    DeepSpeed runs; CI's run of 21da7d0 met it in a plain DeepSpeed job, a fresh clone of 1f00dcc in plain
-    ``clean_job.py``)."""
-    return run.returncode != 0 and EXIT_ABORT in run.stderr and "SIGABRT" in run.stderr
+EXIT_ABORT = jobrun.EXIT_ABORT
+_exit_abort = jobrun.exit_abort
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
          tries: int = 3) -> subprocess.CompletedProcess:
-    """A job, plain or under ``workbench job``; again (``tries`` in all) only where it met torch's exit abort
-    (``_exit_abort``): what these tests compare is the job with and without the workbench, not that trap's dice.
-    A rerun under ``workbench job`` starts again from an empty capture folder. The workbench's own exit aborts (a
-    watcher in a store call, a pinned group) have tests of their own that run once (test_job_guest,
-    test_close_leaves_torch)."""
-    for attempt in range(tries):
-        if attempt and cmd[:len(JOB)] == JOB and len(cmd) > len(JOB):
-            shutil.rmtree(cmd[len(JOB)], ignore_errors=True)
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env(), cwd=cwd)
-        if not _exit_abort(run):
-            return run
-    return run
+    """A job, plain or under ``workbench job`` (``jobrun.run``: again only where it met torch's exit abort; a rerun
+    under ``workbench job`` starts from an empty capture folder)."""
+    fresh = cmd[len(JOB)] if cmd[:len(JOB)] == JOB and len(cmd) > len(JOB) else None
+    return jobrun.run(cmd, fresh, tries, timeout=timeout, env=env or _env(), cwd=cwd)
 
 
 def _plain(script: Path, out: Path) -> Path:
