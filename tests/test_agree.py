@@ -96,7 +96,7 @@ def test_expert_parallel_with_plain_tensors_reads_clean(two):
 def test_a_router_that_differs_on_one_rank_is_named(two):
     d = two["ep-router"].bug.diagnose()
     assert d.mechanism == "diverged" and d.ranks == [1], d.sentence
-    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differs from step `step0`"), d.sentence
+    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differ from step `step0`"), d.sentence
     assert "experts" not in d.sentence
 
 
@@ -382,7 +382,7 @@ def test_a_router_seeded_apart_is_named_where_the_job_says_it_is_a_replica(clust
     s = live.session(ep_live, router_seed_on_rank1=7, declare=True)
     s.run()
     d = s.diagnose()
-    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differs from step `build_moe` on"), \
+    assert d.sentence.startswith("`router.weight`, `router.bias` on rank 1 differ from step `build_moe` on"), \
         d.sentence
     o = s.record().outputs
     route_ = o[(o["step"] == "route") & (o["name"] == "router_logits")]

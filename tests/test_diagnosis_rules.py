@@ -390,6 +390,9 @@ def test_diverged():
     assert tensor_rule(r) == "diverged"
     assert diagnosis.diagnose(r).sentence == ("`w` on rank 1 differs from step `step` on (content differs from "
                                               "rank 0)")
+    two = rec(probed(("step", [[("w", W), ("b", W)], [("w", W * 3), ("b", W * 3)]])))
+    assert diagnosis.diagnose(two).sentence == ("`w`, `b` on rank 1 differ from step `step` on (content differs "
+                                                "from rank 0)")
 
 
 # -- stage "exception" -------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def says_replicas_parted(f: TensorFacts) -> Diagnosis:
 def says_diverged(f: TensorFacts) -> Diagnosis:
     """`t` on rank R <status> from step `S` on (detail)"""
     names, ranks = list(dict.fromkeys(f.at_first["name"])), sorted(set(f.at_first["rank"]))
-    clauses = [tensors(f"{named(names, f.among)} on {ranks_words(ranks)} {f.first['status']} from step `{f.step}` "
+    status = "differ" if f.first["status"] == "differs" and len(names) > 1 else f.first["status"]
+    clauses = [tensors(f"{named(names, f.among)} on {ranks_words(ranks)} {status} from step `{f.step}` "
                        f"on ({f.first['detail']})", names), f.out]
     return Diagnosis("diverged", clauses, f.step, ranks, names[0], None, ev_frame(f.rows()))
 
