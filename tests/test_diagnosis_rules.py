@@ -311,8 +311,8 @@ def test_unwritten_only_at_to_empty_and_never_looked_at_again_is_not_called_neve
     only = rec(probed(("to_empty", UNWRITTEN)))
     assert tensor_rule(only) == "unwritten-unseen"
     assert diagnosis.diagnose(only).sentence == (
-        "`w` on rank 1 was unwritten at step `to_empty`, the first point after their materialisation, and no later "
-        "point looked at them: whether the job wrote them is not known")
+        "`w` on rank 1 was unwritten at step `to_empty`, the first point after its materialisation, and no later "
+        "point looked at it: whether the job wrote it is not known")
     raised = diagnosis.diagnose(rec(probed(("to_empty", UNWRITTEN)), events=[event("after to_empty", 0)]))
     assert told("exception", rec(probed(("to_empty", UNWRITTEN)), events=[event("after to_empty", 0)])) == \
         "raised-after-unseen"

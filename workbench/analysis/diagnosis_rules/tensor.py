@@ -122,9 +122,10 @@ def says_unwritten_unseen(f: TensorFacts) -> Diagnosis:
     point looked at them: whether the job wrote them is not known"""
     names = list(dict.fromkeys(f.never["name"]))
     ranks = sorted(set(f.never["rank"]))
-    were = "was" if len(names) == 1 else "were"
+    were, their, them = ("was", "its", "it") if len(names) == 1 else ("were", "their", "them")
     head = (f"{named(names, f.among)} on {ranks_words(ranks)} {were} unwritten at step `{f.step}`, the first point "
-            f"after their materialisation, and no later point looked at them: whether the job wrote them is not known")
+            f"after {their} materialisation, and no later point looked at {them}: whether the job wrote {them} is not "
+            "known")
     return Diagnosis("unwritten-unseen", [tensors(head, names), f.out], f.step, ranks, names[0], None,
                      ev_frame(f.rows()))
 
