@@ -6,6 +6,8 @@
 # tokens, a point every step; first benchmarks/probe_nvrtc.py (the probe's NVRTC kernel against Triton's; a mismatch
 # stops the call there). Leaves in $OUT: env.txt, probe_nvrtc_<N>gpu.json/.txt, job_leave_on_<N>gpu.json/.txt.
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_job_leave_on.sh", carry=[".whl"]).
+# The within-job cost to ~1% (150 on/off pairs a capturing job, ~160 s on one H200; fixtures/gpu/paired_leave_on_1gpu.json):
+#     python benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired 300 --paired-block 2 --no-compile
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export WB_COMMIT=${WB_COMMIT:-}

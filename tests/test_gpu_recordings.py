@@ -110,6 +110,18 @@ def test_recording_of_a_point_every_step_left_on_has_every_way():
     assert any(GPU.glob("job_leave_on_*gpu.json"))
 
 
+def test_recording_of_the_long_paired_reading_has_both_capturing_ways():
+    """benchmarks/job_leave_on.py --paired 300 --paired-block 2 (issue 62): a check of the recording. Each capturing
+    way (in-code defaults, zero-code ``--every 1``) has its pair ratio with a 95% interval over at least 100 pairs of
+    on/off steps within one process, the reading that can show 3% through the host's ±10% between steps."""
+    rec = json.loads((GPU / "paired_leave_on_1gpu.json").read_text())
+    assert rec["device"] and rec["device"] != "cpu"
+    for way in ("defaults", "zero_code"):
+        (job,) = rec["paired_ci95"][way]
+        lo, hi = job["ci95"]
+        assert job["pairs"] >= 100 and lo <= job["pair_ratio"] <= hi, (way, job)
+
+
 def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
     """benchmarks/probe_nvrtc.py (issue 62): a check of the recording. The CUDA probe kernel NVRTC builds was
     compared with Triton's over every tensor it lists, and through the dispatch a job's point takes, with no
