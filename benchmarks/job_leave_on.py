@@ -133,7 +133,8 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
         losses.append(float(o.loss))
         del o
     window = loop[2:] if len(loop) > 3 else loop[1:]
-    paired = _paired(args, model, opt, config, device, g, point, tag, cap) if args.paired and not backend else None
+    paired = (_paired(args, model, opt, config, device, g, point, tag, cap)
+              if args.paired and (not backend or args.paired_compiled) else None)
     profile = _profile(args, model, opt, config, device, g, point, tag) if args.profile and not backend else None
     del model, opt
     return {"profile": profile, "paired": paired,
@@ -250,6 +251,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
            "--shape", args.shape, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
            "--result", str(result), "--capture", str(work / f"cap-{tag}"), "--profile", str(args.profile if rnd else 0),
            "--paired", str(args.paired), "--paired-block", str(args.paired_block)]
+    if args.paired_compiled:
+        cmd.append("--paired-compiled")
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -336,13 +339,18 @@ def summarise(args, runs: list[dict]) -> dict:
         "paired_ratio": {m: sorted(r["eager"]["paired"]["ratio"] for r in runs
                                    if r["mode_key"] == m and (r.get("eager") or {}).get("paired"))
                          for m in MODES[1:]},
-        "paired_ci95": {m: [{k: r["eager"]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")}
-                            for r in runs if r["mode_key"] == m and (r.get("eager") or {}).get("paired")]
-                        for m in MODES[1:]},
+        "paired_ci95": _paired_ci95(runs, "eager"),
+        "compiled_paired_ci95": _paired_ci95(runs, "compiled"),
         "probe_build": {f"{r['mode_key']}-r{r['round']}": r.get("probe_build") for r in runs},
         "runs": [{k: r.get(k) for k in ("mode_key", "round", "fresh", "rc", "process_s", "imports_s", "wall_s",
                                         "eager", "compiled", "log")} for r in runs],
     }
+
+
+def _paired_ci95(runs: list[dict], how: str) -> dict[str, list[dict]]:
+    """Each capturing way's jobs' pair ratios with their intervals, for the eager or the compiled model."""
+    return {m: [{k: r[how]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")}
+                for r in runs if r["mode_key"] == m and (r.get(how) or {}).get("paired")] for m in MODES[1:]}
 
 
 def table(doc: dict) -> str:
@@ -357,9 +365,11 @@ def table(doc: dict) -> str:
             cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk].get(m, 0):.3f}x" if v is not None else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append(f"in one process, step + point over step (--paired, each job): {doc['paired_ratio']}")
-    for m, jobs in doc.get("paired_ci95", {}).items():
-        lines.append(f"  {m}: median pair ratio and its 95% interval, each job: " + "; ".join(
-            f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs" for j in jobs))
+    for key, how in (("paired_ci95", ""), ("compiled_paired_ci95", " (compiled)")):
+        for m, jobs in doc.get(key, {}).items():
+            if jobs:
+                lines.append(f"  {m}{how}: median pair ratio and its 95% interval, each job: " + "; ".join(
+                    f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs" for j in jobs))
     return "\n".join(lines)
 
 
@@ -376,6 +386,7 @@ def main() -> None:
     ap.add_argument("--fresh-compile", action="store_true", help="the fresh round compiled too (eager only else)")
     ap.add_argument("--paired", type=int, default=0, help="blocks of more steps, points on in one of each pair")
     ap.add_argument("--paired-block", type=int, default=3, help="steps a --paired block (its first is left out)")
+    ap.add_argument("--paired-compiled", action="store_true", help="the --paired blocks for the compiled model too")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)

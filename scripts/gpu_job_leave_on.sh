@@ -8,6 +8,8 @@
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_job_leave_on.sh", carry=[".whl"]).
 # The within-job cost to ~1% (150 on/off pairs a capturing job, ~160 s on one H200; fixtures/gpu/paired_leave_on_1gpu.json):
 #     python benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired 300 --paired-block 2 --no-compile
+# compiled too (not read yet; round 0 is eager only, so two rounds, ~8 min: a call of its own):
+#     ... --rounds 2 --steps 5 --paired 300 --paired-block 2 --paired-compiled
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export WB_COMMIT=${WB_COMMIT:-}
