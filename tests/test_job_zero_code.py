@@ -46,16 +46,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-EXIT_ABORT = jobrun.EXIT_ABORT
-_exit_abort = jobrun.exit_abort
-
-
-def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
-         tries: int = 3) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
     """A job, plain or under ``workbench job`` (``jobrun.run``: again only where it met torch's exit abort; a rerun
     under ``workbench job`` starts from an empty capture folder)."""
     fresh = cmd[len(JOB)] if cmd[:len(JOB)] == JOB and len(cmd) > len(JOB) else None
-    return jobrun.run(cmd, fresh, tries, timeout=timeout, env=env or _env(), cwd=cwd)
+    return jobrun.run(cmd, fresh, timeout=timeout, env=env or _env(), cwd=cwd)
 
 
 def _plain(script: Path, out: Path) -> Path:

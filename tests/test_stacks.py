@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from test_job_zero_code import EXIT_ABORT, JOB, JOBS, TORCHRUN, _env, _exit_abort, _run, _says
+from jobrun import EXIT_ABORT, exit_abort
+from test_job_zero_code import JOB, JOBS, TORCHRUN, _env, _run, _says
 from torch import nn
 
 import workbench as wb
@@ -140,7 +141,7 @@ def test_only_torchs_exit_abort_is_run_again():
     cases = {(1, f"{EXIT_ABORT}\n... {trap}"): True, (0, EXIT_ABORT): False,
              (1, f"Traceback ...\nRuntimeError: boom\n{trap}"): False, (1, f"{EXIT_ABORT}\nexitcode: 1"): False}
     for (rc, err), want in cases.items():
-        assert _exit_abort(subprocess.CompletedProcess([], rc, "", err)) == want, (rc, err)
+        assert exit_abort(subprocess.CompletedProcess([], rc, "", err)) == want, (rc, err)
 
 
 def _losses(stdout: str) -> list[str]:
@@ -184,8 +185,8 @@ def test_a_right_jobs_capture_read_the_models_values(stack, request):
 
 @pytest.mark.slow
 def test_a_group_held_past_the_jobs_destroy_is_said(stack):
-    """Why a job that reads clean may still exit 1 (``_exit_abort``): DeepSpeed's parameters hold the world group past
-    the job's ``destroy_process_group``, and the report says who holds it; the other stacks let it go."""
+    """Why a job that reads clean may still exit 1 (``jobrun.exit_abort``): DeepSpeed's parameters hold the world
+    group past the job's ``destroy_process_group``, and the report says who holds it; the other stacks let it go."""
     for label in ("right 0", "right 1"):
         d = wb.load(stack[label][0]).bug.diagnose()
         said = "the world group outlived the job's `destroy_process_group`" in d.sentence
