@@ -112,9 +112,7 @@ def when_unwritten_unseen(f: TensorFacts) -> bool:
     run, step, names = f.run, f.step, set(f.never["name"])
     if real_before(run, step, list(names), sorted(set(f.never["rank"]))):
         return False  # real before: replaced by unwritten memory there, which is itself the finding
-    t = run.tensors
-    later = t[t["step"].map(run.index) > run.index(step)] if len(t) else t
-    return not (len(later) and later["name"].isin(names).any())
+    return not any(run.at(run.tensors, s)["name"].isin(names).any() for s in run.steps[run.index(step) + 1:])
 
 
 def says_unwritten_unseen(f: TensorFacts) -> Diagnosis:
