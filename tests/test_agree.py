@@ -187,6 +187,38 @@ def test_a_points_columns_are_reused_only_while_nothing_synced_since_and_never_f
         agree.forget()
 
 
+
+def test_what_a_wrapper_says_holds_when_a_point_probes_the_module_inside_it():
+    """A job's automatic points probe the module inside DDP or DeepSpeed's engine (``owners.unwrapped``); the
+    wrapper's word (a replica, its buffers never synced) must still reach the columns. A user's ``replicated``
+    stands."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from workbench.job import owners
+    from workbench.rank import agree
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        agree.forget()
+        net = nn.BatchNorm1d(4)
+        ddp = DDP(net, broadcast_buffers=False)
+        assert owners.unwrapped(ddp) is net and owners.wrappers(net) == [ddp]
+        assert owners.wrappers(nn.Linear(2, 2)) == []
+        before = agree._owned({"model": net})
+        assert id(net.running_mean) not in before
+        agree.wrapped(net, owners.wrappers(net))
+        owned = agree._owned({"model": net})
+        assert owned[id(net.weight)] == ((0,), "DDP replica")
+        assert owned[id(net.running_mean)] == ((0,), "DDP replica, but broadcast_buffers=False: DDP never syncs "
+                                                     "its buffers")
+        other = nn.Linear(2, 2)
+        agree.replicated(other, [0])
+        agree.wrapped(other, [DDP(other)])
+        assert agree._owned({"m": other})[id(other.weight)] == ((0,), "declared replicated")
+    finally:
+        dist.destroy_process_group()
+        agree.forget()
+
 # -- a live data-parallel step --------------------------------------------------------------------------------
 dp = wb.Scenario("dp-per-rank-batches", params={"break_mean": False})
 

@@ -256,3 +256,49 @@ def test_megatron_fsdp_imports_on_cpu_and_materialises_module_by_module():
     source = inspect.getsource(param_and_grad_buffer)
     at = source.index("m.to_empty(device=self.device, recurse=False)")
     assert "m.reset_parameters()" in source[at: at + 1200]
+
+
+# -- DeepSpeed ZeRO-1/2: a replica the engine holds, its buffers never synced by DeepSpeed ---------------------
+STATS = JOBS / "stack_deepspeed_stats.py"
+
+
+@pytest.fixture(scope="module")
+def zero12(tmp_path_factory) -> dict[str, Any]:
+    """``stack_deepspeed_stats.py`` under ``workbench job --every 1``: right at ZeRO-1, with its bug (each rank its
+    own data statistics in buffers) at ZeRO-1 and ZeRO-2."""
+    tmp = tmp_path_factory.mktemp("zero12")
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp / "torch_extensions")}
+    runs = {}
+    for label, args in (("right 1", ["--stage", "1"]), ("bug 1", ["--stage", "1", "--per-rank-stats"]),
+                        ("bug 2", ["--stage", "2", "--per-rank-stats"])):
+        out = tmp / label.replace(" ", "")
+        runs[label] = (out, _launch([*JOB, str(out), "--every", "1", "--", *TORCHRUN, str(STATS), *args], tmp, env))
+    return runs
+
+
+@pytest.mark.slow
+def test_a_zero1_job_reads_clean_having_compared_its_replica(zero12):
+    """Clean means looked: the engine's module is a replica across its data-parallel group, parameters and
+    buffers compared across the ranks at every point."""
+    out, run = zero12["right 1"]
+    assert run.returncode == 0 and len(_losses(run.stdout)) == 4, _says(run)
+    assert wb.load(out).bug.diagnose().clean
+    t = wb.load(out).bug.tensors
+    assert {"model.body.0.weight", "model.mean", "model.std"} <= set(t["name"]), sorted(set(t["name"]))
+    assert (t["agree"] == "0,1").all(), t[["rank", "step", "name", "agree", "agree_by"]].to_string()
+    by = dict(zip(t["name"], t["agree_by"]))
+    assert by["model.body.0.weight"] == "DeepSpeed ZeRO-1 replica", by
+    assert "DeepSpeed broadcasts parameters only" in by["model.mean"], by
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_per_rank_buffers_under_zero12_are_named(zero12, stage):
+    """DeepSpeed broadcasts the parameters at ``initialize``, never the buffers: statistics each rank computed
+    from its own shard of the data differ on rank 1, and that is what the report says (it read "clean")."""
+    out, run = zero12[f"bug {stage}"]
+    assert run.returncode == 0 and len(_losses(run.stdout)) == 4, _says(run)
+    d = wb.load(out).bug.diagnose()
+    assert not d.clean and d.tensor in ("model.mean", "model.std"), d.sentence
+    assert "rank 1" in d.sentence and "`mean`" in d.sentence, d.sentence
+    assert f"DeepSpeed ZeRO-{stage} replica, but DeepSpeed broadcasts parameters only" in d.sentence, d.sentence

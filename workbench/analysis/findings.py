@@ -112,7 +112,7 @@ def agree_ranks(v: object) -> list[int]:
 
 def _by_words(by: object, ranks: list[int], world: int) -> str:
     """`` (mesh dim `replicate`)``: why a group must agree, when it is not simply every rank (today's words)."""
-    if not isinstance(by, str) or not by or (len(ranks) == world and not by.startswith(("mesh", "DDP"))):
+    if not isinstance(by, str) or not by or (len(ranks) == world and not by.startswith(("mesh", "DDP", "DeepSpeed"))):
         return ""
     return f" ({by})"
 

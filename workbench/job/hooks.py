@@ -410,6 +410,8 @@ class Hooks:
             return  # a point's own work, or a capture the script closed
         import torch
 
+        from workbench.rank import agree
+
         self._local.busy = True
         try:
             inner = _unwrapped(module)
@@ -419,6 +421,7 @@ class Hooks:
                 if outputs:  # a data-parallel root's forward: each rank's own batch, never compared with rank 0's
                     self.cap.local(*outputs)
                 _found(self, inner)
+                agree.wrapped(inner, owners.wrappers(inner))  # DDP's, DeepSpeed's: a replica, though probed alone
                 self.cap.point(name, model=inner)
             if isinstance(inner, torch.nn.Module) and not any(r() is inner for r in self._roots):
                 self._roots.append(weakref.ref(inner))

@@ -22,16 +22,32 @@ from typing import Any
 
 _ATTRS = ("module", "_forward_module")
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> weakref(module) or None
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its wrappers (weak), outermost first
 
 
 def unwrapped(module: Any) -> Any:
-    """What a manual point would name: the module a wrapper holds (through several wrappers), else ``module``."""
+    """What a manual point would name: the module a wrapper holds (through several wrappers), else ``module``.
+    The wrappers it went through are remembered (``wrappers``): what they make of the module (a replica across
+    their group) still holds when a point probes the module alone."""
+    chain = []
     for _ in range(8):
         inner = _held(module)
         if inner is None:
-            return module
+            break
+        chain.append(module)
         module = inner
+    if chain:
+        _WRAPPERS[module] = [weakref.ref(w) for w in chain]
     return module
+
+
+def wrappers(module: Any) -> list[Any]:
+    """The live wrappers ``unwrapped`` last went through to reach ``module``, outermost first."""
+    try:
+        refs = _WRAPPERS.get(module) or []
+    except TypeError:  # not weakly referable: never unwrapped to
+        return []
+    return [w for w in (r() for r in refs) if w is not None]
 
 
 def _held(module: Any) -> Any:

@@ -11,7 +11,9 @@ Every probed tensor and output gets three small columns:
 Where it comes from, strongest first: DTensor placements (ranks along the ``Replicate`` mesh dims, at the
 same coordinates on the others); a declaration (``ctx.output(..., same_on=...)``, ``replicated(module)``,
 ``ctx.local`` for the opposite); a wrapper (a DDP module is a replica across DDP's group, FSDP1's wrapped
-module across FSDP's, an FSDP2 module's plain buffers across its mesh); a collective (a tensor broadcast or
+module across FSDP's, an FSDP2 module's plain buffers across its mesh, DeepSpeed's engine's module at ZeRO stage
+0-2 across its data-parallel group), whether the point names the wrapper or the module it holds (``wrapped``);
+a collective (a tensor broadcast or
 all-reduced whole across a group, or a parameter whose gradient was, agrees across it from then on: the
 ledger tells ``synced`` as it records the call). Without any of these a tensor is this rank's own: data,
 expert and pipeline parallel code holds per-rank values by design.
@@ -32,7 +34,7 @@ from workbench.rank import mesh_facts, probe_cpu
 COLUMNS = ("agree", "agree_by", "replica")
 _CAP = 200_000  # storages remembered; the oldest go first
 _SYNCED: OrderedDict[tuple, tuple[Any, tuple[int, ...], str]] = OrderedDict()  # storage key -> (weak ref, ranks, how)
-_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (ranks, how)
+_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (ranks, how, how for buffers)
 _VERSION = [0]  # bumped whenever what ``_SYNCED`` or ``_DECLARED`` answers may change: ``annotate``'s cache key
 
 
@@ -132,10 +134,27 @@ def replicated(module: nn.Module, group: Any = "world") -> nn.Module:
     if ranks is None:
         raise ValueError(f"replicated: cannot read the ranks of {group!r} (give 'world', a process group, a "
                          "device mesh or a list of ranks)")
-    _DECLARED[module] = (ranks, "declared replicated")
+    _declare(module, (ranks, "declared replicated", "declared replicated"))
+    return module
+
+
+def wrapped(module: nn.Module, wrappers: Iterable[nn.Module]) -> None:
+    """What ``wrappers`` (outermost first) say of the module they hold, for a point that probes ``module`` alone
+    (a job's automatic points name the module inside DDP or DeepSpeed's engine): the outermost that makes it a
+    replica speaks. A user's own declaration (``replicated``) stands."""
+    said = next((w for w in map(_wrapper, wrappers) if w is not None), None)
+    if said is None or not isinstance(module, nn.Module):  # a point on what no wrapper holds: nothing to say
+        return
+    held = _DECLARED.get(module)
+    if held == said or (held is not None and held[1] == "declared replicated"):
+        return
+    _declare(module, said)
+
+
+def _declare(module: nn.Module, said: tuple[tuple[int, ...], str, str]) -> None:
+    _DECLARED[module] = said
     _OWNED.clear()  # what a cached walk said no longer holds
     _VERSION[0] += 1
-    return module
 
 
 def declared_output(spec: Any) -> dict[str, str]:
@@ -171,9 +190,29 @@ def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
                     ranks = mesh_facts.ranks(mesh)
                     return ranks, "FSDP2", "FSDP2 (a plain buffer: replicated)"
             return _world(), "FSDP2", "FSDP2 (a plain buffer: replicated)"
+        if any(c.__name__ == "DeepSpeedEngine" for c in type(mod).__mro__):
+            return _deepspeed(mod)
     except (KeyError, ValueError, RuntimeError, AttributeError):  # its group no longer registered, an odd mesh
         return None
     return None
+
+
+def _deepspeed(engine: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
+    """DeepSpeed's engine below ZeRO-3: its module is whole on every rank of its data-parallel group, a replica
+    (``_broadcast_model`` broadcasts its parameters at ``initialize``, the optimizer gathers them after each step),
+    but nothing in DeepSpeed ever syncs its buffers. ZeRO-3 partitions the parameters (``_zero``); a model with
+    expert parameters (``allreduce=False``: replicas only across their expert group) is left to the collectives."""
+    import torch.distributed as dist
+
+    stage = int(engine.zero_optimization_stage())
+    module = getattr(engine, "module", None)
+    if stage >= 3 or not isinstance(module, nn.Module) or any(
+            getattr(p, "allreduce", True) is False for p in module.parameters()):
+        return None
+    group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else _world()
+    how = f"DeepSpeed ZeRO-{stage} replica" if stage else "DeepSpeed replica"
+    return ranks, how, f"{how}, but DeepSpeed broadcasts parameters only: a buffer is never synced"
 
 
 def _zero(model: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
@@ -205,8 +244,7 @@ def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]
             seen.add(id(mod))
             w = _wrapper(mod) or (_zero(mod) if mod is obj else None)
             if w is None and mod in _DECLARED:
-                ranks, how = _DECLARED[mod]
-                w = (ranks, how, how)
+                w = _DECLARED[mod]
             if w is None:
                 continue
             ranks, p_how, b_how = w
