@@ -126,7 +126,7 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
         o.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        p = point(f"{tag}step{i}", model=model, logits=o.logits)
+        p = point(f"{tag}step{i}", model=model, **_outs(args, o))
         sync()
         loop.append(time.perf_counter() - t0)
         points.append(p)
@@ -143,6 +143,11 @@ def run(args, cap, config, device, tag: str, backend: str | None) -> dict:
             "meta_point_ms": 1e3 * meta_s, "to_empty_point_ms": 1e3 * empty_s,
             "first_point_ms": 1e3 * (empty_s if cap is not None else 0.0), "losses": losses[:3] + losses[-1:],
             "steps_t0": steps_t0}
+
+
+def _outs(args, o) -> dict:
+    """The step's logits, for the in-code point beside the model (``--no-logits``: none)."""
+    return {"logits": o.logits} if args.logits else {}
 
 
 def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict | None:
@@ -179,7 +184,7 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
             opt.step()
             opt.zero_grad(set_to_none=True)
             if on and cap is not None:
-                point(f"{tag}pair{blk}_{j}", model=model, logits=o.logits)
+                point(f"{tag}pair{blk}_{j}", model=model, **_outs(args, o))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if j:
@@ -222,7 +227,7 @@ def _profile(args, model, opt, config, device, g, point, tag: str) -> str:
         o.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        point(f"{tag}prof{i}", model=model, logits=o.logits)
+        point(f"{tag}prof{i}", model=model, **_outs(args, o))
         float(o.loss)
         pr.disable()
         del o
@@ -253,6 +258,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
            "--paired", str(args.paired), "--paired-block", str(args.paired_block)]
     if args.paired_compiled:
         cmd.append("--paired-compiled")
+    if not args.logits:
+        cmd.append("--no-logits")
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -331,7 +338,7 @@ def summarise(args, runs: list[dict]) -> dict:
     return {
         "shape": args.shape, "config": SHAPES[args.shape], "device": dev, "gpus": 1,
         "torch": next((r.get("torch") for r in runs if r.get("torch")), None),
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+        "in_code_logits": args.logits, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
         "window": f"median of steps 2-{args.steps - 1}, pooled over the rounds",
         "loop_ms": loop, "loop_vs_off": _ratios(loop), "fresh_loop_ms": fresh, "fresh_vs_off": _ratios(fresh),
         "compiled_loop_ms": comp, "compiled_vs_off": _ratios(comp),
@@ -387,6 +394,8 @@ def main() -> None:
     ap.add_argument("--paired", type=int, default=0, help="blocks of more steps, points on in one of each pair")
     ap.add_argument("--paired-block", type=int, default=3, help="steps a --paired block (its first is left out)")
     ap.add_argument("--paired-compiled", action="store_true", help="the --paired blocks for the compiled model too")
+    ap.add_argument("--no-logits", dest="logits", action="store_false", help="in-code points of the model alone "
+                    "(a zero-code step point's objects), not the model and the step's logits")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)

@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--points", type=int, default=20)
+    ap.add_argument("--no-logits", dest="logits", action="store_false", help="points of the model alone (as a "
+                    "zero-code step point takes them), not the model and the step's logits")
     ap.add_argument("--out")
     args = ap.parse_args()
     import workbench.job as wj
@@ -66,17 +68,20 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-        return o.logits
+        return o.logits if args.logits else None
+
+    def objects(logits: torch.Tensor | None) -> dict:
+        return {"model": model} if logits is None else {"model": model, "logits": logits}
 
     for i in range(args.warm):
-        cap.point(f"warm{i}", model=model, logits=step())
+        cap.point(f"warm{i}", **objects(step()))
         cap.flush()
     step_ms, point_ms, drain_ms = [], [], []
     for i in range(args.points):
         t0 = time.perf_counter()
         logits = step()
         t1 = time.perf_counter()
-        cap.point(f"p{i}", model=model, logits=logits)
+        cap.point(f"p{i}", **objects(logits))
         t2 = time.perf_counter()
         cap.flush()
         step_ms.append(1e3 * (t1 - t0))
@@ -87,12 +92,12 @@ def main() -> None:
     for i in range(args.points):
         logits = step()
         prof.enable()
-        cap.point(f"prof{i}", model=model, logits=logits)
+        cap.point(f"prof{i}", **objects(logits))
         cap.flush()
         prof.disable()
     cap.close()
     rows = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
-    out = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+    out = {"shape": args.shape, "logits": args.logits, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
            "torch": torch.__version__, "tensors": rows, "points": args.points,
            "step_ms": round(statistics.median(step_ms), 3), "point_ms": round(statistics.median(point_ms), 3),
            "drain_ms": round(statistics.median(drain_ms), 3), "point_ms_all": [round(x, 3) for x in point_ms],
@@ -127,10 +132,11 @@ def rows_match(cap, model, logits) -> dict:
     equal (on a GPU job the point's rows were made on the writer, ``rank/point_deferred.py``)."""
     from workbench.rank import probe, remote, shard_format
 
-    cap.point("check", model=model, logits=logits)
+    cap.point("check", model=model, **({} if logits is None else {"logits": logits}))
     cap.flush()
     rec = cap.latest
-    cap.ctx.output("logits", logits)
+    if logits is not None:
+        cap.ctx.output("logits", logits)
     held: dict = {}
     rows = probe.probe_objects({"model": model}, cap.rank, held)
     remote._annotate(rows, {"model": model}, cap.ctx, held)
