@@ -256,5 +256,7 @@ def test_the_close_names_who_holds_the_world_group_after_the_job_destroyed_it():
     assert teardown.outlived(cap, "pg")["holders"] == "3 objects' `ds_process_group`, 1 object's `other`"
     hidden = {"group": cap.pg}  # a dict of untracked objects only: the collector does not see it
     assert teardown.outlived(cap, "pg")["holders"] == "3 objects' `ds_process_group`, 1 object's `other`, 1 more"
-    del held, hidden, h
+    del held, h
+    assert teardown.outlived(cap, "pg") == {"refs": 1, "holders": "none that the garbage collector can name"}
+    del hidden
     assert teardown.outlived(cap, "pg") is None  # only the capture's: nothing to say

@@ -1,5 +1,6 @@
-"""The stacks users train with (DeepSpeed, Lightning Fabric, Accelerate), each as a user's own small script under
-``workbench job`` on 2 CPU ranks with gloo (docs/stacks.md), and what the capture must never do inside them.
+"""The stacks users train with (DeepSpeed, Lightning Fabric, Accelerate, transformers' Trainer), each as a user's
+own small script under ``workbench job`` on 2 CPU ranks with gloo (docs/stacks.md), and what the capture must never do
+inside them.
 
 A right job exits 0, reads clean and prints what it prints without the workbench; a planted bug of that stack's
 init path is named and the job exits as it does without the workbench. Each script runs once plain and once per
@@ -105,6 +106,9 @@ STACKS = {
                        {"DS_ACCELERATOR": "cpu"}),
     "lightning": Stack("stack_lightning.py", "--empty-init", ["--every", "1"], {}),  # it crashed under --every 1
     "accelerate": Stack("stack_accelerate.py", "--forget-inv-freq", ["--every", "0"], {}),
+    # transformers imports DeepSpeed where it is installed, and DeepSpeed then prints a timed line on stdout
+    # unless its accelerator is named
+    "trainer": Stack("stack_trainer.py", "--forget-inv-freq", ["--every", "0"], {"DS_ACCELERATOR": "cpu"}),
 }
 NEEDS_D = "needs the stack-agnostic detectors (issue 60)"
 NOT_YET: set[str] = set()  # stacks whose planted bug waits for those detectors
@@ -193,6 +197,8 @@ def test_a_group_held_past_the_jobs_destroy_is_said(stack):
         if stack["name"] == "deepspeed":
             assert d.clean and said and "objects' `ds_process_group`" in d.sentence, (label, d.sentence)
             assert "on ranks 0,1" in d.sentence and "terminate called without an active exception" in d.sentence
+        elif stack["name"] == "trainer":  # two references past the Trainer and its model, in nothing gc tracks
+            assert d.clean and said and "none that the garbage collector can name" in d.sentence, (label, d.sentence)
         else:
             assert not said, (label, d.sentence)
 

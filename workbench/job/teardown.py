@@ -42,7 +42,7 @@ def _holders(pg: Any, owner: Any, refs: int) -> str:
     """The referrers of ``pg`` but ``owner`` by what they call it: an object's attribute by its name, else the
     referrer's type; the three most common, then how many more of the ``refs``. Only what the collector tracks is
     seen: a ``__dict__`` holding nothing but untracked objects (a process group is one) is not, and counts among
-    the more."""
+    the more; where none is seen, that is said (a transformers Trainer's DDP job: 2 references, none named)."""
     said: Counter[str] = Counter()
     for r in gc.get_referrers(pg):
         if r is owner or isinstance(r, types.FrameType):  # the capture, and this very call's frames
@@ -56,6 +56,8 @@ def _holders(pg: Any, owner: Any, refs: int) -> str:
             continue
         said.update([f"objects' `{k}`" for k in keys] or [f"{type(r).__name__}s"])
     top = said.most_common(3)
+    if not top:  # a dict of plain values only (the collector does not track it), a C extension's reference
+        return "none that the garbage collector can name"
     rest = refs - sum(n for _, n in top)
     one = {what: what.replace("objects'", "object's") if what.startswith("objects'") else what[:-1] for what, _ in top}
     return ", ".join([f"{n} {what if n > 1 else one[what]}" for what, n in top] + ([f"{rest} more"] if rest else []))

@@ -281,6 +281,10 @@ def _unfollowed(run: Run) -> list:
                  f"the steps after it are not seen (`workbench job --every N`: a point every N-th step)")]
 
 
+def _references(n: object) -> str:
+    return f"{n} reference" if n == 1 else f"{n} references"
+
+
 def _outlived(run: Run) -> list:
     """A job whose world group some object still held after its ``destroy_process_group`` (``job/teardown.py``):
     why a run that reads clean may still exit 1."""
@@ -293,7 +297,7 @@ def _outlived(run: Run) -> list:
            "('terminate called without an active exception')" if run.manifest.get("backend") == "gloo" else
            "its backend's threads run on into interpreter exit")
     return [said(f"; on rank{'s' if len(held) > 1 else ''} {ranks} the world group outlived the job's "
-                 f"`destroy_process_group` (rank {first}: {held[first].get('refs')} references, "
+                 f"`destroy_process_group` (rank {first}: {_references(held[first].get('refs'))}, "
                  f"{held[first].get('holders')}), so {how}: a job that exited 1 there failed at its teardown, "
                  "not in its training")]
 
