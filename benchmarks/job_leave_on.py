@@ -157,6 +157,9 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
     (the in-code job takes them; the zero-code job's hooks have ``every`` set to 1 or 0), in the order on-off,
     off-on, ... so a drift through the job weighs on both alike. Each step is timed with its point and
     synchronised; each block's first step is left out (it carries the switch and the previous block's writer).
+    The in-code point is called as a job calls it, right after ``opt.step()`` with no sync first, as the zero-code
+    hooks take theirs (until 2026-11-29 it went through ``point``, which synchronises before it: the point's host
+    work then could not overlap the step's last kernels; ``--sync-before-point`` keeps that reading).
     ``ratio``: the median step with a point over the median step without, the capture open in both; ``pair_ratio``:
     the median of each pair's own ratio (its on block's median over its off block's), with ``ci95``, a bootstrap
     interval of it over the pairs, so one job can show whether the cost is under a goal (``ci95[1]``) or not."""
@@ -183,8 +186,11 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
             o.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if on and cap is not None:
-                point(f"{tag}pair{blk}_{j}", model=model, **_outs(args, o))
+            if on and cap is not None:  # as the job calls it: no sync first (``--sync-before-point``: one)
+                if args.sync_before_point:
+                    point(f"{tag}pair{blk}_{j}", model=model, **_outs(args, o))
+                else:
+                    cap.point(f"{tag}pair{blk}_{j}", model=model, **_outs(args, o))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if j:
@@ -260,6 +266,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
         cmd.append("--paired-compiled")
     if not args.logits:
         cmd.append("--no-logits")
+    if args.sync_before_point:
+        cmd.append("--sync-before-point")
     if not args.compile or (rnd == 0 and not args.fresh_compile):
         cmd.append("--no-compile")
     if mode == "zero_code":
@@ -338,7 +346,8 @@ def summarise(args, runs: list[dict]) -> dict:
     return {
         "shape": args.shape, "config": SHAPES[args.shape], "device": dev, "gpus": 1,
         "torch": next((r.get("torch") for r in runs if r.get("torch")), None),
-        "in_code_logits": args.logits, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+        "in_code_logits": args.logits, "sync_before_point": args.sync_before_point,
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
         "window": f"median of steps 2-{args.steps - 1}, pooled over the rounds",
         "loop_ms": loop, "loop_vs_off": _ratios(loop), "fresh_loop_ms": fresh, "fresh_vs_off": _ratios(fresh),
         "compiled_loop_ms": comp, "compiled_vs_off": _ratios(comp),
@@ -396,6 +405,8 @@ def main() -> None:
     ap.add_argument("--paired-compiled", action="store_true", help="the --paired blocks for the compiled model too")
     ap.add_argument("--no-logits", dest="logits", action="store_false", help="in-code points of the model alone "
                     "(a zero-code step point's objects), not the model and the step's logits")
+    ap.add_argument("--sync-before-point", action="store_true", help="--paired: the in-code point after a device "
+                    "sync (as the timed steps take it, or a job that reads its loss first); else as a job calls it")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)

@@ -188,6 +188,22 @@ def test_a_points_columns_are_reused_only_while_nothing_synced_since_and_never_f
 
 
 
+def test_a_tensor_broadcast_as_its_bytes_agrees():
+    """DeepSpeed broadcasts each parameter as ``p.data.view(torch.uint8)``: the same memory under another dtype is
+    the same tensor synced; a part of it is not the whole."""
+    from workbench.rank import agree
+
+    agree.forget()
+    try:
+        w, other = torch.randn(4, 8), torch.randn(4, 8)
+        agree.synced([w.view(torch.uint8)], [0, 1], "broadcast")
+        assert agree.of_tensor(w)["agree"] == "0,1" and agree.of_tensor(w)["agree_by"] == "broadcast"
+        assert agree.of_tensor(other)["agree"] == ""
+        agree.synced([other[0]], [0, 1], "broadcast")
+        assert agree.of_tensor(other)["agree"] == ""  # its first row only
+    finally:
+        agree.forget()
+
 def test_what_a_wrapper_says_holds_when_a_point_probes_the_module_inside_it():
     """A job's automatic points probe the module inside DDP or DeepSpeed's engine (``owners.unwrapped``); the
     wrapper's word (a replica, its buffers never synced) must still reach the columns. A user's ``replicated``

@@ -76,8 +76,8 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
             return None  # a DTensor: its placements say it
         if t.device.type == "meta":
             return None
-        s = t.untyped_storage()
-        return (s.data_ptr(), t.storage_offset(), t.numel(), str(t.dtype))
+        s, size = t.untyped_storage(), t.element_size()  # in bytes: a byte view of a tensor is the same memory
+        return (s.data_ptr(), t.storage_offset() * size, t.numel() * size)
     except (RuntimeError, TypeError, AttributeError):  # no storage of its own (a fake or wrapper subclass)
         return None
 
