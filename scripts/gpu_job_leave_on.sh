@@ -8,8 +8,10 @@
 # Device tool: run(command="WB_COMMIT=... bash scripts/gpu_job_leave_on.sh", carry=[".whl"]).
 # The within-job cost to ~1% (150 on/off pairs a capturing job, ~160 s on one H200; fixtures/gpu/paired_leave_on_1gpu.json):
 #     python benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired 300 --paired-block 2 --no-compile
-# compiled too (not read yet; round 0 is eager only, so two rounds, ~8 min: a call of its own):
+# compiled too (round 0 is eager only, so two rounds, ~8 min: a call of its own; fixtures/gpu/paired_compiled_1gpu.json):
 #     ... --rounds 2 --steps 5 --paired 300 --paired-block 2 --paired-compiled
+# fresh caches, eager and compiled, in one round (~5 min; fixtures/gpu/paired_fresh_1gpu.json):
+#     ... --rounds 1 --steps 5 --paired 300 --paired-block 2 --fresh-compile --paired-compiled
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export WB_COMMIT=${WB_COMMIT:-}

@@ -122,6 +122,52 @@ def test_recording_of_the_long_paired_reading_has_both_capturing_ways():
         assert job["pairs"] >= 100 and lo <= job["pair_ratio"] <= hi, (way, job)
 
 
+
+def _paired_jobs(rec: dict, way: str, how: str, fresh: bool) -> list[dict]:
+    return [r[how]["paired"] for r in rec["runs"]
+            if r["mode_key"] == way and r["fresh"] == fresh and (r.get(how) or {}).get("paired")]
+
+
+def test_recording_of_the_long_paired_reading_compiled_and_fresh():
+    """benchmarks/job_leave_on.py --rounds 2 ... --paired-compiled (issue 62): a check of the recording. Each
+    capturing way has a long paired reading on the fresh round (eager) and on the warm one, eager and compiled."""
+    rec = json.loads((GPU / "paired_compiled_1gpu.json").read_text())
+    assert rec["device"] and rec["device"] != "cpu"
+    for way in ("defaults", "zero_code"):
+        for how, fresh in (("eager", True), ("eager", False), ("compiled", False)):
+            (job,) = _paired_jobs(rec, way, how, fresh)
+            lo, hi = job["ci95"]
+            assert job["pairs"] >= 100 and lo <= job["pair_ratio"] <= hi, (way, how, fresh, job)
+
+
+
+def test_recording_of_the_long_paired_reading_on_fresh_caches_compiled_too():
+    """benchmarks/job_leave_on.py --rounds 1 ... --fresh-compile --paired-compiled (issue 62): a check of the
+    recording. One round on fresh caches, each capturing way read eager and compiled over at least 100 pairs, the
+    in-code point called as a job calls it (no sync first); the first point's time is recorded."""
+    rec = json.loads((GPU / "paired_fresh_1gpu.json").read_text())
+    assert rec["device"] and rec["device"] != "cpu" and rec["sync_before_point"] is False
+    assert rec["first_point_ms"]["fresh"] > 0
+    for way in ("defaults", "zero_code"):
+        for how in ("eager", "compiled"):
+            (job,) = _paired_jobs(rec, way, how, True)
+            assert job["pairs"] >= 100 and job["ci95"][0] <= job["pair_ratio"] <= job["ci95"][1], (way, how, job)
+
+def test_recording_of_the_in_code_point_split_by_its_objects():
+    """benchmarks/point_cost.py with and without the logits, and the paired reading of in-code points of the model
+    alone (scripts/gpu_point_split.sh, issue 62): a check of the recording. Both point_cost readings finished their
+    points on the writer with the job's thread's rows; the paired one took no logits."""
+    for what, logits in (("logits", True), ("model", False)):
+        rec = json.loads((GPU / f"point_cost_{what}_1gpu.json").read_text())
+        assert rec["logits"] is logits and rec["device"] != "cpu", what
+        assert rec["point_ms"] > 0 and rec["drain_ms"] > 0 and rec["step_ms"] > 0, what
+        assert rec["rows_match"] is True and rec["deferred_points"] == rec["all_points"] > 0, what
+    rec = json.loads((GPU / "paired_no_logits_1gpu.json").read_text())
+    assert rec["in_code_logits"] is False
+    for way in ("defaults", "zero_code"):
+        (job,) = rec["paired_ci95"][way]
+        assert job["pairs"] >= 100 and job["ci95"][0] <= job["pair_ratio"] <= job["ci95"][1], (way, job)
+
 def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
     """benchmarks/probe_nvrtc.py (issue 62): a check of the recording. The CUDA probe kernel NVRTC builds was
     compared with Triton's over every tensor it lists, and through the dispatch a job's point takes, with no
@@ -149,7 +195,8 @@ def test_recording_of_a_warm_points_host_time_names_where_it_goes():
         assert len(rec["point_ms_all"]) == rec["points"] and all(x > 0 for x in rec["point_ms_all"]), path.name
         assert {"step_ms", "point_ms", "drain_ms"} <= set(rec), path.name
         assert "capture_points.py" in rec["profile_cumulative"] and "ncalls" in rec["profile_tottime"], path.name
-        assert rec["rows_match"] is True and rec["rows_checked"] > rec["tensors"], path.name
+        outputs = 1 if rec.get("logits", True) else 0  # the logits' row, unless the points took the model alone
+        assert rec["rows_match"] is True and rec["rows_checked"] == rec["tensors"] + outputs, path.name
         assert 0 < rec["deferred_points"] <= rec["all_points"], path.name
 
 
