@@ -9,6 +9,7 @@ init path is named and the job exits as it does without the workbench. Each scri
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -308,3 +309,50 @@ def test_per_rank_buffers_under_zero12_are_named(zero12, stage):
     assert not d.clean and d.tensor in ("model.mean", "model.std"), d.sentence
     assert "rank 1" in d.sentence and "`mean`" in d.sentence, d.sentence
     assert f"DeepSpeed ZeRO-{stage} replica, but DeepSpeed broadcasts parameters only" in d.sentence, d.sentence
+
+
+ENGINE_RULE = """
+import json, logging, os, warnings
+import deepspeed, deepspeed.ops, torch
+from torch import nn
+from workbench.rank import agree
+deepspeed.utils.logger.setLevel(logging.WARNING)
+warnings.filterwarnings("ignore")
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+deepspeed.init_distributed(dist_backend="gloo")
+said = {}
+for label, mark in (("plain", None), ("expert", "allreduce"), ("optimized", "ds_optim_param")):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    if mark:  # after initialize: an expert's needs DeepSpeed's MoE groups, which one rank has not
+        setattr(engine.module[0].weight, mark, False)
+    said[label] = agree._wrapper(engine)
+print(json.dumps(said))
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_deepspeeds_engine_is_a_replica_unless_some_parameter_is_a_ranks_own(tmp_path):
+    """The engine's rule, on a real engine (one gloo rank): its module a replica at ZeRO-2, buffers said never
+    synced; with an expert parameter (``allreduce=False``) or an ``OptimizedLinear`` shard (``ds_optim_param``)
+    DeepSpeed itself does not broadcast, so the rule says nothing and the collectives speak."""
+    env = _env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    run = subprocess.run([sys.executable, "-c", ENGINE_RULE], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert run.returncode == 0, _says(run)
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["plain"] == [[0], "DeepSpeed ZeRO-2 replica", "DeepSpeed ZeRO-2 replica, but DeepSpeed broadcasts "
+                             "parameters only: a buffer is never synced"], said
+    assert said["expert"] is None and said["optimized"] is None, said

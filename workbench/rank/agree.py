@@ -201,13 +201,14 @@ def _deepspeed(engine: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
     """DeepSpeed's engine below ZeRO-3: its module is whole on every rank of its data-parallel group, a replica
     (``_broadcast_model`` broadcasts its parameters at ``initialize``, the optimizer gathers them after each step),
     but nothing in DeepSpeed ever syncs its buffers. ZeRO-3 partitions the parameters (``_zero``); a model with
-    expert parameters (``allreduce=False``: replicas only across their expert group) is left to the collectives."""
+    expert parameters (``allreduce=False``: replicas only across their expert group) or ``OptimizedLinear``'s
+    (``ds_optim_param``: one shard of a base weight per rank, never broadcast) is left to the collectives."""
     import torch.distributed as dist
 
     stage = int(engine.zero_optimization_stage())
     module = getattr(engine, "module", None)
     if stage >= 3 or not isinstance(module, nn.Module) or any(
-            getattr(p, "allreduce", True) is False for p in module.parameters()):
+            getattr(p, "allreduce", True) is False or hasattr(p, "ds_optim_param") for p in module.parameters()):
         return None
     group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else _world()
