@@ -239,3 +239,17 @@ def test_a_plan_is_reused_only_for_the_same_addresses_sizes_and_dtypes():
     for i in range(20):  # the cache keeps the newest
         probe_fused.plan_for([torch.zeros(8 + i)])
     assert len(probe_fused._PLAN_CACHE) <= 16 and probe_fused.plan_for([a, b]) is not plan
+
+
+def test_the_plain_paths_sum_of_squares_rides_in_its_one_copy():
+    """On a GPU the plain path's sum of squares is the ninth value of the tensor's device stats (one copy back for
+    all, no sync a tensor): the float64 sum of the finite values' squares, as the per-tensor reduction gave it. On
+    CPU the slot is 0 and the batched CPU pass gives it (``probe_cpu.sumsq``)."""
+    g = torch.Generator().manual_seed(3)
+    cases = {dtype: torch.randn(257, generator=g).to(dtype) for dtype in (torch.bfloat16, torch.float32, torch.float64)}
+    cases[torch.float32][[4, 9]] = torch.tensor([float("nan"), float("-inf")])
+    cases[torch.int32] = torch.arange(-50, 50, dtype=torch.int32)
+    for dtype, t in cases.items():
+        here = probe._plain(t.reshape(-1), sumsq_here=True)[0]
+        assert here.shape == (9,) and here[8].item() == _sumsq(t) == float(probe._sumsq_device(t)), dtype
+        assert probe._plain(t.reshape(-1))[0][8].item() == 0.0, dtype

@@ -208,9 +208,11 @@ def _windows_many(flats: list[torch.Tensor]) -> torch.Tensor:
     return blob[picks].to(torch.float64)
 
 
-def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
-    """The plain path's device parts: 6 stats, 2 fingerprint lanes, head, raw bytes (windows: per
-    group of same-dtype tensors, by ``_windows_many``)."""
+def _plain(flat: torch.Tensor, sumsq_here: bool = False) -> list[torch.Tensor]:
+    """The plain path's device parts: 6 stats, 2 fingerprint lanes, the sum of squares where ``sumsq_here`` (else
+    0: a CPU tensor's is the batched CPU pass's, ``probe_cpu.sumsq``), head, raw bytes (windows: per group of
+    same-dtype tensors, by ``_windows_many``). On a GPU the sum of squares rides in the one copy back: read alone
+    it was a sync a tensor (146 of them at a job's first point, while the probe's kernel still builds)."""
     with torch.no_grad():
         stats, head = _stats(flat)
         h1, h2 = _fingerprint_lanes(flat)
@@ -218,7 +220,8 @@ def _plain(flat: torch.Tensor) -> list[torch.Tensor]:
         es = flat.element_size()
         raw = flat[: (raw_n + es - 1) // es].contiguous().view(torch.uint8)[:raw_n]
         dev = flat.device
-        return [torch.stack([s.to(dev, torch.float64) for s in (*stats, h1, h2)]), head.to(torch.float64),
+        sq = _sumsq_device(flat) if sumsq_here else torch.zeros((), device=dev, dtype=torch.float64)
+        return [torch.stack([s.to(dev, torch.float64) for s in (*stats, h1, h2, sq)]), head.to(torch.float64),
                 raw.to(torch.float64)]
 
 
@@ -346,7 +349,7 @@ def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
     """The plain torch path's rows: its device parts, one copy to the host, then per-row values."""
     parts: list[torch.Tensor] = []
     for _, flat in plain:
-        parts += _plain(flat)
+        parts += _plain(flat, flat.device.type != "cpu")
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], torch.Tensor]]] = {}
     for row, flat in plain:
         groups.setdefault((flat.device, flat.dtype), []).append((row, flat))
@@ -354,9 +357,11 @@ def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         parts += [_windows_many([f for _, f in members]) for members in groups.values()]
     host = _to_host(parts)
     pos = 0
+    sums: dict[int, float] = {}  # id(row) -> its sum of squares as the device summed it
     for row, flat in plain:
-        s = host[pos: pos + 8].tolist()
-        pos += 8
+        s = host[pos: pos + 9].tolist()
+        sums[id(row)] = s[8]
+        pos += 9
         n_head = min(HEAD, row["numel"])
         head = host[pos: pos + n_head].tolist()
         pos += n_head
@@ -368,7 +373,7 @@ def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         for row, flat in members:
             n_win = _n_windows(row["numel"] * flat.element_size()) * WINDOW
             row["windows"] = host[pos: pos + n_win].astype("uint8").tobytes().hex()
-            row["sumsq"] = _sumsq(flat)
+            row["sumsq"] = _sumsq(flat) if flat.device.type == "cpu" else sums[id(row)]
             pos += n_win
 
 
@@ -378,9 +383,15 @@ def _sumsq(flat: torch.Tensor) -> float:
     x = flat if flat.dtype == torch.float64 else flat.float()
     if x.device.type == "cpu":
         return _pc.sumsq(x)
+    return float(_sumsq_device(flat))
+
+
+def _sumsq_device(flat: torch.Tensor) -> torch.Tensor:
+    """``_sumsq`` of a tensor off the CPU, as a 0-d float64 tensor on its device (no sync)."""
+    x = flat if flat.dtype == torch.float64 else flat.float()
     with torch.no_grad():
         x = x.double()
-        return float(torch.where(torch.isfinite(x), x, 0.0).square().sum())
+        return torch.where(torch.isfinite(x), x, 0.0).square().sum()
 
 
 def _fill(row: dict[str, Any], s: list[float], head: list[float], raw: bytes) -> None:
