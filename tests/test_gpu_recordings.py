@@ -180,6 +180,8 @@ def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
         assert rec["tensors"] > 0 and rec["dispatch_rows"] > 0, path.name
         assert rec["identical"] is True and rec["n_mismatches"] == 0 and not rec["mismatches"], path.name
         assert {"triton", "nvrtc"} <= set(rec["kernel_ms"]), path.name
+        if "plain_first_ms" in rec:  # since d7b558e: the plain path's first call, and its sums of squares checked
+            assert rec["plain_sumsq_exact"] is True and rec["plain_point_ms_with_a_sync_a_tensor"] > 0, path.name
 
 
 def test_recording_of_a_warm_points_host_time_names_where_it_goes():
