@@ -460,3 +460,16 @@ def test_a_rule_added_to_a_stage_adds_to_every_story_of_it(monkeypatch):
     assert diagnosis.diagnose(rec(probed(("a", OK)))).sentence.endswith("final state (noted)")
 
 
+
+
+def test_a_raise_before_any_point_leads_and_the_not_looked_follows_without_a_step():
+    """A job that raised before its first point (a dtype error in its first forward) probed nothing: the raise
+    leads, then that nothing was looked at, with no "later, in step `None`" between them."""
+    t = table([], ["step", "step_index", *COLUMNS])
+    raised = [event("before the first point", r, error="RuntimeError", message="mat1 and mat2") for r in (0, 1)]
+    r = rec(t, events=raised, job={"optimizer_steps": 0})
+    r.manifest["steps_run"] = ["before the first point"]
+    d = diagnosis.diagnose(r)
+    assert d.sentence.startswith("ranks 0,1 raised RuntimeError in step `before the first point`: mat1 and mat2; "
+                                 "not looked: the capture probed no tensor at all"), d.sentence
+    assert "None" not in d.sentence, d.sentence

@@ -109,10 +109,12 @@ def when_raised_first(f: ExceptionFacts) -> bool:
 
 
 def says_raised_first(f: ExceptionFacts) -> Diagnosis:
-    """the exception's story; later, in step `S` (or: in the same step): the state's story"""
+    """the exception's story; later, in step `S` (or: in the same step; or, a story of no step such as "not looked":
+    only "; "): the state's story"""
     d = f.story
     e = from_error(f.run, f.error.step)
-    e.add(said(f"; later, in step `{d.step}`: " if not f.same_step else "; in the same step: "), *d.clauses)
+    joint = "; " if d.step is None else "; in the same step: " if f.same_step else f"; later, in step `{d.step}`: "
+    e.add(said(joint), *d.clauses)
     e.evidence = pd.concat([e.evidence, d.evidence], ignore_index=True)
     return e
 
