@@ -82,6 +82,7 @@ def job(args: argparse.Namespace) -> None:
         times[on].append(host)
         if on:
             drains.append(drain)
+    profile = _profile(args, one) if args.profile else None
     if hooks is not None:
         hooks.every = 1
     if cap is not None:
@@ -91,7 +92,24 @@ def job(args: argparse.Namespace) -> None:
         "way": args.way, "device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
         "pairs": args.pairs, "step_host_on_ms": round(on_ms, 3), "step_host_off_ms": round(off_ms, 3),
         "point_ms": round(on_ms - off_ms, 3), "drain_ms": round(statistics.median(drains), 3),
-        "on_ms_all": [round(x, 3) for x in times[True]], "off_ms_all": [round(x, 3) for x in times[False]]}))
+        "on_ms_all": [round(x, 3) for x in times[True]], "off_ms_all": [round(x, 3) for x in times[False]],
+        "profile": profile}))
+
+
+def _profile(args: argparse.Namespace, one) -> str:
+    """cProfile (the job's thread) of ``--profile`` more on-steps: where the point's time on that thread goes."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for i in range(args.profile):
+        prof.enable()
+        one(10**6 + i, True)
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
+    return out.getvalue()[-9000:]
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -105,7 +123,7 @@ def drive(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                    str(Path(__file__).resolve()), "--role", "job", "--way", way, "--shape", args.shape,
                    "--seq", str(args.seq), "--warm", str(args.warm), "--pairs", str(args.pairs), "--result",
-                   str(result)]
+                   str(result), "--profile", str(args.profile)]
             if way == "zero_code":
                 cmd = [sys.executable, "-m", "workbench.cli", "job", str(work / f"cap-{rnd}"), "--every", "1", "--",
                        *cmd]
@@ -118,6 +136,9 @@ def drive(args: argparse.Namespace) -> int:
     for r in got:
         print(f"{r['way']:<11}{r['device'][:21]:<22}{r['step_host_on_ms']:>16.3f}{r['step_host_off_ms']:>10.3f}"
               f"{r['point_ms']:>10.3f}{r['drain_ms']:>10.3f}")
+    for r in got:
+        if r.get("profile"):
+            print(f"-- {r['way']}: the job's thread over {args.profile} on-steps\n{r['profile'][:5000]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "runs": got}, indent=1))
     return 0
@@ -132,6 +153,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, help="cProfile this many more on-steps of each job")
     ap.add_argument("--result")
     ap.add_argument("--out")
     args = ap.parse_args()
