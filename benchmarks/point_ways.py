@@ -108,8 +108,10 @@ def _profile(args: argparse.Namespace, one) -> str:
         one(10**6 + i, True)
         prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
-    return out.getvalue()[-9000:]
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.print_callers("parameters")  # who walks the model each step (a generator: a call per parameter yielded)
+    return out.getvalue()[-12000:]
 
 
 def drive(args: argparse.Namespace) -> int:

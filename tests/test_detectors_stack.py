@@ -177,6 +177,39 @@ def test_the_optimizer_step_is_probed_as_the_topmost_module_that_owns_its_parame
     assert wrapped.module is net
 
 
+
+class _Walks:
+    """Counts the walks of ``nn.Module.parameters`` (each a walk of the module tree: ~1 ms a Llama-1B on an H200
+    host, three of them a step point before)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.n = 0
+        real = nn.Module.parameters
+
+        def counted(module, *a, **k):
+            self.n += 1
+            return real(module, *a, **k)
+
+        monkeypatch.setattr(nn.Module, "parameters", counted)
+
+
+def test_a_step_point_finds_its_module_without_walking_the_tree_again(monkeypatch):
+    """The step hook asks for the optimizer's module at every step point: once found among the known models for
+    the same parameters it is not looked for again (no walk); other parameters look again. A module that is no
+    wrapper is not walked to say so."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 1)))
+    other = nn.Linear(3, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    walks = _Walks(monkeypatch)
+    assert owners.owner(opt, [other, net]) is net and walks.n > 0
+    walks.n = 0
+    assert owners.owner(opt, [other, net]) is net and owners.unwrapped(net) is net
+    assert walks.n == 0, walks.n
+    opt.add_param_group({"params": other.parameters()})  # now it steps parameters net does not hold
+    owners.owner(opt, [other, net])
+    assert walks.n > 0
+    assert owners.unwrapped(_Engine(net)) is net  # a wrapper is still seen through
+
 # -- the first non-finite loss ------------------------------------------------------------------------------
 def _points(out: Path, rank: int) -> list[str]:
     import json

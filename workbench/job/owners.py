@@ -8,7 +8,10 @@ parameters. A user's own module with one child is never unwrapped (its names are
 
 An optimizer's step is probed as the module that owns its parameters, buffers included: a module a point already
 probed, a model ``to_empty`` materialised, else (once per optimizer) the topmost live module holding them, found
-among the objects the garbage collector tracks. ZeRO's optimizers hold flat partitions no module owns: the module
+among the objects the garbage collector tracks. Once found among the known models, it is kept while the optimizer
+steps the same parameters and the model is still known: each check walked the model's tree (three walks a step
+point, ~1 ms each for a Llama-1B on an H200 host, on the job's thread), and so does asking a module that is no
+wrapper what it wraps only when it holds a candidate. ZeRO's optimizers hold flat partitions no module owns: the module
 is then the one whose ``optimizer`` (or its ``optimizer``) is this optimizer (DeepSpeed's engine), unwrapped.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 
 _ATTRS = ("module", "_forward_module")
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> weakref(module) or None
+_OWNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (its parameters, known module, owner)
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its wrappers (weak), outermost first
 
 
@@ -56,16 +60,22 @@ def _held(module: Any) -> Any:
 
     if not isinstance(module, nn.Module):
         return None
-    mine = {id(p) for p in module.parameters()}
+    held = []  # what could be the wrapped module, found without walking the tree (a step point asks each step)
     for attr in _ATTRS:
         inner = module.__dict__.get(attr)
         inner = module._modules.get(attr) if inner is None else inner
-        if isinstance(inner, nn.Module) and inner is not module and {id(p) for p in inner.parameters()} == mine:
-            return inner
+        if isinstance(inner, nn.Module) and inner is not module:
+            held.append(inner)
     children = list(module.children())
-    if len(children) == 1 and _third_party(type(module)) and mine and \
-            {id(p) for p in children[0].parameters()} == mine:
-        return children[0]
+    one = children[0] if len(children) == 1 and _third_party(type(module)) else None
+    if not held and one is None:
+        return None
+    mine = {id(p) for p in module.parameters()}
+    for inner in held:
+        if {id(p) for p in inner.parameters()} == mine:
+            return inner
+    if one is not None and mine and {id(p) for p in one.parameters()} == mine:
+        return one
     return None
 
 
@@ -83,9 +93,17 @@ def owner(optimizer: Any, known: Iterable[Any]) -> Any:
     them, else the one found once among the live modules (a stack that materialised module by module left only
     the inner modules in ``known``)."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    known = list(known)
+    hit = _OWNER.get(optimizer)
+    if hit is not None and hit[0] == mine:  # the same parameters as when it was found: no walk of the tree
+        module, found = hit[1](), hit[2]()
+        if found is not None and any(m is module for m in known):
+            return found
     for module in known:  # a model a point probed or to_empty met, when it holds every one of them
         if module is not None and mine <= {id(p) for p in module.parameters()}:
-            return unwrapped(module)
+            found = unwrapped(module)
+            _OWNER[optimizer] = (frozenset(mine), weakref.ref(module), weakref.ref(found))
+            return found
     if optimizer in _FOUND:
         ref = _FOUND[optimizer]
         return ref() if ref is not None else None
