@@ -168,6 +168,20 @@ def test_recording_of_the_in_code_point_split_by_its_objects():
         (job,) = rec["paired_ci95"][way]
         assert job["pairs"] >= 100 and job["ci95"][0] <= job["pair_ratio"] <= job["ci95"][1], (way, job)
 
+
+def test_recording_of_the_two_ways_points_on_the_jobs_thread():
+    """benchmarks/point_ways.py (issue 62): a check of the recording. Each way's job timed ``opt.step()`` with and
+    without its point over its pairs, the writer's drain apart; the profiled reading names where the zero-code
+    step hook's time went (``owners.py``'s walks, fixed after it)."""
+    rec = json.loads((GPU / "point_ways_1gpu.json").read_text())
+    assert {r["way"] for r in rec["runs"]} == {"in_code", "zero_code"}
+    for r in rec["runs"]:
+        assert r["device"] != "cpu" and len(r["on_ms_all"]) == len(r["off_ms_all"]) == r["pairs"] > 0, r["way"]
+        assert abs(r["point_ms"] - (r["step_host_on_ms"] - r["step_host_off_ms"])) < 0.002 and r["drain_ms"] > 0
+    prof = json.loads((GPU / "point_ways_profile_1gpu.json").read_text())
+    zero = next(r for r in prof["runs"] if r["way"] == "zero_code")
+    assert "owners.py" in zero["profile"] and "hooks.py" in zero["profile"]
+
 def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
     """benchmarks/probe_nvrtc.py (issue 62): a check of the recording. The CUDA probe kernel NVRTC builds was
     compared with Triton's over every tensor it lists, and through the dispatch a job's point takes, with no
