@@ -435,3 +435,26 @@ def test_a_router_seeded_apart_is_named_where_the_job_says_it_is_a_replica(clust
     o = s.record().outputs
     route_ = o[(o["step"] == "route") & (o["name"] == "router_logits")]
     assert route_["inputs"].nunique() == 1, route_  # a replica's weights stay out of the digest: its output must agree
+
+
+def test_a_ddp_batchnorm_job_on_per_rank_batches_reads_clean(tmp_path):
+    """DDP broadcasts rank 0's buffers at each forward; each rank's forward then updates its own running statistics,
+    so at a step point they differ by design. They read as each rank's own, said why; the parameters are compared
+    (it read "`running_mean`, `running_var` on rank 1 differ", a false alarm, before)."""
+    out = tmp_path / "cap"
+    env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_CAPTURE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = jobrun.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--every", "1", "--",
+                      sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      str(ROOT / "tests" / "jobs" / "ddp_batchnorm_job.py")], out, timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    b = wb.load(out)
+    d = b.bug.diagnose()
+    assert d.clean, d.sentence
+    t = b.bug.tensors
+    stats = t[t["name"].str.contains("running_")]
+    last = stats[stats["step"] == "step3"]
+    assert last.groupby("name")["fingerprint"].nunique().eq(2).all(), last  # they do differ: nothing hid them
+    assert (stats["agree"] == "").all() and stats["agree_by"].str.startswith("DDP broadcasts them").all(), stats
+    weights = t[t["name"].str.endswith("0.weight")]
+    assert (weights["agree"] == "0,1").all() and (weights["agree_by"] == "DDP replica").all(), weights

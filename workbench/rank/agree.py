@@ -168,16 +168,19 @@ def declared_output(spec: Any) -> dict[str, str]:
 
 
 # -- the wrappers ---------------------------------------------------------------------------------------
-def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, str] | None:
-    """(ranks, how for parameters, how for buffers) when ``mod`` is a wrapper that makes its module a replica."""
+def _wrapper(mod: nn.Module) -> tuple[tuple[int, ...], str, Any] | None:
+    """(ranks, how for parameters, how for buffers) when ``mod`` is a wrapper that makes its module a replica; the
+    buffers' may be (their own ranks, how): DDP's are rank 0's at each forward's start and each rank's own after
+    it (a BatchNorm's running statistics from the rank's own batch), so at a point they are not compared."""
     import torch.distributed as dist
 
     name = type(mod).__name__
     try:
         if name == "DistributedDataParallel" and isinstance(mod, nn.parallel.DistributedDataParallel):
             ranks = tuple(dist.get_process_group_ranks(mod.process_group))
-            bufs = "DDP replica" if getattr(mod, "broadcast_buffers", True) else \
-                "DDP replica, but broadcast_buffers=False: DDP never syncs its buffers"
+            bufs = (((), "DDP broadcasts them from rank 0 at each forward; between forwards each rank's forward "
+                         "updates its own") if getattr(mod, "broadcast_buffers", True) else
+                    "DDP replica, but broadcast_buffers=False: DDP never syncs its buffers")
             return ranks, "DDP replica", bufs
         if name == "FullyShardedDataParallel":
             pg = getattr(mod, "process_group", None)
@@ -249,6 +252,7 @@ def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]
             if w is None:
                 continue
             ranks, p_how, b_how = w
+            b_ranks, b_how = b_how if isinstance(b_how, tuple) else (ranks, b_how)
             inner = getattr(mod, "module", mod) if isinstance(getattr(mod, "module", None), nn.Module) else mod
             for sub in {id(m): m for m in [mod, *inner.modules()]}.values():
                 for p in sub._parameters.values():
@@ -256,7 +260,7 @@ def _owned(objects: Mapping[str, Any]) -> dict[int, tuple[tuple[int, ...], str]]
                         out.setdefault(id(p), (ranks, p_how))
                 for b in sub._buffers.values():
                     if b is not None:
-                        out.setdefault(id(b), (ranks, b_how))
+                        out.setdefault(id(b), (b_ranks, b_how))
     return out
 
 
