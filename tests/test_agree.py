@@ -227,6 +227,14 @@ def test_what_a_wrapper_says_holds_when_a_point_probes_the_module_inside_it():
         assert owned[id(net.weight)] == ((0,), "DDP replica")
         assert owned[id(net.running_mean)] == ((0,), "DDP replica, but broadcast_buffers=False: DDP never syncs "
                                                      "its buffers")
+        calls = []
+        real = agree._wrapper
+        agree._wrapper = lambda w: calls.append(w) or real(w)
+        try:  # the next point with the same wrappers asks them nothing (DeepSpeed's rule walks the parameters)
+            agree.wrapped(net, owners.wrappers(net))
+        finally:
+            agree._wrapper = real
+        assert calls == [] and agree._owned({"model": net})[id(net.weight)] == ((0,), "DDP replica")
         other = nn.Linear(2, 2)
         agree.replicated(other, [0])
         agree.wrapped(other, [DDP(other)])

@@ -141,14 +141,25 @@ def replicated(module: nn.Module, group: Any = "world") -> nn.Module:
 def wrapped(module: nn.Module, wrappers: Iterable[nn.Module]) -> None:
     """What ``wrappers`` (outermost first) say of the module they hold, for a point that probes ``module`` alone
     (a job's automatic points name the module inside DDP or DeepSpeed's engine): the outermost that makes it a
-    replica speaks. A user's own declaration (``replicated``) stands."""
+    replica speaks. A user's own declaration (``replicated``) stands. Asked again with the same wrappers (a job's
+    next step point), it asks them nothing: DeepSpeed's rule walks the module's parameters."""
+    wrappers = list(wrappers)
+    if not wrappers or not isinstance(module, nn.Module):  # a point on what no wrapper holds: nothing to say
+        return
+    ids = tuple(map(id, wrappers))
+    if _ASKED.get(module) == ids:
+        return
     said = next((w for w in map(_wrapper, wrappers) if w is not None), None)
-    if said is None or not isinstance(module, nn.Module):  # a point on what no wrapper holds: nothing to say
+    _ASKED[module] = ids
+    if said is None:
         return
     held = _DECLARED.get(module)
     if held == said or (held is not None and held[1] == "declared replicated"):
         return
     _declare(module, said)
+
+
+_ASKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> id() of the wrappers last asked for it
 
 
 def _declare(module: nn.Module, said: tuple[tuple[int, ...], str, str]) -> None:
