@@ -209,6 +209,16 @@ def another_cpu():
     c.stop()
 
 
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS's pick), for a job's rendezvous or a test's server."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ready(cluster):
     """``cluster``, restarted first if an earlier test left it stopped or a rank dead or stuck (shared by the
     modules that keep a cluster of their own: ``from conftest import ready``)."""

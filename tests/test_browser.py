@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -219,11 +219,6 @@ def test_status_view_reads_at_a_glance(browser, n):
 TOUR = ROOT / "notebooks" / "00_tour.ipynb"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
@@ -233,7 +228,7 @@ def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     nb_name = TOUR.name
     shutil.copy(TOUR, root / nb_name)
-    port, token = _free_port(), "workbench-browser-test"
+    port, token = free_port(), "workbench-browser-test"
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / ".cfg"), JUPYTER_RUNTIME_DIR=str(root / ".rt"),
                JUPYTER_DATA_DIR=str(root / ".data"), PYTHONWARNINGS="ignore")
     log = open(root / "lab.log", "w")

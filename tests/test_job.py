@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jobrun
 import pytest
+from conftest import free_port
 
 import workbench as wb
 import workbench.job as wj
@@ -228,20 +229,13 @@ def test_a_rank_that_raises_is_an_event_and_the_waiting_rank_is_named(tmp_path):
     assert "all_gather_into_tensor" in d.sentence and "uneven_eval_job.py:" in d.sentence
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_balanced_eval_job_ends_clean_and_its_ranks_agree_on_a_job_id(tmp_path):
     """torchrun's default static rendezvous names every run "none": the ranks then agree on an id through
     the process group's store, so a shard left by an earlier run is told apart."""
     out = tmp_path / "balanced"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), str(EXAMPLES / "uneven_eval_job.py"), str(out), "--balanced"]
+           str(free_port()), str(EXAMPLES / "uneven_eval_job.py"), str(out), "--balanced"]
     run = jobrun.run(cmd, out, timeout=300, env=_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rec = wb.load(out).bug
@@ -429,7 +423,7 @@ def test_under_srun_the_ranks_and_the_job_come_from_slurm(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SRUN_SCRIPT)
     env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(SLURM_NTASKS="2", SLURM_JOB_ID="77", SLURM_STEP_ID="0", PORT=str(_free_port()))
+    env.update(SLURM_NTASKS="2", SLURM_JOB_ID="77", SLURM_STEP_ID="0", PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs")], stderr=subprocess.PIPE, text=True,
                               env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}) for r in (0, 1)]
     for p in procs:

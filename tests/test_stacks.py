@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from conftest import free_port
 from jobrun import EXIT_ABORT, exit_abort
 from test_job_zero_code import JOB, JOBS, TORCHRUN, _env, _run, _says
 from torch import nn
@@ -334,21 +335,13 @@ print(json.dumps(said))
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_deepspeeds_engine_is_a_replica_unless_some_parameter_is_a_ranks_own(tmp_path):
     """The engine's rule, on a real engine (one gloo rank): its module a replica at ZeRO-2, buffers said never
     synced; with an expert parameter (``allreduce=False``) or an ``OptimizedLinear`` shard (``ds_optim_param``)
     DeepSpeed itself does not broadcast, so the rule says nothing and the collectives speak."""
     env = _env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+               WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     run = subprocess.run([sys.executable, "-c", ENGINE_RULE], capture_output=True, text=True, timeout=300, env=env,
                          cwd=tmp_path)
     assert run.returncode == 0, _says(run)
