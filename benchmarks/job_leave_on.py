@@ -150,6 +150,12 @@ def _outs(args, o) -> dict:
     return {"logits": o.logits} if args.logits else {}
 
 
+def abba_on(k: int) -> bool:
+    """Whether the ``k``-th block of a paired reading has the point on: on, off, off, on, on, off, ... (ABBA), so a
+    drift through the job weighs on both alike."""
+    return (k % 2 == 0) == (k // 2 % 2 == 0)
+
+
 def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict | None:
     """A point's whole cost inside one process, free of the between-process noise (a job's median step moved
     59-76 ms between processes of one device call, and three jobs' in-process ratios spread 0.955-1.041):
@@ -173,7 +179,7 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
     times: dict[bool, list[float]] = {True: [], False: []}
     blocks: list[tuple[bool, float]] = []
     for blk in range(2 * max(1, args.paired // 2)):
-        on = (blk % 2 == 0) == (blk // 2 % 2 == 0)  # on, off, off, on, on, off, ...
+        on = abba_on(blk)
         if hooks is not None:
             hooks.every = 1 if on else 0
         mine = []

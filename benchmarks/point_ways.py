@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from job_leave_on import SHAPES  # noqa: E402  the leave-on job's shapes: the same model
+from job_leave_on import SHAPES, abba_on  # noqa: E402  the leave-on job's shapes and pair order
 
 
 def job(args: argparse.Namespace) -> None:
@@ -77,7 +77,7 @@ def job(args: argparse.Namespace) -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     drains: list[float] = []
     for k in range(2 * args.pairs):
-        on = (k % 2 == 0) == (k // 2 % 2 == 0)  # on, off, off, on, ...
+        on = abba_on(k)
         host, drain = one(args.warm + k, on)
         times[on].append(host)
         if on:
