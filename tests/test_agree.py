@@ -449,13 +449,11 @@ def test_a_ddp_batchnorm_job_on_per_rank_batches_reads_clean(tmp_path):
     """DDP broadcasts rank 0's buffers at each forward; each rank's forward then updates its own running statistics,
     so at a step point they differ by design. They read as each rank's own, said why; the parameters are compared
     (it read "`running_mean`, `running_var` on rank 1 differ", a false alarm, before)."""
+    from test_job_zero_code import JOB, JOBS, TORCHRUN, _run, _says
+
     out = tmp_path / "cap"
-    env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_CAPTURE"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    run = jobrun.run([sys.executable, "-m", "workbench.cli", "job", str(out), "--every", "1", "--",
-                      sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      str(ROOT / "tests" / "jobs" / "ddp_batchnorm_job.py")], out, timeout=300, env=env, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _run([*JOB, str(out), "--every", "1", "--", *TORCHRUN, str(JOBS / "ddp_batchnorm_job.py")], tmp_path)
+    assert run.returncode == 0, _says(run)
     b = wb.load(out)
     d = b.bug.diagnose()
     assert d.clean, d.sentence
