@@ -51,6 +51,10 @@ CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH")
 def job(args) -> None:
     t_start = time.perf_counter()
     cap = None
+    if args.writer_lag is not None:  # before the first point makes the writer (in-code and zero-code alike)
+        from workbench.job import writer
+
+        writer.LAG_S = args.writer_lag
     if args.mode == "defaults":  # opened at the top, before the build, as a user's script opens it
         import workbench.job as wj
 
@@ -259,8 +263,8 @@ def _build_facts() -> dict:
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
-def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dict:
-    tag = f"{mode}-r{rnd}"
+def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path, lag: float | None = None) -> dict:
+    tag = f"{mode}-r{rnd}" + ("" if lag is None else f"-lag{lag:g}")
     result = work / f"{tag}.json"
     job_mode = {"zero_code": "off"}.get(mode, mode)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
@@ -270,6 +274,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
            "--paired", str(args.paired), "--paired-block", str(args.paired_block)]
     if args.paired_compiled:
         cmd.append("--paired-compiled")
+    if lag is not None:
+        cmd += ["--writer-lag", str(lag)]
     if not args.logits:
         cmd.append("--no-logits")
     if args.sync_before_point:
@@ -284,7 +290,7 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path) -> dic
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
     took = time.perf_counter() - t0
     got = json.loads(result.read_text()) if result.exists() else {}
-    got.update(rc=p.returncode, process_s=took, round=rnd, fresh=rnd == 0, mode_key=mode)
+    got.update(rc=p.returncode, process_s=took, round=rnd, fresh=rnd == 0, mode_key=mode, writer_lag=lag)
     if p.returncode or not got.get("eager"):
         got["log"] = (p.stdout[-1500:] + p.stderr[-3000:])
     print(f"{tag}: rc {p.returncode} {took:.0f}s eager {_fmt(got, 'eager')} compiled {_fmt(got, 'compiled')} "
@@ -304,18 +310,20 @@ def drive(args) -> int:
     warm = {k: str(work / "warm" / k.lower()) for k in CACHES}
     runs: list[dict] = []
     t0 = time.perf_counter()
+    lags = [None] if not args.writer_lags else [float(x) for x in args.writer_lags.split(",")]
     for rnd in range(args.rounds):
-        for mode in MODES:
+        ways = [(m, x) for m in MODES if m in args.modes.split(",") for x in (lags if m != "off" else [None])]
+        for mode, lag in ways:
             if time.perf_counter() - t0 > args.budget:
                 print(f"budget {args.budget}s spent: {mode} round {rnd} not run", flush=True)
                 continue
             if rnd == 0:
-                caches = {k: str(work / f"fresh-{mode}" / k.lower()) for k in CACHES}
+                caches = {k: str(work / f"fresh-{mode}-{lag}" / k.lower()) for k in CACHES}
                 for d in caches.values():
                     os.makedirs(d)
             else:
                 caches = warm
-            runs.append(launch(args, mode, rnd, caches, work))
+            runs.append(launch(args, mode, rnd, caches, work, lag))
             if rnd == 0 and mode == "defaults":  # the warm rounds start from what a first job left behind
                 for k in CACHES:
                     shutil.copytree(caches[k], warm[k], dirs_exist_ok=True)
@@ -364,14 +372,15 @@ def summarise(args, runs: list[dict]) -> dict:
         "paired_ci95": _paired_ci95(runs, "eager"),
         "compiled_paired_ci95": _paired_ci95(runs, "compiled"),
         "probe_build": {f"{r['mode_key']}-r{r['round']}": r.get("probe_build") for r in runs},
-        "runs": [{k: r.get(k) for k in ("mode_key", "round", "fresh", "rc", "process_s", "imports_s", "wall_s",
-                                        "eager", "compiled", "log")} for r in runs],
+        "runs": [{k: r.get(k) for k in ("mode_key", "writer_lag", "round", "fresh", "rc", "process_s", "imports_s",
+                                        "wall_s", "eager", "compiled", "log")} for r in runs],
     }
 
 
 def _paired_ci95(runs: list[dict], how: str) -> dict[str, list[dict]]:
     """Each capturing way's jobs' pair ratios with their intervals, for the eager or the compiled model."""
-    return {m: [{k: r[how]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")}
+    return {m: [{**{k: r[how]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")},
+                 "writer_lag": r.get("writer_lag")}
                 for r in runs if r["mode_key"] == m and (r.get(how) or {}).get("paired")] for m in MODES[1:]}
 
 
@@ -384,14 +393,15 @@ def table(doc: dict) -> str:
         for key, rk in (("loop_ms", "loop_vs_off"), ("fresh_loop_ms", "fresh_vs_off"),
                         ("compiled_loop_ms", "compiled_vs_off")):
             v = doc[key].get(m)
-            cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk].get(m, 0):.3f}x" if v is not None else "-"]
+            cells += [f"{v:.1f}" if v is not None else "-", f"{doc[rk][m]:.3f}x" if m in doc[rk] else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append(f"in one process, step + point over step (--paired, each job): {doc['paired_ratio']}")
     for key, how in (("paired_ci95", ""), ("compiled_paired_ci95", " (compiled)")):
         for m, jobs in doc.get(key, {}).items():
             if jobs:
                 lines.append(f"  {m}{how}: median pair ratio and its 95% interval, each job: " + "; ".join(
-                    f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs" for j in jobs))
+                    f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs"
+                    + ("" if j.get("writer_lag") is None else f" (writer lag {j['writer_lag']:g} s)") for j in jobs))
     return "\n".join(lines)
 
 
@@ -413,6 +423,10 @@ def main() -> None:
                     "(a zero-code step point's objects), not the model and the step's logits")
     ap.add_argument("--sync-before-point", action="store_true", help="--paired: the in-code point after a device "
                     "sync (as the timed steps take it, or a job that reads its loss first); else as a job calls it")
+    ap.add_argument("--modes", default=",".join(MODES), help="the ways run, of " + ",".join(MODES))
+    ap.add_argument("--writer-lag", type=float, default=None, help="job: the writer's LAG_S (0: a point's rows "
+                    "made as soon as its kernel is done, as before 2026-11-30)")
+    ap.add_argument("--writer-lags", default=None, help="driver: each capturing way once per lag, e.g. 0,1")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")
     ap.add_argument("--job-timeout", type=float, default=240.0)

@@ -150,3 +150,66 @@ def test_until_a_deferred_points_rows_are_made_the_latest_is_the_point_before(tm
     finally:
         release.set()
         cap.close()
+
+
+def test_a_deferred_points_rows_are_made_once_the_next_point_is_handed_over(tmp_path, monkeypatch):
+    """On a GPU job that reads its loss each step, a point's kernel is done just as the job's thread starts launching
+    the next step, with the device idle: the writer's rows and JSON then took the GIL from those launches. A deferred
+    point's rows are made once the next point is handed over (the device a step behind), a drain, or ``LAG_S``
+    after; collection stays the job's meanwhile (no rows live yet) and is held while the writer makes them."""
+    import gc
+    import threading
+    import time
+
+    import torch
+
+    import workbench.job as wj
+    from workbench.job import writer
+    from workbench.rank import point_deferred
+
+    monkeypatch.setenv("WORKBENCH_CAPTURE_WRITER", "thread")
+    for k in ("WORKBENCH_CAPTURE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(writer, "LAG_S", 60.0)
+    made: list[tuple[str, bool]] = []
+    one = threading.Event()
+
+    class Ready:
+        count = 1
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def rows(self):
+            made.append((self.name, gc.isenabled()))
+            one.set()
+            return [{"name": "model.weight"}], []
+
+    names = iter(["s0", "s1", "s2"])
+    monkeypatch.setattr(point_deferred, "launch", lambda objects, ctx, rank: Ready(next(names)))
+    cap = wj.capture(tmp_path / "cap", ledger=False, poison=False)
+    model = torch.nn.Linear(2, 2)
+    written = tmp_path / "cap" / "rank0" / "points.jsonl"
+    try:
+        assert gc.isenabled()
+        cap.point("s0", model=model)
+        assert gc.isenabled()  # handed over with no rows yet: collection is the job's again
+        assert not one.wait(0.3) and made == []  # waits for the next point
+        cap.point("s1", model=model)
+        assert one.wait(30) and made == [("s0", False)]  # made when s1 came, collection held while made
+        one.clear()
+        assert not one.wait(0.3) and len(made) == 1  # s1 in turn waits for s2
+        assert cap.flush() and [m[0] for m in made] == ["s0", "s1"]  # a drain does not wait
+        assert [json.loads(x)["point"] for x in written.read_text().splitlines()] == ["s0", "s1"]
+        monkeypatch.setattr(writer, "LAG_S", 0.2)
+        one.clear()
+        cap.point("s2", model=model)  # the last point of a job that takes no more: made after LAG_S by itself
+        assert one.wait(30) and [m[0] for m in made] == ["s0", "s1", "s2"]
+        deadline = time.monotonic() + 30
+        while "s2" not in written.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(written.read_text().splitlines()[-1])["point"] == "s2"
+        time.sleep(0.1)
+        assert gc.isenabled()  # the writer's hold ended with the line
+    finally:
+        cap.close()

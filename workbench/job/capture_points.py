@@ -110,7 +110,7 @@ class Points:
         """
         if not self._usable():
             return None
-        self._gc.hold()  # released once the point is written (on the writer, when it writes)
+        self._gc.hold()  # released on return, or once written where the rows were made here (``_handed``)
         handed = False
         try:
             info = self._point(name, same_on, objects)
@@ -185,8 +185,9 @@ class Points:
         if self._writer is None:
             self._finish_point(record, info, points)
         else:  # bytes filled in once written (``flush``)
-            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points, deferred))
-            info["_handed"] = True
+            self._writer.submit(f"at point `{name}`", lambda: self._finish_handed(record, info, points, deferred),
+                                point=True, lag=deferred is not None)
+            info["_handed"] = deferred is None  # rows made here live until written: collection held until then
             if read_fr:  # after the point's own work: the writer reads while the job launches its next step
                 self._writer.submit(f"reading Flight Recorder {when}",
                                     lambda: self.fill_from_flight_recorder(when, marked_only=True))
@@ -196,6 +197,8 @@ class Points:
 
     def _finish_handed(self, record: dict[str, Any], info: dict[str, Any], points: list[str],
                        deferred: Any = None) -> None:
+        if deferred is not None:  # its rows are made here: collection held while they live (``point`` let go)
+            self._gc.hold()
         try:
             if deferred is not None and self.stopped is None:
                 record["tensors"], record["outputs"] = deferred.rows()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 ENV = "WORKBENCH_CAPTURE_WRITER"  # "thread": the writer thread on any device (tests on CPU); "inline": never
 DRAIN_S = 30.0  # the longest the job's thread waits for points still being written (close, a breakpoint)
+LAG_S = 1.0  # the longest a launched point's rows wait for the next point to be handed over (``Writer.submit``)
 
 
 def wanted(on_gpu: bool, strict: bool) -> bool:
@@ -89,24 +90,44 @@ class Writer:
         self._on_fault = on_fault
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
+        self._points = 0  # points handed over so far
+        self._draining = 0  # threads waiting in ``drain``
         self._done = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, where: str, work: Callable[[], None]) -> None:
+    def submit(self, where: str, work: Callable[[], None], *, point: bool = False, lag: bool = False) -> None:
+        """Queue ``work``. ``point``: it finishes a point. ``lag``: it waits first until a later point is handed
+        over, a drain starts, or ``LAG_S`` passed. Why: a GPU job that reads its loss each step finds its step's
+        kernels, and a launched point's, done just as its thread starts launching the next step, with the device
+        idle. The writer's Python (the rows, their JSON: 11-13 ms a point on an H200 host) then took the GIL from
+        those launches: each torch call lets the GIL go and gets it back only after the writer's switch interval
+        (5 ms), while the device waited for work. When the next point is handed over, the job's thread has just
+        launched a whole step, the device is a step behind, and what the writer holds up is launches the device
+        does not wait for yet."""
         with self._done:
             self._pending += 1
+            if point:
+                self._points += 1
+                self._done.notify_all()
+            mark = self._points if lag else None
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="workbench-capture-writer", daemon=True)
             self._thread.start()
-        self._queue.put((where, work))
+        self._queue.put((where, work, mark))
+
+    def _lag(self, mark: int) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._points > mark or self._draining > 0, LAG_S)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            where, work = item
+            where, work, mark = item
             try:
+                if mark is not None:
+                    self._lag(mark)
                 work()
             except BaseException as exc:  # the capture's fault, never the job's
                 try:
@@ -124,7 +145,12 @@ class Writer:
         if self._thread is None or threading.current_thread() is self._thread:
             return True
         with self._done:
-            return self._done.wait_for(lambda: self._pending == 0, timeout)
+            self._draining += 1
+            self._done.notify_all()  # a point waiting for the next one is made now
+            try:
+                return self._done.wait_for(lambda: self._pending == 0, timeout)
+            finally:
+                self._draining -= 1
 
     def stop(self, timeout: float = DRAIN_S) -> bool:
         """Drain, then end the thread."""
