@@ -175,17 +175,20 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
     interval of it over the pairs, so one job can show whether the cost is under a goal (``ci95[1]``) or not."""
     import torch
 
-    from workbench.job import process
+    from workbench.job import process, writer
 
     hooks = process.STATE.hooks
     if cap is None and hooks is None:
         return None
+    lags = [float(x) for x in args.paired_lags.split(",")] if args.paired_lags else [None]
     times: dict[bool, list[float]] = {True: [], False: []}
     blocks: list[tuple[bool, float]] = []
     for blk in range(2 * max(1, args.paired // 2)):
         on = abba_on(blk)
         if hooks is not None:
             hooks.every = 1 if on else 0
+        if lags[0] is not None:
+            writer.LAG_S = lags[blk // 2 % len(lags)]
         mine = []
         for j in range(max(2, args.paired_block)):
             ids = torch.randint(1, config.vocab_size, (args.batch, args.seq), generator=g).to(device)
@@ -206,15 +209,22 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
             if j:
                 mine.append(time.perf_counter() - t0)
             del o
+        (cap or hooks.cap).flush()  # the block's last point written before the next block's steps, untimed
         times[on] += mine
         blocks.append((on, statistics.median(mine)))
     if hooks is not None:
         hooks.every = 1
     with_pt, without = statistics.median(times[True]), statistics.median(times[False])
     pairs = [(a[1] / b[1]) if a[0] else (b[1] / a[1]) for a, b in zip(blocks[::2], blocks[1::2])]
-    return {"with_point_ms": round(1e3 * with_pt, 2), "without_ms": round(1e3 * without, 2),
-            "ratio": round(with_pt / without, 4), "steps_each": len(times[True]), "pairs": len(pairs),
-            "pair_ratio": round(statistics.median(pairs), 4), "ci95": _bootstrap_median(pairs)}
+    out = {"with_point_ms": round(1e3 * with_pt, 2), "without_ms": round(1e3 * without, 2),
+           "ratio": round(with_pt / without, 4), "steps_each": len(times[True]), "pairs": len(pairs),
+           "pair_ratio": round(statistics.median(pairs), 4), "ci95": _bootstrap_median(pairs)}
+    if lags[0] is not None:  # the writer's lag taken in turns, pair by pair, in this one process
+        out["by_lag"] = {f"{lag:g}": {"pair_ratio": round(statistics.median(mine), 4), "pairs": len(mine),
+                                      "ci95": _bootstrap_median(mine)}
+                         for k, lag in enumerate(lags) for mine in [pairs[k::len(lags)]]}
+        writer.LAG_S = lags[-1]
+    return out
 
 
 def _bootstrap_median(xs: list[float], n: int = 4000, seed: int = 0) -> list[float]:
@@ -276,6 +286,8 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path, lag: f
         cmd.append("--paired-compiled")
     if lag is not None:
         cmd += ["--writer-lag", str(lag)]
+    if args.paired_lags:
+        cmd += ["--paired-lags", args.paired_lags]
     if not args.logits:
         cmd.append("--no-logits")
     if args.sync_before_point:
@@ -379,7 +391,7 @@ def summarise(args, runs: list[dict]) -> dict:
 
 def _paired_ci95(runs: list[dict], how: str) -> dict[str, list[dict]]:
     """Each capturing way's jobs' pair ratios with their intervals, for the eager or the compiled model."""
-    return {m: [{**{k: r[how]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs")},
+    return {m: [{**{k: r[how]["paired"].get(k) for k in ("pair_ratio", "ci95", "pairs", "by_lag")},
                  "writer_lag": r.get("writer_lag")}
                 for r in runs if r["mode_key"] == m and (r.get(how) or {}).get("paired")] for m in MODES[1:]}
 
@@ -401,7 +413,9 @@ def table(doc: dict) -> str:
             if jobs:
                 lines.append(f"  {m}{how}: median pair ratio and its 95% interval, each job: " + "; ".join(
                     f"{j['pair_ratio']} [{j['ci95'][0]}, {j['ci95'][1]}] over {j['pairs']} pairs"
-                    + ("" if j.get("writer_lag") is None else f" (writer lag {j['writer_lag']:g} s)") for j in jobs))
+                    + ("" if j.get("writer_lag") is None else f" (writer lag {j['writer_lag']:g} s)")
+                    + "".join(f"; lag {g} s: {b['pair_ratio']} [{b['ci95'][0]}, {b['ci95'][1]}] over {b['pairs']}"
+                              for g, b in (j.get("by_lag") or {}).items()) for j in jobs))
     return "\n".join(lines)
 
 
@@ -426,6 +440,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="the ways run, of " + ",".join(MODES))
     ap.add_argument("--writer-lag", type=float, default=None, help="job: the writer's LAG_S (0: a point's rows "
                     "made as soon as its kernel is done, as before 2026-11-30)")
+    ap.add_argument("--paired-lags", default=None, help="--paired: the writer's LAG_S in turns, pair by pair, "
+                    "in each job (e.g. 0,1): a pair ratio for each")
     ap.add_argument("--writer-lags", default=None, help="driver: each capturing way once per lag, e.g. 0,1")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many more steps after the timed ones")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds after which no further job is started")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 62: does the writer's lag take the in-code extra away? One device call (~8 min on one H200): the long
-# paired reading, in-code and zero-code, each with the writer making a point's rows as soon as its kernel is done
-# (lag 0, as before 2026-11-30) and once the next point is handed over (lag 1 s, the default), eager, fresh caches.
+# Issue 62: does the writer's lag take the in-code extra away? One device call (~5 min on one H200): the long
+# paired reading, in-code and zero-code, fresh caches, eager; in each job the writer's LAG_S taken in turns pair by
+# pair (0: a point's rows made as soon as its kernel is done, as before 2026-11-30; 1 s: once the next point is
+# handed over, the default), so each job reads both in one process.
 #     WB_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_writer_lag.sh
 # Leaves in $OUT: env.txt, writer_lag_1gpu.json/.txt.
 set -uo pipefail
@@ -12,7 +13,7 @@ export WB_COMMIT=${WB_COMMIT:-}
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'main', '$WB_COMMIT')"
 } 2>&1 | tee "$OUT/env.txt"
-timeout -k 20 540 $PY benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired 240 --paired-block 2 --no-compile \
-  --modes defaults,zero_code --writer-lags 0,1 --budget 420 --out "$OUT/writer_lag_1gpu.json" 2>&1 \
+timeout -k 20 540 $PY benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired ${PAIRED:-480} --paired-block 2 \
+  --no-compile --modes defaults,zero_code --paired-lags 0,1 --budget 420 --out "$OUT/writer_lag_1gpu.json" 2>&1 \
   | tee "$OUT/writer_lag_1gpu.txt"
 echo "rc=${PIPESTATUS[0]}"
