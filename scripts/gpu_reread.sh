@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Issue 62: the two ways' points on the job's thread (benchmarks/point_ways.py) after the owner cache (fc19edb) and
+# the probe at scale (benchmarks/probe_scale.py, NVRTC's kernel) as they read now; one device call (~4 min, one H200).
+#     WB_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_reread.sh
+# Leaves in $OUT: env.txt, point_ways_1gpu.json/.txt, probe_scale_nvrtc_1gpu.json/.txt.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+export WB_COMMIT=${WB_COMMIT:-}
+{
+  nvidia-smi -L 2>/dev/null
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'main', '$WB_COMMIT')"
+} 2>&1 | tee "$OUT/env.txt"
+timeout -k 10 300 $PY benchmarks/point_ways.py --shape llama-3.2-1b --pairs 60 --rounds 1 \
+  --out "$OUT/point_ways_1gpu.json" 2>&1 | tee "$OUT/point_ways_1gpu.txt"
+timeout -k 10 200 $PY benchmarks/probe_scale.py --out "$OUT/probe_scale_nvrtc_1gpu.json" 2>&1 \
+  | tee "$OUT/probe_scale_nvrtc_1gpu.txt" | tail -25
+echo "rc=${PIPESTATUS[0]}"
