@@ -10,6 +10,9 @@
 #     python benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired 300 --paired-block 2 --no-compile
 # compiled too (round 0 is eager only, so two rounds, ~8 min: a call of its own; fixtures/gpu/paired_compiled_1gpu.json):
 #     ... --rounds 2 --steps 5 --paired 300 --paired-block 2 --paired-compiled
+# the whole proof that way, in one call (~9 min on one H200; probe_nvrtc.py left out):
+#     NVRTC=0 ROUNDS=2 STEPS=5 PAIRED=300 PAIRED_BLOCK=2 PAIRED_COMPILED=1 PROFILE=0 BUDGET=460 LIMIT=540 \
+#       bash scripts/gpu_job_leave_on.sh
 # fresh caches, eager and compiled, in one round (~5 min; fixtures/gpu/paired_fresh_1gpu.json):
 #     ... --rounds 1 --steps 5 --paired 300 --paired-block 2 --fresh-compile --paired-compiled
 set -uo pipefail
@@ -23,11 +26,13 @@ n=1  # one rank: the job is unsharded, whatever the machine holds
 'main', '$WB_COMMIT')"
 } 2>&1 | tee "$OUT/env.txt"
 # the probe's NVRTC kernel against Triton's, in a process with fresh caches (what a job's first point meets)
-CUDA_CACHE_PATH=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout -k 10 120 $PY benchmarks/probe_nvrtc.py \
-  --out "$OUT/probe_nvrtc_${n}gpu.json" 2>&1 | tee "$OUT/probe_nvrtc_${n}gpu.txt" || exit 1
+if [ "${NVRTC:-1}" = 1 ]; then
+  CUDA_CACHE_PATH=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) timeout -k 10 120 $PY benchmarks/probe_nvrtc.py \
+    --out "$OUT/probe_nvrtc_${n}gpu.json" 2>&1 | tee "$OUT/probe_nvrtc_${n}gpu.txt" || exit 1
+fi
 t0=$(date +%s)
 timeout -k 20 "${LIMIT:-470}" $PY benchmarks/job_leave_on.py --shape "${SHAPE:-llama-3.2-1b}" \
-  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-380}" --profile "${PROFILE:-6}" --paired "${PAIRED:-30}" --paired-block "${PAIRED_BLOCK:-3}" \
+  --rounds "${ROUNDS:-3}" --steps "${STEPS:-22}" --budget "${BUDGET:-380}" --profile "${PROFILE:-6}" --paired "${PAIRED:-30}" --paired-block "${PAIRED_BLOCK:-3}" ${PAIRED_COMPILED:+--paired-compiled} \
   --out "$OUT/job_leave_on_${n}gpu.json" 2>&1 | tee "$OUT/job_leave_on_${n}gpu.txt"
 rc=${PIPESTATUS[0]}
 echo "leave-on runs $(( $(date +%s) - t0 ))s, rc=$rc" | tee -a "$OUT/job_leave_on_${n}gpu.txt"

@@ -178,9 +178,28 @@ def test_recording_of_the_two_ways_points_on_the_jobs_thread():
     for r in rec["runs"]:
         assert r["device"] != "cpu" and len(r["on_ms_all"]) == len(r["off_ms_all"]) == r["pairs"] > 0, r["way"]
         assert abs(r["point_ms"] - (r["step_host_on_ms"] - r["step_host_off_ms"])) < 0.002 and r["drain_ms"] > 0
+    again = json.loads((GPU / "point_ways_reread_1gpu.json").read_text())  # after the owner cache (fc19edb)
+    assert {r["way"] for r in again["runs"]} == {"in_code", "zero_code"}
+    assert all(len(r["on_ms_all"]) == len(r["off_ms_all"]) == r["pairs"] > 0 for r in again["runs"])
     prof = json.loads((GPU / "point_ways_profile_1gpu.json").read_text())
     zero = next(r for r in prof["runs"] if r["way"] == "zero_code")
     assert "owners.py" in zero["profile"] and "hooks.py" in zero["profile"]
+
+def test_recording_of_the_writers_lag_read_both_ways():
+    """scripts/gpu_writer_lag.sh (issue 62): a check of the recording. Each capturing way's job took the writer's
+    lag in turns, pair by pair (0 s and 1 s), at least 100 pairs each, every interval holding its median; the
+    reading before it ran one job per lag (``writer_lags_apart_1gpu.json``: each job with its lag said)."""
+    rec = json.loads((GPU / "writer_lag_1gpu.json").read_text())
+    assert rec["device"] and rec["device"] != "cpu"
+    for way in ("defaults", "zero_code"):
+        (job,) = rec["paired_ci95"][way]
+        assert set(job["by_lag"]) == {"0", "1"}, (way, job)
+        for lag in job["by_lag"].values():
+            assert lag["pairs"] >= 100 and lag["ci95"][0] <= lag["pair_ratio"] <= lag["ci95"][1], (way, lag)
+    apart = json.loads((GPU / "writer_lags_apart_1gpu.json").read_text())
+    for way in ("defaults", "zero_code"):
+        assert sorted(j["writer_lag"] for j in apart["paired_ci95"][way]) == [0.0, 1.0], way
+
 
 def test_recording_of_the_nvrtc_probe_kernel_matches_tritons():
     """benchmarks/probe_nvrtc.py (issue 62): a check of the recording. The CUDA probe kernel NVRTC builds was
@@ -220,7 +239,8 @@ def test_recording_of_the_probe_at_scale_with_nvrtcs_kernel():
     """benchmarks/probe_scale.py --kernel nvrtc (issue 62): a check of the recording. The fused pass ran NVRTC's kernel,
     its rows equal the plain path's (means to float32 order) with the planted NaN, Inf and poison seen, and the
     floor it is measured against is recorded."""
-    rec = json.loads((GPU / "probe_scale_nvrtc_1gpu.json").read_text())
-    assert rec["fused_kernel"].get("kernel") == "nvrtc" and rec["paths"]["fused"]["packed"] is True
-    assert rec["fused_vs_plain_equal"] is True and rec["planted_seen"]["nan"] == 1 and rec["planted_seen"]["inf"] == 1
-    assert rec["floor_ms"] > 0 and rec["paths"]["fused"]["probe_ms"] > 0
+    for name in ("probe_scale_nvrtc_1gpu.json", "probe_scale_reread_1gpu.json"):
+        rec = json.loads((GPU / name).read_text())
+        assert rec["fused_kernel"].get("kernel") == "nvrtc" and rec["paths"]["fused"]["packed"] is True, name
+        assert rec["fused_vs_plain_equal"] is True and rec["planted_seen"] == {"nan": 1, "inf": 1, "poison": 2045}
+        assert rec["floor_ms"] > 0 and rec["paths"]["fused"]["probe_ms"] > 0, name
