@@ -304,7 +304,7 @@ def launch(args, mode: str, rnd: int, caches: dict[str, str], work: Path, lag: f
     got = json.loads(result.read_text()) if result.exists() else {}
     got.update(rc=p.returncode, process_s=took, round=rnd, fresh=rnd == 0, mode_key=mode, writer_lag=lag)
     if p.returncode or not got.get("eager"):
-        got["log"] = (p.stdout[-1500:] + p.stderr[-3000:])
+        got["log"] = (p.stdout[-1500:] + p.stderr[-9000:])  # a chained cause prints above its traceback
     print(f"{tag}: rc {p.returncode} {took:.0f}s eager {_fmt(got, 'eager')} compiled {_fmt(got, 'compiled')} "
           f"build {json.dumps(got.get('probe_build'))[:300]}", flush=True)
     if got.get("log"):
