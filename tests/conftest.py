@@ -259,7 +259,7 @@ CHECK_BY_TEST: dict[str, tuple[str, ...]] = {
         "workbench/live/connect.py", "workbench/live/registry.py",
     ),
     "tests/test_close_leaves_torch.py::test_close_gives_back_every_patch_mode_hook_and_thread": (
-        "workbench/job/patch.py", "workbench/job/process.py",
+        "workbench/job/process.py", "workbench/rank/patch.py",
     ),
     "tests/test_close_leaves_torch.py::test_a_ranks_files_undo_what_they_opened_and_installed_on_the_stack_they_"
     "were_given": (

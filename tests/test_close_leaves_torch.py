@@ -8,6 +8,7 @@ A single-rank gloo group in this process, so the ledger and the post-mortem watc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -260,3 +261,34 @@ def test_the_close_names_who_holds_the_world_group_after_the_job_destroyed_it():
     assert teardown.outlived(cap, "pg") == {"refs": 1, "holders": "none that the garbage collector can name"}
     del hidden
     assert teardown.outlived(cap, "pg") is None  # only the capture's: nothing to say
+
+
+@pytest.mark.parametrize("ledger", ["calls", "full"])
+def test_every_function_put_over_torch_is_passed_over_by_warnings(group, tmp_path, ledger):
+    """A wrapper is one more frame between the job's line and torch's function: a warning torch gives with
+    ``stacklevel=2`` named the wrapper's line (``workbench/job/hooks.py:264``) instead of the job's. Every function
+    the capture and its automatic points put in torch's place is ``patch.unseen``, which ``warnings`` passes over."""
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp  # noqa: F401
+
+    from workbench.rank import patch
+
+    before = _state()
+    cap = wj.capture(tmp_path / "cap", poison="all", ledger=ledger, attach="post-mortem")
+    hooks.Hooks(cap, every=1).install()
+    try:
+        put = []
+        for key in _diff(before, _state()):
+            spot, _, name = key.rpartition(".")
+            if spot in SPOTS:
+                obj = _resolve(spot)
+                value = vars(obj).get(name) if isinstance(obj, type) else getattr(obj, name, None)
+                fn = getattr(value, "__func__", value)
+                if hasattr(fn, "__code__"):
+                    put.append((key, fn.__code__.co_filename))
+        assert len(put) >= 10, put  # to_empty, backward, DDP's and FSDP's construction, the ledger's, ...
+        # a context manager's wrapper (``_coalescing_manager``) is contextlib's: its frames are contextlib's as well
+        seen = [key for key, filename in put if not filename.endswith(patch.UNSEEN) and filename != contextlib.__file__]
+        assert seen == [], f"warnings would name these wrappers' lines, not the job's: {seen}"
+    finally:
+        cap.close()

@@ -399,3 +399,23 @@ def test_a_job_that_raises_before_any_point_saw_its_weights_written_reads_as_the
     assert "never written after materialisation" not in d.sentence and "still unwritten" not in d.sentence
     assert ("were unwritten at step `to_empty`, the first point after their materialisation, and no later point "
             "looked at them: whether the job wrote them is not known") in d.sentence, d.sentence
+
+
+def test_a_warning_from_inside_a_hooked_call_names_the_users_line_as_without_the_workbench(tmp_path):
+    """torch warns with ``stacklevel=2`` to name the line that called it (DDP's ``broadcast_buffers``
+    deprecation). The hooks' wrapper of ``DistributedDataParallel.__init__`` sits between: Lightning Fabric's DDP job
+    printed "workbench/job/hooks.py:264: FutureWarning" where its plain run printed Fabric's own line. The job's
+    stderr warnings are the plain run's, line for line."""
+    script = JOBS / "warning_job.py"
+    env = _env(PYTHONWARNINGS="default")  # the suite's "ignore" off: Python's own default, as a user's job has it
+    plain = _run([*TORCHRUN, str(script)], tmp_path, env=env)
+    wrapped = _run([*JOB, str(tmp_path / "cap"), "--every", "1", "--", *TORCHRUN, str(script)], tmp_path, env=env)
+    assert plain.returncode == wrapped.returncode == 0, _says(wrapped)
+
+    def warned(run: subprocess.CompletedProcess) -> list[str]:
+        return sorted(ln for ln in run.stderr.splitlines() if "Warning:" in ln)
+
+    if not warned(plain):
+        pytest.skip("this torch does not warn at DistributedDataParallel(broadcast_buffers=True)")
+    assert all(ln.startswith(f"{script}:") for ln in warned(plain)), warned(plain)
+    assert warned(wrapped) == warned(plain), warned(wrapped)

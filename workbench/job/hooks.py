@@ -41,7 +41,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import config, losses, materialise, owners, patch, process
+from workbench.job import config, losses, materialise, owners, process
+from workbench.rank import patch
 
 # the variables, the words and the points are config.py's (the one place that reads the environment)
 ENV, ENV_EVERY, ENV_POINTS, ENV_ATTACH = config.ENV, config.ENV_EVERY, config.ENV_POINTS, config.ENV_ATTACH
@@ -269,7 +270,7 @@ class Hooks:
             return result
 
         setattr(call, _MARK, name)
-        return call
+        return patch.unseen(call)
 
     def _method(self, cls: type, name: str, after: Callable[[tuple, dict, Any], None]) -> None:
         original = patch.original(cls, name)
@@ -488,7 +489,7 @@ def _wrap_subclasses(hooks: Hooks, base: type) -> Callable[[], None]:
             _guarded(hooks._receiver, cls, errors=hooks._error)
 
     setattr(__init_subclass__, _MARK, "load_weights")
-    base.__init_subclass__ = classmethod(__init_subclass__)
+    base.__init_subclass__ = classmethod(patch.unseen(__init_subclass__))
 
     def undo() -> None:
         if previous is None:

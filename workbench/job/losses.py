@@ -32,7 +32,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from workbench.job import keys, patch
+from workbench.job import keys
+from workbench.rank import patch
 
 _MARK = "__workbench_losses__"
 KEY = keys.NONFINITE_LOSS  # in the job's c10d store: the backward after which every rank takes the point

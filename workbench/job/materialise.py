@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.job import patch
+from workbench.rank import patch
 
 NOTE = "clobbered: "  # the note's head: what the diagnosis looks for
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

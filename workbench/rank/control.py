@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import Any
 
+from workbench.rank import patch
+
 _STATE: dict[str, Any] = {"group_sockets": {}}
 
 
@@ -335,7 +337,7 @@ def group_tracker(original: Any) -> Any:
 
     _new_group_with_tag.__wrapped__ = original  # type: ignore[attr-defined]
     _new_group_with_tag.tracks_groups = True  # type: ignore[attr-defined]
-    return _new_group_with_tag
+    return patch.unseen(_new_group_with_tag)
 
 
 def _ends(fd: int) -> tuple[int, int] | None:

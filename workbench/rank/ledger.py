@@ -52,7 +52,7 @@ import torch.distributed as dist
 import typing_extensions
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workbench.rank import agree, control
+from workbench.rank import agree, control, patch
 from workbench.rank.traffic import traffic
 
 NAMESPACES = ("c10d", "_c10d_functional")
@@ -746,7 +746,7 @@ def _watch_destroy() -> None:
             _stop_watcher()
         return original(*args, **kwargs)
 
-    dist.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = patch.unseen(destroy_process_group)
 
 
 
@@ -979,7 +979,7 @@ def _coalesced_wrapper(original):
         finally:
             rec.coalesced.pop()
     _broadcast_coalesced.__wrapped__ = original
-    return _broadcast_coalesced
+    return patch.unseen(_broadcast_coalesced)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.rank import ledger as _ledger
+from workbench.rank import patch
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "gather", "scatter", "reduce",
             "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
@@ -130,7 +131,7 @@ class CallLedger:
                 self._local.inside = False
 
         setattr(call, _MARK, True)
-        return call
+        return patch.unseen(call)
 
     def _wrap_coalescing(self, original: Any) -> Any:
         """``_coalescing_manager``: the calls in its block only queue (gloo); its exit issues them as one coalesced
