@@ -108,6 +108,12 @@ def test_recording_of_a_point_every_step_left_on_has_every_way():
         assert "fresh" in rec["first_point_ms"], (path.name, rec["first_point_ms"])
         assert all(rec["paired_ratio"].get(m) for m in ("defaults", "zero_code")), (path.name, rec["paired_ratio"])
     assert any(GPU.glob("job_leave_on_*gpu.json"))
+    rec = json.loads((GPU / "job_leave_on_1gpu.json").read_text())  # 73aa33c: the writer's lag, the long design
+    assert all(r["rc"] == 0 for r in rec["runs"]), [(r["mode_key"], r["round"], r["rc"]) for r in rec["runs"]]
+    for way in ("defaults", "zero_code"):
+        for how, fresh in (("eager", True), ("eager", False), ("compiled", False)):
+            (job,) = _paired_jobs(rec, way, how, fresh)
+            assert job["pairs"] >= 100 and job["ci95"][0] <= job["pair_ratio"] <= job["ci95"][1], (way, how, job)
 
 
 def test_recording_of_the_long_paired_reading_has_both_capturing_ways():
