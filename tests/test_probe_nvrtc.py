@@ -45,3 +45,77 @@ def test_the_cuda_source_takes_tritons_arguments_in_their_order():
     ours = [p.split()[-1].lstrip("*") for p in sig.group(1).split(",")]
     theirs = [a for a in triton_kernel.arg_names if a not in ("BLOCK", "ITERS", "HINT")]  # constants, baked in
     assert ours == theirs
+
+
+_FAKE_NVRTC = r'''
+import ctypes, json, sys, types
+import torch
+from torch.cuda import _utils
+
+class FakeNvrtc:
+    """NVRTC's C API as a successful compile answers it (this box has no libnvrtc): what it was asked is kept."""
+    options = None
+    def nvrtcCreateProgram(self, prog, source, name, *rest):
+        prog._obj.value = 1
+        return 0
+    def nvrtcAddNameExpression(self, prog, name):
+        return 0
+    def nvrtcCompileProgram(self, prog, n, options):
+        FakeNvrtc.options = [options[i].decode() for i in range(n)]
+        return 0
+    def nvrtcGetCUBINSize(self, prog, size):
+        size._obj.value = 4
+        return 0
+    def nvrtcGetCUBIN(self, prog, binary):
+        ctypes.memmove(binary, b"CUBN", 4)
+        return 0
+    def nvrtcGetLoweredName(self, prog, name, lowered):
+        lowered._obj.value = b"_Z9probe_allv"
+        return 0
+    def nvrtcDestroyProgram(self, prog):
+        return 0
+
+loaded = []
+_utils._get_gpu_rtc_library = _utils._get_nvrtc_library = lambda: FakeNvrtc()
+_utils._cuda_load_module = lambda binary, names: loaded.append(binary) or {n: ("kernel", n) for n in names}
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(major=9, minor=0)
+torch.cuda.current_device = lambda: 0
+def torch_build(source, name):  # torch's header search, as its _compile_kernel makes it first (no CUDA here)
+    import torch.utils.cpp_extension
+    return _utils._cuda_load_module(b"CUBN", ["_Z9probe_allv"])["_Z9probe_allv"]
+
+torch.cuda._compile_kernel = torch_build
+from workbench.rank import _probe_nvrtc
+
+path, way = list(sys.path), sys.argv[1]
+kernel = (_probe_nvrtc.compile_kernel("extern \"C\" __global__ void probe_all() {}", "probe_all", 0) if way == "ours"
+          else _probe_nvrtc._torch_compile("extern \"C\" __global__ void probe_all() {}", "probe_all"))
+print(json.dumps({"kernel": list(kernel), "binary": loaded[0].decode(), "options": FakeNvrtc.options,
+                  "setuptools": "setuptools" in sys.modules, "path_same": sys.path == path}))
+'''
+
+
+@pytest.mark.parametrize("way", ["ours", "torch"])
+def test_the_kernels_build_leaves_the_jobs_imports_and_path_alone(way, tmp_path):
+    """The build runs on a thread of the job's process at its CUDA start. torch's ``_compile_kernel`` imports
+    ``torch.utils.cpp_extension`` for CUDA's headers, and with it setuptools, which appends its ``_vendor`` folder to
+    ``sys.path``: the job's own imports then saw setuptools' vendored packages (and raced ours). Ours asks NVRTC for
+    the device's architecture alone (the source includes no header) and imports neither; torch's, kept for where ours
+    is refused, gives ``sys.path`` back. This box has no CUDA: NVRTC's C API answers as a compile does, and torch's
+    build is its header search's import alone (the real one: setuptools and its path entry)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "build.py"
+    script.write_text(_FAKE_NVRTC)
+    run = subprocess.run([sys.executable, str(script), way], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["kernel"] == ["kernel", "_Z9probe_allv"] and got["binary"].startswith("CUBN"), got
+    assert got["path_same"] is True, got
+    if way == "ours":
+        assert got["options"] == ["--gpu-architecture=sm_90"] and got["setuptools"] is False, got
+    else:  # what the thread did before: setuptools imported, its path entry now taken back out
+        assert got["setuptools"] is True, got

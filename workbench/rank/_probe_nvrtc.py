@@ -16,6 +16,7 @@ sum and the sum of squares up to float32 summation order. ``benchmarks/probe_nvr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -184,14 +185,75 @@ def build(device: int, block: int, iters: int) -> dict[str, Any]:
                 # one ("invalid device context" on the warm-up's thread): a runtime call binds the device's own
                 torch.cuda.current_stream(device).query()
                 src = SOURCE % {"block": block, "iters": iters, "threads": THREADS}
-                kernel = torch.cuda._compile_kernel(src, "probe_all")
+                try:
+                    kernel, how = compile_kernel(src, "probe_all", device), "ctypes"
+                except Exception as exc:  # NVRTC's C API as this torch finds it refused: torch's own build
+                    why_not = f"{type(exc).__name__}: {exc}"
+                    kernel, how = _torch_compile(src, "probe_all"), f"torch ({why_not})"
         # a boundary with a third party (NVRTC, the driver, torch's private API): any failure means this kernel
         # is not used, said in ``why`` (the warm-up's result keeps it); Triton's and the plain path remain
         except Exception as exc:
             _K["why"] = f"{type(exc).__name__}: {exc}"
             return {"nvrtc": False, "why": _K["why"]}
-        _K.update(kernel=kernel, device=device, result={"nvrtc": True, "build_s": time.perf_counter() - t0})
+        _K.update(kernel=kernel, device=device,
+                  result={"nvrtc": True, "build_s": time.perf_counter() - t0, "compiled_by": how})
         return _K["result"]
+
+
+def compile_kernel(source: str, name: str, device: int) -> Any:
+    """``torch.cuda._compile_kernel`` without what this kernel does not use: its header search. Why: torch's looks
+    CUDA's headers up through ``torch.utils.cpp_extension``, which imports setuptools, which appends its
+    ``_vendor`` folder to ``sys.path``. That ran on our warm-up thread, at the job's CUDA start: the job's own
+    imports then saw setuptools' vendored packages, and raced ours (one job's ``from transformers import
+    LlamaForCausalLM`` failed beside it, once). This source includes no header, so NVRTC compiles it for the
+    device's architecture alone; the module loads as torch's does (``_cuda_load_module``)."""
+    from torch.cuda import _utils
+
+    nvrtc = getattr(_utils, "_get_gpu_rtc_library", _utils._get_nvrtc_library)()
+    major, minor = torch.cuda.get_device_capability(device)
+
+    def check(result: int) -> None:
+        if result != 0:
+            text = ctypes.c_char_p()
+            nvrtc.nvrtcGetErrorString(result, ctypes.byref(text))
+            raise RuntimeError(f"NVRTC: {text.value.decode() if text.value else result}")
+
+    prog = ctypes.c_void_p()
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
+        options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if result != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        binary = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(prog, binary))
+        lowered = ctypes.c_char_p()
+        check(nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)))
+        mangled = lowered.value.decode() if lowered.value else name
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return _utils._cuda_load_module(binary.raw, [mangled])[mangled]
+
+
+def _torch_compile(source: str, name: str) -> Any:
+    """torch's own build, where ours could not: ``sys.path`` given back as it was (its setuptools import appends
+    to it; what it imported stays imported)."""
+    import sys
+
+    before = list(sys.path)
+    try:
+        return torch.cuda._compile_kernel(source, name)
+    finally:
+        for entry in [e for e in sys.path if e not in before]:
+            with contextlib.suppress(ValueError):  # the job took it out meanwhile
+                sys.path.remove(entry)
 
 
 def loaded() -> int | None:
