@@ -214,9 +214,9 @@ def compile_kernel(source: str, name: str, device: int) -> Any:
 
     def check(result: int) -> None:
         if result != 0:
-            text = ctypes.c_char_p()
-            nvrtc.nvrtcGetErrorString(result, ctypes.byref(text))
-            raise RuntimeError(f"NVRTC: {text.value.decode() if text.value else result}")
+            say = nvrtc.nvrtcGetErrorString  # const char *nvrtcGetErrorString(nvrtcResult)
+            say.restype = ctypes.c_char_p
+            raise RuntimeError(f"NVRTC: {(say(result) or b'error %d' % result).decode(errors='replace')}")
 
     prog = ctypes.c_void_p()
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
