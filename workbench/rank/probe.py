@@ -523,8 +523,11 @@ def fit_and_launch(module: nn.Module, prefix: str) -> tuple[_Entry, Any] | None:
 def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp: Any = None) -> list[dict[str, Any]]:
     """A launched plan's rows: the fixed columns, then the statistics once each part's copy is back (``slot``: the
     parts' slots, as ``Parts.launch`` gave them)."""
-    rows = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False, "shape": sh, "numel": ne}
-            for n, k, d, dv, sh, ne in entry.static]
+    fixed = entry.fixed.get(rank)
+    if fixed is None:  # the rows' fixed columns once per plan and rank; each point copies them (a C loop, 3x faster)
+        fixed = entry.fixed[rank] = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False,
+                                      "shape": sh, "numel": ne} for n, k, d, dv, sh, ne in entry.static]
+    rows = list(map(dict.copy, fixed))
     for (plan, at), part_slot in zip(entry.plan.parts, slot):  # the first part's rows while the second's kernel runs
         fill(rows if len(at) == len(rows) else [rows[i] for i in at], plan.columns(stamp, part_slot))
     for i, layout in entry.layouts.items():  # a DTensor row: its layout, then its shares (the general path)
@@ -619,6 +622,7 @@ class _Entry(NamedTuple):
     names: list[str]  # the rows' names, as named_tensors gives them
     whole: list  # weak refs to the tensors as the module holds them (DTensors whole): the annotations' pairs
     serial: int  # this plan's own number (``plan_stamp``)
+    fixed: dict  # rank -> the rows' fixed columns, made once (``_rows`` copies them)
 
 
 def _build_plan(module: nn.Module, named: list[tuple[str, str, torch.Tensor]], ties: dict[str, list[str]],
@@ -636,7 +640,7 @@ def _build_plan(module: nn.Module, named: list[tuple[str, str, torch.Tensor]], t
         same.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), []).append(name)
     shares = _shares([n for n, _, _ in items], ties, same)  # the cache key holds every tensor's identity and address
     layouts = {i: _layout(t) for i, (_, _, t) in enumerate(named) if type(t) not in _PLAIN_TYPES}
-    return _Entry(_pf.Parts(locs), static, shares, layouts, [n for n, _, _ in named], whole, next(_SERIAL))
+    return _Entry(_pf.Parts(locs), static, shares, layouts, [n for n, _, _ in named], whole, next(_SERIAL), {})
 
 
 def _shards(tensors: list) -> list | None:
