@@ -209,7 +209,9 @@ def test_a_deferred_points_rows_are_made_once_the_next_point_is_handed_over(tmp_
         while "s2" not in written.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert json.loads(written.read_text().splitlines()[-1])["point"] == "s2"
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30  # the writer lets collection go just after it wrote the line
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert gc.isenabled()  # the writer's hold ended with the line
     finally:
         cap.close()
