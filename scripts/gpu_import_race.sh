@@ -7,12 +7,7 @@
 # Leaves in $OUT: env.txt, import_race.txt (each run's rc and the head of a failure's cause), fail_*.log.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export WB_COMMIT=${WB_COMMIT:-}
-{
-  nvidia-smi -L 2>/dev/null
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'main', '$WB_COMMIT')"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 work=$(mktemp -d)
 export TRITON_CACHE_DIR=$work/triton TORCHINDUCTOR_CACHE_DIR=$work/inductor CUDA_CACHE_PATH=$work/cuda OMP_NUM_THREADS=1
 job=(benchmarks/job_leave_on.py --role job --shape llama-3.2-1b --steps 3 --no-compile --profile 0 --paired 0)

@@ -7,12 +7,7 @@
 # Leaves in $OUT: env.txt, point_cost_{logits,model}_1gpu.json/.txt, paired_no_logits_1gpu.json/.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export WB_COMMIT=${WB_COMMIT:-}
-{
-  nvidia-smi -L 2>/dev/null
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'main', '$WB_COMMIT')"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 for what in logits model; do
   flag=""; [ "$what" = model ] && flag=--no-logits
   timeout -k 10 150 $PY benchmarks/point_cost.py --shape llama-3.2-1b $flag --out "$OUT/point_cost_${what}_1gpu.json" \

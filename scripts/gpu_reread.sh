@@ -5,12 +5,7 @@
 # Leaves in $OUT: env.txt, point_ways_1gpu.json/.txt, probe_scale_nvrtc_1gpu.json/.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export WB_COMMIT=${WB_COMMIT:-}
-{
-  nvidia-smi -L 2>/dev/null
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'main', '$WB_COMMIT')"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 timeout -k 10 300 $PY benchmarks/point_ways.py --shape llama-3.2-1b --pairs 60 --rounds 1 \
   --out "$OUT/point_ways_1gpu.json" 2>&1 | tee "$OUT/point_ways_1gpu.txt"
 timeout -k 10 200 $PY benchmarks/probe_scale.py --out "$OUT/probe_scale_nvrtc_1gpu.json" 2>&1 \

@@ -7,12 +7,7 @@
 # Leaves in $OUT: env.txt, writer_lag_1gpu.json/.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export WB_COMMIT=${WB_COMMIT:-}
-{
-  nvidia-smi -L 2>/dev/null
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'main', '$WB_COMMIT')"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 timeout -k 20 540 $PY benchmarks/job_leave_on.py --rounds 1 --steps 5 --paired ${PAIRED:-480} --paired-block 2 \
   --no-compile --modes defaults,zero_code --paired-lags 0,1 --budget 420 --out "$OUT/writer_lag_1gpu.json" 2>&1 \
   | tee "$OUT/writer_lag_1gpu.txt"
