@@ -180,7 +180,7 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
     hooks = process.STATE.hooks
     if cap is None and hooks is None:
         return None
-    lags = [float(x) for x in args.paired_lags.split(",")] if args.paired_lags else [None]
+    lags, found = _lags(args.paired_lags), writer.LAG_S
     times: dict[bool, list[float]] = {True: [], False: []}
     blocks: list[tuple[bool, float]] = []
     for blk in range(2 * max(1, args.paired // 2)):
@@ -223,8 +223,13 @@ def _paired(args, model, opt, config, device, g, point, tag: str, cap) -> dict |
         out["by_lag"] = {f"{lag:g}": {"pair_ratio": round(statistics.median(mine), 4), "pairs": len(mine),
                                       "ci95": _bootstrap_median(mine)}
                          for k, lag in enumerate(lags) for mine in [pairs[k::len(lags)]]}
-        writer.LAG_S = lags[-1]
+        writer.LAG_S = found
     return out
+
+
+def _lags(text: str | None) -> list[float | None]:
+    """``--paired-lags`` or ``--writer-lags`` ("0,1"): the writer's lags to take in turn; [None]: as it is."""
+    return [float(x) for x in text.split(",")] if text else [None]
 
 
 def _bootstrap_median(xs: list[float], n: int = 4000, seed: int = 0) -> list[float]:
@@ -322,7 +327,7 @@ def drive(args) -> int:
     warm = {k: str(work / "warm" / k.lower()) for k in CACHES}
     runs: list[dict] = []
     t0 = time.perf_counter()
-    lags = [None] if not args.writer_lags else [float(x) for x in args.writer_lags.split(",")]
+    lags = _lags(args.writer_lags)
     for rnd in range(args.rounds):
         ways = [(m, x) for m in MODES if m in args.modes.split(",") for x in (lags if m != "off" else [None])]
         for mode, lag in ways:

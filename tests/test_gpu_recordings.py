@@ -128,7 +128,6 @@ def test_recording_of_the_long_paired_reading_has_both_capturing_ways():
         assert job["pairs"] >= 100 and lo <= job["pair_ratio"] <= hi, (way, job)
 
 
-
 def _paired_jobs(rec: dict, way: str, how: str, fresh: bool) -> list[dict]:
     return [r[how]["paired"] for r in rec["runs"]
             if r["mode_key"] == way and r["fresh"] == fresh and (r.get(how) or {}).get("paired")]
@@ -146,7 +145,6 @@ def test_recording_of_the_long_paired_reading_compiled_and_fresh():
             assert job["pairs"] >= 100 and lo <= job["pair_ratio"] <= hi, (way, how, fresh, job)
 
 
-
 def test_recording_of_the_long_paired_reading_on_fresh_caches_compiled_too():
     """benchmarks/job_leave_on.py --rounds 1 ... --fresh-compile --paired-compiled (issue 62): a check of the
     recording. One round on fresh caches, each capturing way read eager and compiled over at least 100 pairs, the
@@ -158,6 +156,7 @@ def test_recording_of_the_long_paired_reading_on_fresh_caches_compiled_too():
         for how in ("eager", "compiled"):
             (job,) = _paired_jobs(rec, way, how, True)
             assert job["pairs"] >= 100 and job["ci95"][0] <= job["pair_ratio"] <= job["ci95"][1], (way, how, job)
+
 
 def test_recording_of_the_in_code_point_split_by_its_objects():
     """benchmarks/point_cost.py with and without the logits, and the paired reading of in-code points of the model
@@ -190,6 +189,7 @@ def test_recording_of_the_two_ways_points_on_the_jobs_thread():
     prof = json.loads((GPU / "point_ways_profile_1gpu.json").read_text())
     zero = next(r for r in prof["runs"] if r["way"] == "zero_code")
     assert "owners.py" in zero["profile"] and "hooks.py" in zero["profile"]
+
 
 def test_recording_of_the_writers_lag_read_both_ways():
     """scripts/gpu_writer_lag.sh (issue 62): a check of the recording. Each capturing way's job took the writer's

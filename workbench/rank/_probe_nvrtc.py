@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 import threading
 import time
 from typing import Any
@@ -245,8 +246,6 @@ def compile_kernel(source: str, name: str, device: int) -> Any:
 def _torch_compile(source: str, name: str) -> Any:
     """torch's own build, where ours could not: ``sys.path`` given back as it was (its setuptools import appends
     to it; what it imported stays imported)."""
-    import sys
-
     before = list(sys.path)
     try:
         return torch.cuda._compile_kernel(source, name)
