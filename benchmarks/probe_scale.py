@@ -94,9 +94,11 @@ def timed_each(fn, repeats: int, device: torch.device) -> tuple[list[float], lis
     times = []
     for _ in range(repeats):
         sync(device)
+        last = out  # freed after the timing: freeing the last call's rows is no part of this call (~0.07 ms)
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
+        del last
     return times, out
 
 
@@ -179,8 +181,9 @@ def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> tuple[
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        probe.probe_module(model, rank=0)
+        rows = probe.probe_module(model, rank=0)
         t_end = time.perf_counter()
+        del rows  # freed after the timing, as in timed_each
         prev = t0
         for name, t in numbered([*probe._PHASES, ("return", t_end)]):
             out.setdefault(name, []).append((t - prev) * 1e3)
@@ -220,6 +223,28 @@ def same_bytes(rows_a: list[dict], rows_b: list[dict]) -> list[str]:
     return bad
 
 
+def splits(model: torch.nn.Module, device: torch.device, args: argparse.Namespace, rows: list[dict]) -> dict:
+    """The packed path under each of ``--splits``' SPLIT_SHARES (its plan rebuilt): end to end, the rows per launch,
+    the phases, and whether its rows are the default's byte for byte; the default's plan is rebuilt after."""
+    out = {}
+    default = probe_fused.SPLIT_SHARES
+    try:
+        for spec in filter(None, args.splits.split(";")):
+            probe_fused.SPLIT_SHARES = tuple(float(x) for x in spec.split(","))
+            probe._PLANS.pop(model, None)
+            probe_fused._PLAN_CACHE.clear()
+            times, got = timed_each(lambda: probe.probe_module(model, rank=0), args.repeats * 10, device)
+            parts = [len(at) for _, at in probe._PLANS[model].entry.plan.parts]
+            out[spec] = {"probe_ms": statistics.median(times) * 1e3, "probe_ms_p10_p50_p90": spread(times),
+                         "rows_per_launch": parts, "same_rows": not same_bytes(got, rows),
+                         "phases_ms": phases(model, device, args.repeats * 5)[0]}
+    finally:
+        probe_fused.SPLIT_SHARES = default
+        probe._PLANS.pop(model, None)
+        probe_fused._PLAN_CACHE.clear()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
@@ -228,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--kernel", choices=("nvrtc", "triton"), default="nvrtc",
                     help="the fused pass's kernel on CUDA: NVRTC's build (what a job's probe uses) or Triton's")
+    ap.add_argument("--splits", default="", help="the packed path again under other SPLIT_SHARES, e.g. '0.5;0.3,0.8' "
+                    "(each: shares of the bytes, largest tensors first, where the launches split)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -298,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         mism = compare(rows_plain, rows_main)
         results["fused_vs_plain_mismatches"] = mism[:20]
         results["fused_vs_plain_equal"] = not mism
+        results["splits"] = splits(model, device, args, rows_main)
     by_name = {r["name"]: r for r in rows_main}
     results["planted_seen"] = {
         "nan": by_name[planted["nan"]]["nan"], "inf": by_name[planted["inf"]]["inf"],
@@ -329,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fused phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in f["phases_ms"].items())
               + f"; named_tensors {f['named_tensors_ms']:.3f}; packed plan: {f['packed']}")
         print("fused timeline (ms from the call): " + ", ".join(f"{k} {v:.3f}" for k, v in f["timeline_ms"].items()))
+    for spec, r in results.get("splits", {}).items():
+        print(f"split {spec:>10}: {r['probe_ms']:.3f} ms (p10/p50/p90 {r['probe_ms_p10_p50_p90']}), rows per launch "
+              f"{r['rows_per_launch']}, same rows {r['same_rows']}; phases {r['phases_ms']}")
     print(f"planted: {results['planted_seen']}")
     if "rows_identical" in results:
         print(f"fused rows byte-identical to the probe before: {results['rows_identical']} "

@@ -146,6 +146,8 @@ def _interpreted() -> None:
         lambda m: m.to(torch.float32),  # the same parameters (``p.data = ...``), new dtype and memory
         lambda m: m.__setitem__(1, nn.LayerNorm(48)),  # a child swapped
         lambda m: m.register_buffer("extra", m.extra, persistent=False),  # the same buffer, now non-persistent
+        # the same names and objects in the same order, one dict over: read as one list they did not change
+        lambda m: m[1]._buffers.__setitem__("bias", m[1]._parameters.pop("bias")),  # a parameter now a buffer
         lambda m: setattr(m[1], "bias", None),  # a parameter set to None
     )
     for change in changes:
@@ -153,7 +155,7 @@ def _interpreted() -> None:
         change(m)
         same_rows(m)
         assert probe._PLANS[m][1][0] is not plan
-    split = probe_fused.SPLIT_BYTES
+    split, shares = probe_fused.SPLIT_BYTES, probe_fused.SPLIT_SHARES
     probe_fused.SPLIT_BYTES = 0  # every module in two launches: the rows in the same order, the same bytes
     try:
         same_rows(fusable_model())
@@ -163,8 +165,12 @@ def _interpreted() -> None:
         same_rows(big)
         # the largest tensors that hold half the bytes go last (0.weight: 6144 of 7148)
         assert [at for _, at in probe._PLANS[big][1][0].parts] == [[1, 2, 3, 4, 5, 6], [0]]
+        probe_fused.SPLIT_SHARES = (0.5, 0.9)  # three launches: 0.weight, then 2.weight (576), then the rest
+        three = fusable_model()
+        same_rows(three)
+        assert [at for _, at in probe._PLANS[three][1][0].parts] == [[1, 2, 3, 5, 6], [4], [0]]
     finally:
-        probe_fused.SPLIT_BYTES = split
+        probe_fused.SPLIT_BYTES, probe_fused.SPLIT_SHARES = split, shares
     gone = weakref.ref(m)
     del m, plan
     gc.collect()
