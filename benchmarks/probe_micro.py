@@ -43,6 +43,20 @@ def best_synced(fn, n: int = 200) -> float:
     return min(times) * 1e6
 
 
+def flat_tree_key(mods: list) -> tuple | None:
+    """The tree key as it was: every dict's keys and values' ids as one list (a dict's size not read)."""
+    import itertools
+    import weakref
+
+    live = list(map(weakref.ref.__call__, mods))
+    if None in live:
+        return None
+    dicts = list(itertools.chain.from_iterable(map(probe._DICTS, live)))
+    values = itertools.chain.from_iterable(map(dict.values, dicts))
+    nonpersistent = list(map(tuple, map(probe._NONPERSISTENT, live)))
+    return list(itertools.chain.from_iterable(dicts)), list(map(id, values)), nonpersistent
+
+
 def main() -> None:
     dev = torch.device("cuda:0")
     model = build("1.7b", dev)
@@ -63,6 +77,7 @@ def main() -> None:
         "e2e probe_module": lambda: probe.probe_module(model, 0),
         "fit, launch, rows": lambda: probe._rows(probe._PLANS[model].entry, 0, probe.fit_and_launch(model, "")[1]),
         "  tree key": lambda: probe._tree_key(cached.mods),
+        "  tree key, one flat list (before bdcadfd)": lambda: flat_tree_key(cached.mods),
         "  tensor key": lambda: probe._tensor_key(cached.whole, cached.plain),
         "launch (zero, kernel, copy, record)": lambda: plan.columns(None, plan.launch()),
         "  acc.zero_": lambda: plan.acc.zero_(),

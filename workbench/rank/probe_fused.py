@@ -115,17 +115,18 @@ def plan_for(tensors: list[torch.Tensor]) -> Plan:
 _PLAN_CACHE: dict[tuple, Plan] = {}
 
 SPLIT_BYTES = 256 << 20  # a module's tensors past this many bytes are launched in parts (``Parts``)
-SPLIT_SHARES = (0.3, 0.8)  # where the parts split, as shares of the bytes counted from the largest tensor down
+SPLIT_SHARES = (0.5,)  # where the parts split, as shares of the bytes counted from the largest tensor down
 
 
 class Parts:
     """A module's cached plan as one launch or several, in row order once read (``parts``: each plan with the rows
     it holds). Past ``SPLIT_BYTES`` the tensors are cut by size at ``SPLIT_SHARES``: the largest, which hold the
-    first share of the bytes, go in the last launch; the next, to the second share, in the one before; the rest
-    (most of the rows, few of the bytes) first. The host makes each part's rows while the GPU reads the parts
-    launched after it, so the rows left for after the last kernel are a few (Qwen3-1.7B's shape: 231 rows while
-    the two later kernels run, 80 while the last reads the embedding and the head, 2 after it; cut once at half the
-    bytes, 34 rows were made after the last kernel)."""
+    first share of the bytes, go in the last launch; the next, to the second share (if any), in the one before;
+    the rest (most of the rows, few of the bytes) first. The host makes each part's rows while the GPU reads the
+    parts launched after it (Qwen3-1.7B's shape: 279 rows while the second kernel runs, 34 after it, where all 313
+    were made after one). More cuts leave fewer rows for the end but cost the host more than they save: on one H200
+    host, 1.64 ms end to end cut at half the bytes, 1.72 ms at (0.2, 0.7), 1.76 ms at (0.3, 0.8), 1.91 ms in four
+    launches (``benchmarks/probe_scale.py --splits``; fixtures/gpu/probe_scale_splits_1gpu.json)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         idx = list(range(len(tensors)))
