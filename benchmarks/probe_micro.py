@@ -43,6 +43,21 @@ def best_synced(fn, n: int = 200) -> float:
     return min(times) * 1e6
 
 
+def interleaved(fa, fb, n: int = 400) -> tuple[float, float]:
+    """Medians (us) of ``fa`` and ``fb`` called by turns: a host whose speed drifts (a neighbour's load) moves
+    both alike, where one after the other it moved one of them."""
+    import statistics
+    import time
+
+    ta, tb = [], []
+    for _ in range(n):
+        for fn, out in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+
+
 def flat_tree_key(mods: list) -> tuple | None:
     """The tree key as it was: every dict's keys and values' ids as one list (a dict's size not read)."""
     import itertools
@@ -70,8 +85,8 @@ def main() -> None:
     slot = plan.copy_back()
     torch.cuda.synchronize()
     h = slot[0].numpy()
-    a = h[: T * 8].reshape(T, 8)
-    w = h[T * 8: T * 56].view(np.uint32).reshape(T, 96)
+    a = h[: T * probe_fused._ACC].reshape(T, probe_fused._ACC)
+    w = h[plan.o_words: plan.o_words + T * 48].view(np.uint32).reshape(T, 96)
     rows = [dict(zip(probe.COLUMNS[:8], (0, *s[:4], False, *s[4:]))) for s in static]
     out = {
         "e2e probe_module": lambda: probe.probe_module(model, 0),
@@ -88,7 +103,7 @@ def main() -> None:
         "columns (after sync)": lambda: plan.columns(),
         "  host.numpy": lambda: slot[0].numpy(),
         "  heads": lambda: plan._heads(w),
-        "  hex decode": lambda: h[T * 56:].tobytes().decode("ascii"),
+        "  hex decode": lambda: h[plan.o_hexs: plan.o_hexs + T * 96].tobytes().decode("ascii"),
         "  tolist x6": lambda: [a[:, i].tolist() for i in range(6)],
         "fill (10 C loops)": lambda: [deque(map(operator.setitem, rows, repeat(k), cols[k]), maxlen=0)
                                       for k in probe._STAT_COLUMNS],
@@ -98,6 +113,8 @@ def main() -> None:
         us = best_synced(fn) if "launch" in name or "zero" in name or "copy" in name else best(fn)
         print(f"{name:40s} {us:9.1f} us", flush=True)
         torch.cuda.synchronize()
+    today, flat = interleaved(lambda: probe._tree_key(cached.mods), lambda: flat_tree_key(cached.mods))
+    print(f"{'tree key today / one flat list, interleaved':40s} {today:9.1f} / {flat:.1f} us (medians)")
     gc.disable()
     print(f"{'e2e probe_module, gc off':40s} {best(out['e2e probe_module']):9.1f} us")
     gc.enable()
