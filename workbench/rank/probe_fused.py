@@ -379,7 +379,8 @@ def _nvrtc(device: torch.device | str | int) -> bool:
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     _WARM["nvrtc"] = built = _probe_nvrtc.build(index, WORDS_PER_ITER, ITERS)
     if built.get("nvrtc"):
-        _WARM["result"] = {"warm": True, "kernel": "nvrtc", "device": f"cuda:{index}", "build_s": built["build_s"]}
+        _WARM["result"] = {"warm": True, "kernel": "nvrtc", "device": f"cuda:{index}", "build_s": built["build_s"],
+                           "compiled_by": built.get("compiled_by")}  # ours ("ctypes") or torch's, and why
     return bool(built.get("nvrtc"))
 
 
