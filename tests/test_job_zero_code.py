@@ -332,6 +332,34 @@ def test_sigterm_reaches_the_launcher_itself(tmp_path):
     assert rc_wrapped == rc_plain != 0
 
 
+def test_a_job_no_launcher_gave_a_rank_says_it_captures_nothing(tmp_path):
+    """``workbench job DIR -- python train.py`` and ``accelerate launch`` of one process (its ``--cpu`` without
+    ``--multi_gpu``) run the job in a process no launcher gave a rank: it captured nothing and said nothing, and
+    ``workbench report DIR`` read "no bundle". Now that process says why, in one line, once torch is imported; the
+    exit status and stdout are the plain run's, and nothing is written."""
+    script = tmp_path / "one.py"
+    script.write_text("import torch\nprint('ok', torch.ones(2).sum().item())\n")
+    one = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no"]
+    for name, launch in (("python", [sys.executable]), ("accelerate", one)):
+        out = tmp_path / name
+        run = _run([*JOB, str(out), "--", *launch, str(script)], tmp_path)
+        assert run.returncode == 0 and run.stdout.splitlines()[-1] == "ok 2.0", (name, _says(run))
+        said = [ln for ln in run.stderr.splitlines() if ln.startswith("workbench:")]
+        assert len(said) == 1 and "captures nothing: no launcher gave it a rank" in said[0], (name, said)
+        assert "torchrun --nproc-per-node 1" in said[0], (name, said)
+        assert not out.exists(), name
+    assert not hooks.rankless_job({}, ["python", "-c", "pass"], 10, 1)  # no launcher pid: not under workbench job
+    assert hooks.rankless_job({hooks.config.ENV_LAUNCHER: "10"}, ["python", "train.py"], 10, 1)
+    assert not hooks.rankless_job({hooks.config.ENV_LAUNCHER: "10"}, ["python", "-m", "torch.distributed.run"], 10, 1)
+    assert not hooks.rankless_job({hooks.config.ENV_LAUNCHER: "10", "RANK": "0", "WORLD_SIZE": "1"},
+                                  ["python", "train.py"], 10, 1)  # a rank: it captures
+    assert not hooks.rankless_job({hooks.config.ENV_LAUNCHER: "7"}, ["python", "train.py"], 10, 7,
+                                  ["bash", "run.sh"])  # a shell's child: a helper, maybe, before torchrun
+    assert hooks.rankless_job({hooks.config.ENV_LAUNCHER: "7"}, ["python", "train.py"], 10, 7,
+                              ["/v/bin/python", "/v/bin/accelerate", "launch", "train.py"])
+
+
 @pytest.mark.slow
 def test_accelerate_launch_of_a_prepare_script(tmp_path):
     out = tmp_path / "acc"

@@ -73,14 +73,53 @@ def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pi
     capturing = config.from_env(env).pid
     if capturing is not None and capturing != pid:
         return False  # a worker a rank started: its parent captures
+    return not _launcher(argv)
+
+
+def _launcher(argv: list[str]) -> bool:
+    """Whether ``argv`` runs a launcher (torchrun, ``accelerate launch``, deepspeed's runner), not a job's script."""
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv):
-            return argv[i + 1] not in LAUNCHERS
+            return argv[i + 1] in LAUNCHERS
         if not arg.startswith("-") and i > 0:  # the script (or the program's first argument)
             break
     head = os.path.basename(argv[1] if len(argv) > 1 and os.path.basename(argv[0]).startswith("python")
                             else argv[0]) if argv else ""
-    return head not in ("torchrun", "accelerate", "deepspeed")
+    return head in ("torchrun", "accelerate", "deepspeed")
+
+
+def rankless_job(env: dict[str, str] | None = None, argv: list[str] | None = None, pid: int | None = None,
+                 ppid: int | None = None, parent_argv: list[str] | None = None) -> bool:
+    """Whether this process is the job itself, run with no rank: the command ``workbench job`` ran (``python
+    train.py``), or the one process ``accelerate launch`` started for it (its ``--cpu`` without ``--multi_gpu``).
+    Such a process captures nothing (a rank's shard is named by the rank a launcher gave it), and said nothing: the
+    report read "no bundle". A shell's children are left alone (a script's helper ``python -c`` before torchrun)."""
+    env = os.environ if env is None else env
+    if ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env):
+        return False
+    got = config.from_env(env)
+    if got.launcher_pid is None or got.pid is not None:  # not under workbench job, or a capturing rank's worker
+        return False
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    if _launcher(argv):
+        return False
+    pid = os.getpid() if pid is None else pid
+    if pid == got.launcher_pid:
+        return True
+    ppid = os.getppid() if ppid is None else ppid
+    if ppid != got.launcher_pid:
+        return False
+    if parent_argv is None:
+        try:
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                parent_argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:  # no /proc: say nothing
+            return False
+    return any(os.path.basename(a) == "accelerate" or a == "accelerate.commands.launch" for a in parent_argv[:3])
+
+
+RANKLESS = ("workbench: this process captures nothing: no launcher gave it a rank (torchrun's RANK and WORLD_SIZE, "
+            "srun's SLURM_PROCID); to capture one process, run it as `torchrun --nproc-per-node 1 train.py`")
 
 
 def options(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -156,7 +195,11 @@ def after_import(name: str, callback: Callable[[Any], None]) -> None:
 def arm() -> bool:
     """The site hook's entry: in a rank of a job whose ``WORKBENCH_CAPTURE`` names a directory, start the capture
     as soon as torch is imported. Returns whether it armed."""
-    if directory() is None or not is_rank():
+    if directory() is None:
+        return False
+    if not is_rank():
+        if rankless_job():
+            after_import("torch", lambda _torch: _say(RANKLESS))
         return False
     os.environ[ENV_PID] = str(os.getpid())
     after_import("torch", lambda _torch: start())
