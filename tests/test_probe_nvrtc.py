@@ -55,6 +55,7 @@ from torch.cuda import _utils
 class FakeNvrtc:
     """NVRTC's C API as a successful compile answers it (this box has no libnvrtc): what it was asked is kept."""
     options = None
+    compiles = 0
     def nvrtcCreateProgram(self, prog, source, name, *rest):
         prog._obj.value = 1
         return 0
@@ -62,6 +63,7 @@ class FakeNvrtc:
         return 0
     def nvrtcCompileProgram(self, prog, n, options):
         FakeNvrtc.options = [options[i].decode() for i in range(n)]
+        FakeNvrtc.compiles += 1
         return 0
     def nvrtcGetCUBINSize(self, prog, size):
         size._obj.value = 4
@@ -89,10 +91,16 @@ torch.cuda._compile_kernel = torch_build
 from workbench.rank import _probe_nvrtc
 
 path, way = list(sys.path), sys.argv[1]
-kernel = (_probe_nvrtc.compile_kernel("extern \"C\" __global__ void probe_all() {}", "probe_all", 0) if way == "ours"
-          else _probe_nvrtc._torch_compile("extern \"C\" __global__ void probe_all() {}", "probe_all"))
+src = "extern \"C\" __global__ void probe_all() {}"
+if way.startswith("precompiled"):  # the capture's compile as it opens (sm_90, or another GPU's sm_80), then the load
+    _probe_nvrtc.precompile(src, {way.split("-")[1]}).join()
+    before = FakeNvrtc.compiles
+kernel = (_probe_nvrtc.compile_kernel(src, "probe_all", 0) if way != "torch"
+          else _probe_nvrtc._torch_compile(src, "probe_all"))
 print(json.dumps({"kernel": list(kernel), "binary": loaded[0].decode(), "options": FakeNvrtc.options,
-                  "setuptools": "setuptools" in sys.modules, "path_same": sys.path == path}))
+                  "setuptools": "setuptools" in sys.modules, "path_same": sys.path == path,
+                  "compiles": FakeNvrtc.compiles, "at_load": FakeNvrtc.compiles - before if way != "ours" and
+                  way != "torch" else None}))
 '''
 
 
@@ -119,3 +127,64 @@ def test_the_kernels_build_leaves_the_jobs_imports_and_path_alone(way, tmp_path)
         assert got["options"] == ["--gpu-architecture=sm_90"] and got["setuptools"] is False, got
     else:  # what the thread did before: setuptools imported, its path entry now taken back out
         assert got["setuptools"] is True, got
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_a_capture_compiles_the_kernel_as_it_opens_and_cudas_init_only_loads_it(arch, tmp_path):
+    """At cc51d85 the warm-up compiled at the job's CUDA init (0.58 s on a fresh H200) and the job's ``to_empty``
+    point, soon after, took the plain path meanwhile: 529 ms. NVRTC needs no CUDA context, so the capture compiles
+    as it opens for NVML's architecture, and the build at CUDA's init loads that cubin without a compile of its own.
+    A GPU of another architecture (sm_80 made, sm_90 found) is compiled for at the load, as before."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "build.py"
+    script.write_text(_FAKE_NVRTC)
+    run = subprocess.run([sys.executable, str(script), f"precompiled-{arch}"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["kernel"] == ["kernel", "_Z9probe_allv"] and got["binary"].startswith("CUBN"), got
+    assert got["at_load"] == (0 if arch == "sm_90" else 1), got
+    assert got["options"] == ["--gpu-architecture=sm_90"] and got["setuptools"] is False, got
+
+
+def test_nvml_names_every_gpus_architecture_without_cuda():
+    """What the capture compiles for: every GPU's architecture as NVML reads it, NVML shut down after; nothing where
+    NVML is absent or refuses (this box: no libnvidia-ml, so a CPU capture starts no compile)."""
+    import ctypes
+
+    from workbench.rank import _probe_nvrtc
+
+    class FakeNvml:
+        shut = 0
+
+        def __init__(self, init: int = 0) -> None:
+            self.init = init
+
+        def nvmlInit_v2(self):
+            return self.init
+
+        def nvmlDeviceGetCount_v2(self, count):
+            count._obj.value = 3
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, i, handle):
+            handle._obj.value = i + 1
+            return 0
+
+        def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+            major._obj.value, minor._obj.value = (8, 0) if handle.value == 3 else (9, 0)
+            return 0
+
+        def nvmlShutdown(self):
+            FakeNvml.shut += 1
+            return 0
+
+    assert _probe_nvrtc._nvml_archs(FakeNvml()) == {"sm_90", "sm_80"} and FakeNvml.shut == 1
+    assert _probe_nvrtc._nvml_archs(FakeNvml(init=9)) == set()
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        assert _probe_nvrtc._nvml_archs() == set() and _probe_nvrtc.precompile("x") is None

@@ -230,12 +230,19 @@ class Points:
         """The probe's kernel starts building when the job initialises CUDA (``torch.cuda._lazy_call``: at once where
         it has), not at the first point: a job's first point on real tensors comes right after ``to_empty``, and it
         took the plain path while NVRTC built (384-598 ms on an H200, over the 0.5 s goal). Points meanwhile take the
-        plain path as before (``plain_meanwhile``). A capture closed or stopped by then starts nothing."""
+        plain path as before (``plain_meanwhile``). A capture closed or stopped by then starts nothing. NVRTC's
+        compile needs no CUDA context: it starts now, as the capture opens (``precompile_async``), and the init's
+        warm-up only loads what it made (at cc51d85 the build from the init, 0.58 s fresh, still ran at the
+        ``to_empty`` point: 529 ms)."""
         import torch
 
         lazy_call = getattr(torch.cuda, "_lazy_call", None)
         if lazy_call is None or not torch.cuda.is_available():
             return
+        with contextlib.suppress(Exception):  # the compile alone, now (no CUDA context); the init then loads it
+            from workbench.rank import probe_fused
+
+            probe_fused.precompile_async()
         this = weakref.ref(self)
 
         def start() -> None:

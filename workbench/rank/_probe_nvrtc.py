@@ -169,6 +169,11 @@ _K: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
+def source(block: int, iters: int) -> str:
+    """The kernel's CUDA source for a plan's words per iteration and iterations (``probe_fused``'s constants)."""
+    return SOURCE % {"block": block, "iters": iters, "threads": THREADS}
+
+
 def build(device: int, block: int, iters: int) -> dict[str, Any]:
     """Compile and load the kernel for CUDA device ``device`` (once per process); what it took, or why not.
     NVRTC missing, a torch without ``torch.cuda._compile_kernel``, a driver refusing the PTX: each leaves
@@ -185,7 +190,7 @@ def build(device: int, block: int, iters: int) -> dict[str, Any]:
                 # a thread new to CUDA has no current context, and NVRTC's module load is a driver call that needs
                 # one ("invalid device context" on the warm-up's thread): a runtime call binds the device's own
                 torch.cuda.current_stream(device).query()
-                src = SOURCE % {"block": block, "iters": iters, "threads": THREADS}
+                src = source(block, iters)
                 try:
                     kernel, how = compile_kernel(src, "probe_all", device), "ctypes"
                 except Exception as exc:  # NVRTC's C API as this torch finds it refused: torch's own build
@@ -207,40 +212,105 @@ def compile_kernel(source: str, name: str, device: int) -> Any:
     ``_vendor`` folder to ``sys.path``. That ran on our warm-up thread, at the job's CUDA start: the job's own
     imports then saw setuptools' vendored packages, and raced ours (one job's ``from transformers import
     LlamaForCausalLM`` failed beside it, once). This source includes no header, so NVRTC compiles it for the
-    device's architecture alone; the module loads as torch's does (``_cuda_load_module``)."""
+    device's architecture alone (or the capture's open compiled it already: ``precompile``); the module loads as
+    torch's does (``_cuda_load_module``)."""
     from torch.cuda import _utils
 
-    nvrtc = getattr(_utils, "_get_gpu_rtc_library", _utils._get_nvrtc_library)()
     major, minor = torch.cuda.get_device_capability(device)
+    binary, mangled = compile_cubin(source, name, f"sm_{major}{minor}")
+    return _utils._cuda_load_module(binary, [mangled])[mangled]
 
-    def check(result: int) -> None:
-        if result != 0:
-            say = nvrtc.nvrtcGetErrorString  # const char *nvrtcGetErrorString(nvrtcResult)
-            say.restype = ctypes.c_char_p
-            raise RuntimeError(f"NVRTC: {(say(result) or b'error %d' % result).decode(errors='replace')}")
 
-    prog = ctypes.c_void_p()
-    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
-    try:
-        check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
-        options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-        if result != 0:
+_CUBINS: dict[tuple[str, str, str], tuple[bytes, str]] = {}  # (source, name, arch) -> the cubin and its entry's name
+_COMPILING = threading.Lock()  # one compile at a time: a build that meets the capture's precompile waits for it
+
+
+def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
+    """NVRTC's cubin of ``source`` for ``arch`` (``sm_90``) and the lowered name of ``name``, once per process. No
+    CUDA context is needed: only the load is a driver call."""
+    from torch.cuda import _utils
+
+    with _COMPILING:
+        hit = _CUBINS.get((source, name, arch))
+        if hit is not None:
+            return hit
+        nvrtc = getattr(_utils, "_get_gpu_rtc_library", _utils._get_nvrtc_library)()
+
+        def check(result: int) -> None:
+            if result != 0:
+                say = nvrtc.nvrtcGetErrorString  # const char *nvrtcGetErrorString(nvrtcResult)
+                say.restype = ctypes.c_char_p
+                raise RuntimeError(f"NVRTC: {(say(result) or b'error %d' % result).decode(errors='replace')}")
+
+        prog = ctypes.c_void_p()
+        check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+        try:
+            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
+            options = [f"--gpu-architecture={arch}".encode()]
+            result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+            if result != 0:
+                size = ctypes.c_size_t()
+                nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value)
+                nvrtc.nvrtcGetProgramLog(prog, log)
+                raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')}")
             size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
-        binary = ctypes.create_string_buffer(size.value)
-        check(nvrtc.nvrtcGetCUBIN(prog, binary))
-        lowered = ctypes.c_char_p()
-        check(nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)))
-        mangled = lowered.value.decode() if lowered.value else name
+            check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+            binary = ctypes.create_string_buffer(size.value)
+            check(nvrtc.nvrtcGetCUBIN(prog, binary))
+            lowered = ctypes.c_char_p()
+            check(nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)))
+            mangled = lowered.value.decode() if lowered.value else name
+        finally:
+            nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        _CUBINS[(source, name, arch)] = hit = (binary.raw, mangled)
+        return hit
+
+
+def precompile(source: str, archs: set[str] | None = None) -> threading.Thread | None:
+    """The kernel compiled on a daemon thread for ``archs`` (default: every GPU's, as NVML reads them: no CUDA
+    context, so a capture may start it as it opens). Why: the warm-up starts at the job's CUDA init and, on a fresh
+    machine, NVRTC took 0.58 s there, longer than a job's way from that init to its ``to_empty`` point, whose probe
+    then took the plain path: 529 ms (``fixtures/gpu/job_leave_on_1gpu.json`` at cc51d85). With the cubin made
+    before, CUDA's init leaves only the load. Where NVML or NVRTC cannot answer, nothing is made (the warm-up
+    compiles as before); what went wrong is kept in ``_K["precompile"]``."""
+    archs = _nvml_archs() if archs is None else archs
+    if not archs:
+        return None
+
+    def run() -> None:
+        for arch in sorted(archs):
+            try:
+                compile_cubin(source, "probe_all", arch)
+            except Exception as exc:  # a thread's boundary with NVRTC: the warm-up's own compile says it again
+                _K["precompile"] = f"{arch}: {type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=run, name="workbench-probe-precompile", daemon=True)
+    t.start()
+    return t
+
+
+def _nvml_archs(lib: Any = None) -> set[str]:
+    """Every GPU's architecture (``sm_90``) as NVML reads it: no CUDA context made. Empty where NVML is absent."""
+    try:
+        lib = lib or ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            return set()
+    except (OSError, AttributeError):
+        return set()
+    archs: set[str] = set()
+    try:
+        count = ctypes.c_uint()
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return archs
+        for i in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0
+                    and lib.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) == 0):
+                archs.add(f"sm_{major.value}{minor.value}")
+        return archs
     finally:
-        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return _utils._cuda_load_module(binary.raw, [mangled])[mangled]
+        lib.nvmlShutdown()
 
 
 def _torch_compile(source: str, name: str) -> Any:

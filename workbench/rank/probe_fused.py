@@ -365,6 +365,17 @@ def warm_async(device: torch.device | str | int | None = None,
     return t
 
 
+def precompile_async() -> threading.Thread | None:
+    """NVRTC's compile of the kernel for the GPUs' architecture (NVML's, no CUDA context), started as a job's capture
+    opens, before its CUDA init: the warm-up that init starts then only loads it (``_probe_nvrtc.precompile``).
+    Off with the warm-up (WORKBENCH_PROBE_WARM=0) or NVRTC's (WORKBENCH_PROBE_NVRTC=0); once per process."""
+    if (os.environ.get("WORKBENCH_PROBE_WARM", "1") == "0" or os.environ.get("WORKBENCH_PROBE_NVRTC", "1") == "0"
+            or "precompile" in _WARM):
+        return None
+    _WARM["precompile"] = t = _probe_nvrtc.precompile(_probe_nvrtc.source(WORDS_PER_ITER, ITERS))
+    return t
+
+
 def _nvrtc_possible(device: torch.device | str | int) -> bool:
     """Whether the warm-up tries NVRTC first: a CUDA device, and WORKBENCH_PROBE_NVRTC not 0 (Triton's build only)."""
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
