@@ -233,7 +233,7 @@ class Points:
         plain path as before (``plain_meanwhile``). A capture closed or stopped by then starts nothing. NVRTC's
         compile needs no CUDA context: it starts now, as the capture opens (``precompile_async``), and the init's
         warm-up only loads what it made (at cc51d85 the build from the init, 0.58 s fresh, still ran at the
-        ``to_empty`` point: 529 ms)."""
+        ``to_empty`` point: 529 ms; at 4d040dd the load took 0.11 s and that point 11.0 ms)."""
         import torch
 
         lazy_call = getattr(torch.cuda, "_lazy_call", None)

@@ -271,9 +271,10 @@ def precompile(source: str, archs: set[str] | None = None) -> threading.Thread |
     """The kernel compiled on a daemon thread for ``archs`` (default: every GPU's, as NVML reads them: no CUDA
     context, so a capture may start it as it opens). Why: the warm-up starts at the job's CUDA init and, on a fresh
     machine, NVRTC took 0.58 s there, longer than a job's way from that init to its ``to_empty`` point, whose probe
-    then took the plain path: 529 ms (``fixtures/gpu/job_leave_on_1gpu.json`` at cc51d85). With the cubin made
-    before, CUDA's init leaves only the load. Where NVML or NVRTC cannot answer, nothing is made (the warm-up
-    compiles as before); what went wrong is kept in ``_K["precompile"]``."""
+    then took the plain path: 529 ms (``fixtures/gpu/job_leave_on_race_1gpu.json``, cc51d85). With the cubin made
+    before, CUDA's init leaves only the load: 0.11 s, and that point 11.0 ms (``job_leave_on_1gpu.json``, 4d040dd).
+    Where NVML or NVRTC cannot answer, nothing is made (the warm-up compiles as before); what went wrong is kept in
+    ``_K["precompile"]``."""
     archs = _nvml_archs() if archs is None else archs
     if not archs:
         return None
