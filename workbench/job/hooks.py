@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from workbench.job import config, losses, materialise, owners, process
@@ -68,12 +68,18 @@ def is_rank(env: dict[str, str] | None = None, argv: list[str] | None = None, pi
     env = os.environ if env is None else env
     argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
     pid = os.getpid() if pid is None else pid
-    if not (("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)):
+    if not _ranked(env):
         return False
     capturing = config.from_env(env).pid
     if capturing is not None and capturing != pid:
         return False  # a worker a rank started: its parent captures
     return not _launcher(argv)
+
+
+def _ranked(env: Mapping[str, str]) -> bool:
+    """Whether a launcher gave this process its rank: torchrun's ``RANK``/``WORLD_SIZE``, srun's
+    ``SLURM_PROCID``/``SLURM_NTASKS``."""
+    return ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env)
 
 
 def _launcher(argv: list[str]) -> bool:
@@ -95,7 +101,7 @@ def rankless_job(env: dict[str, str] | None = None, argv: list[str] | None = Non
     Such a process captures nothing (a rank's shard is named by the rank a launcher gave it), and said nothing: the
     report read "no bundle". A shell's children are left alone (a script's helper ``python -c`` before torchrun)."""
     env = os.environ if env is None else env
-    if ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env):
+    if _ranked(env):
         return False
     got = config.from_env(env)
     if got.launcher_pid is None or got.pid is not None:  # not under workbench job, or a capturing rank's worker

@@ -228,43 +228,46 @@ _COMPILING = threading.Lock()  # one compile at a time: a build that meets the c
 def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     """NVRTC's cubin of ``source`` for ``arch`` (``sm_90``) and the lowered name of ``name``, once per process. No
     CUDA context is needed: only the load is a driver call."""
-    from torch.cuda import _utils
-
     with _COMPILING:
         hit = _CUBINS.get((source, name, arch))
-        if hit is not None:
-            return hit
-        nvrtc = getattr(_utils, "_get_gpu_rtc_library", _utils._get_nvrtc_library)()
-
-        def check(result: int) -> None:
-            if result != 0:
-                say = nvrtc.nvrtcGetErrorString  # const char *nvrtcGetErrorString(nvrtcResult)
-                say.restype = ctypes.c_char_p
-                raise RuntimeError(f"NVRTC: {(say(result) or b'error %d' % result).decode(errors='replace')}")
-
-        prog = ctypes.c_void_p()
-        check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
-        try:
-            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
-            options = [f"--gpu-architecture={arch}".encode()]
-            result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-            if result != 0:
-                size = ctypes.c_size_t()
-                nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value)
-                nvrtc.nvrtcGetProgramLog(prog, log)
-                raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')}")
-            size = ctypes.c_size_t()
-            check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
-            binary = ctypes.create_string_buffer(size.value)
-            check(nvrtc.nvrtcGetCUBIN(prog, binary))
-            lowered = ctypes.c_char_p()
-            check(nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)))
-            mangled = lowered.value.decode() if lowered.value else name
-        finally:
-            nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-        _CUBINS[(source, name, arch)] = hit = (binary.raw, mangled)
+        if hit is None:
+            hit = _CUBINS[(source, name, arch)] = _nvrtc_compile(source, name, arch)
         return hit
+
+
+def _nvrtc_compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
+    from torch.cuda import _utils
+
+    nvrtc = getattr(_utils, "_get_gpu_rtc_library", _utils._get_nvrtc_library)()
+
+    def check(result: int) -> None:
+        if result != 0:
+            say = nvrtc.nvrtcGetErrorString  # const char *nvrtcGetErrorString(nvrtcResult)
+            say.restype = ctypes.c_char_p
+            raise RuntimeError(f"NVRTC: {(say(result) or b'error %d' % result).decode(errors='replace')}")
+
+    prog = ctypes.c_void_p()
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        check(nvrtc.nvrtcAddNameExpression(prog, name.encode()))
+        options = [f"--gpu-architecture={arch}".encode()]
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if result != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        binary = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(prog, binary))
+        lowered = ctypes.c_char_p()
+        check(nvrtc.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)))
+        mangled = lowered.value.decode() if lowered.value else name
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return binary.raw, mangled
 
 
 def precompile(source: str, archs: set[str] | None = None) -> threading.Thread | None:
@@ -274,13 +277,13 @@ def precompile(source: str, archs: set[str] | None = None) -> threading.Thread |
     then took the plain path: 529 ms (``fixtures/gpu/job_leave_on_race_1gpu.json``, cc51d85). With the cubin made
     before, CUDA's init leaves only the load: 0.11 s, and that point 11.0 ms (``job_leave_on_1gpu.json``, 4d040dd).
     Where NVML or NVRTC cannot answer, nothing is made (the warm-up compiles as before); what went wrong is kept in
-    ``_K["precompile"]``."""
-    archs = _nvml_archs() if archs is None else archs
-    if not archs:
+    ``_K["precompile"]``. NVML's init, like the compile, runs on the thread, not on the job's."""
+    lib = _nvml() if archs is None else None
+    if archs is None and lib is None:
         return None
 
     def run() -> None:
-        for arch in sorted(archs):
+        for arch in sorted(_nvml_archs(lib) if archs is None else archs):
             try:
                 compile_cubin(source, "probe_all", arch)
             except Exception as exc:  # a thread's boundary with NVRTC: the warm-up's own compile says it again
@@ -291,13 +294,21 @@ def precompile(source: str, archs: set[str] | None = None) -> threading.Thread |
     return t
 
 
+def _nvml() -> Any:
+    """NVML's library, or None where the driver has none (a box without GPUs)."""
+    try:
+        return ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+
+
 def _nvml_archs(lib: Any = None) -> set[str]:
     """Every GPU's architecture (``sm_90``) as NVML reads it: no CUDA context made. Empty where NVML is absent."""
+    lib = lib or _nvml()
     try:
-        lib = lib or ctypes.CDLL("libnvidia-ml.so.1")
-        if lib.nvmlInit_v2() != 0:
+        if lib is None or lib.nvmlInit_v2() != 0:
             return set()
-    except (OSError, AttributeError):
+    except AttributeError:
         return set()
     archs: set[str] = set()
     try:
