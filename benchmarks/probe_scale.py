@@ -163,12 +163,12 @@ def ptx_figures(last) -> dict:
 
 
 def phases(model: torch.nn.Module, device: torch.device, repeats: int) -> tuple[dict, dict]:
-    """Where the packed probe's time goes (medians, ms): the liveness check and the launch; the walk, cache
-    key and the rows' fixed columns (while the kernel runs); waiting for each part's copy back; arrays to columns
-    and into the rows. A stamp a run takes twice (a plan of two parts: one copy back each) is numbered, so each
-    phase's median is of one phase. Also the timeline (each stamp's median offset from the call, ms) with the
-    GPU's own times of each kernel's start and end (CUDA events, from one recorded as the call starts): whether
-    the host waits for the kernel or the kernel for the host."""
+    """Where the packed probe's time goes (medians, ms): the tensor key (what makes the read safe), the launches,
+    the tree key (while the kernel runs); waiting for each part's copy back; arrays to columns and into the rows. A
+    stamp a run takes twice (a plan of two parts: one copy back each) is numbered, so each phase's median is of one
+    phase. Also the timeline (each stamp's median offset from the call, ms) with the GPU's own times of each
+    kernel's start and end (CUDA events, from one recorded as the call starts): whether the host waits for the
+    kernel or the kernel for the host."""
     probe.probe_module(model, rank=0)
     out: dict[str, list[float]] = {}
     at: dict[str, list[float]] = {}

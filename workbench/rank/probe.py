@@ -343,6 +343,9 @@ _PLACEMENTS: dict[tuple, tuple[Any, str, str]] = {}  # (mesh, placements) -> pla
 
 
 _STAT_COLUMNS = COLUMNS[COLUMNS.index("nan"):]
+# A packed row's statistics as placeholders, filled in place: a row copied with every key it will hold is filled
+# without growing (a copy of the 8 fixed keys grew its table once per row as the statistics went in)
+_UNFILLED = dict.fromkeys(_STAT_COLUMNS)
 
 
 def _probe_plain(plain: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
@@ -490,7 +493,7 @@ def _packed(module: nn.Module, rank: int, prefix: str,
     if fit is None:
         return None
     if stamp:
-        stamp(("checked and launched", time.perf_counter()))
+        stamp(("tree key", time.perf_counter()))
     return _rows(fit[0], rank, fit[1], held, stamp)
 
 
@@ -507,7 +510,11 @@ def fit_and_launch(module: nn.Module, prefix: str) -> tuple[_Entry, Any] | None:
     try:
         if cached is not None and cached.entry is not None and cached.key[0] == prefix:
             if cached.key[2] == _tensor_key(cached.whole, cached.plain):
+                if _PHASES is not None:
+                    _PHASES.append(("tensor key", time.perf_counter()))
                 slot = cached.entry.plan.launch()
+                if _PHASES is not None:
+                    _PHASES.append(("launched", time.perf_counter()))
                 if cached.key[1] == _tree_key(cached.mods):
                     return cached.entry, slot
         elif cached is not None and cached.key[0] == prefix and cached.key[1] == _tree_key(cached.mods):
@@ -526,7 +533,7 @@ def _rows(entry: _Entry, rank: int, slot: list, held: list | None = None, stamp:
     fixed = entry.fixed.get(rank)
     if fixed is None:  # the rows' fixed columns once per plan and rank; each point copies them (a C loop, 3x faster)
         fixed = entry.fixed[rank] = [{"rank": rank, "name": n, "kind": k, "dtype": d, "device": dv, "is_meta": False,
-                                      "shape": sh, "numel": ne} for n, k, d, dv, sh, ne in entry.static]
+                                      "shape": sh, "numel": ne, **_UNFILLED} for n, k, d, dv, sh, ne in entry.static]
     rows = list(map(dict.copy, fixed))
     for (plan, at), part_slot in zip(entry.plan.parts, slot):  # the first part's rows while the second's kernel runs
         fill(rows if len(at) == len(rows) else [rows[i] for i in at], plan.columns(stamp, part_slot))

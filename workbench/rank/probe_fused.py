@@ -20,9 +20,11 @@ those of the per-dtype fused path this replaced (``benchmarks/probe_reference.py
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -188,10 +190,10 @@ class Plan:
         self.fp16 = np.flatnonzero(np.asarray(kinds) == 1)
         self.short_heads = [(i, n) for i, n in enumerate(numels) if n < HEAD]
         per = _WORDS * 8  # hex characters a tensor's row of the text holds
-        self.raw_sl = [slice(i * per, i * per + 2 * raw_len(b)) for i, b in enumerate(nbytes)]
-        self.win_sl = [slice(i * per + 2 * RAW_SMALL, i * per + 2 * RAW_SMALL + 2 * WINDOW * n_windows(b))
-                       for i, b in enumerate(nbytes)]
-        self.fp_sl = [slice(16 * i, 16 * i + 16) for i in range(len(nbytes))]
+        self.raw_sl = _slicer([slice(i * per, i * per + 2 * raw_len(b)) for i, b in enumerate(nbytes)])
+        self.win_sl = _slicer([slice(i * per + 2 * RAW_SMALL, i * per + 2 * RAW_SMALL + 2 * WINDOW * n_windows(b))
+                               for i, b in enumerate(nbytes)])
+        self.fp_sl = _slicer([slice(16 * i, 16 * i + 16) for i in range(len(nbytes))])
 
     def launch(self) -> tuple[torch.Tensor, Any]:
         """Zero the accumulators, run the kernel over every tensor, queue the copy back. Returns the launch's
@@ -284,8 +286,7 @@ class Plan:
         return {
             "nan": nan.tolist(), "inf": inf.tolist(), "poisoned": a[:, 2].tolist(),
             "min": lohi[:, 0].tolist(), "max": lohi[:, 1].tolist(), "mean": mean.tolist(), "head": self._heads(w),
-            "fingerprint": list(map(fph.__getitem__, self.fp_sl)),
-            "raw": list(map(hexs.__getitem__, self.raw_sl)), "windows": list(map(hexs.__getitem__, self.win_sl)),
+            "fingerprint": self.fp_sl(fph), "raw": self.raw_sl(hexs), "windows": self.win_sl(hexs),
             "sumsq": sumsq.tolist(),
         }
 
@@ -303,6 +304,13 @@ class Plan:
         for i, n in self.short_heads:
             out[i] = out[i][:n]
         return out
+
+
+def _slicer(slices: list[slice]) -> Callable[[str], list[str]]:
+    """Every slice of a text as a list, cut in one C call (``itemgetter``): a third less time than a slice a call
+    for a part of 251 rows here."""
+    get = operator.itemgetter(*slices)
+    return (lambda text: [get(text)]) if len(slices) == 1 else (lambda text: list(get(text)))
 
 
 def warm(device: torch.device | str | int | None = None) -> dict[str, Any]:
