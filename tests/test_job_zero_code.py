@@ -335,8 +335,9 @@ def test_sigterm_reaches_the_launcher_itself(tmp_path):
 def test_a_job_no_launcher_gave_a_rank_says_it_captures_nothing(tmp_path):
     """``workbench job DIR -- python train.py`` and ``accelerate launch`` of one process (its ``--cpu`` without
     ``--multi_gpu``) run the job in a process no launcher gave a rank: it captured nothing and said nothing, and
-    ``workbench report DIR`` read "no bundle". Now that process says why, in one line, once torch is imported; the
-    exit status and stdout are the plain run's, and nothing is written."""
+    ``workbench report DIR`` read "no bundle". Now that process says why, in one line, at its exit (it might have
+    joined a process group, which starts a capture); the exit status and stdout are the plain run's, and nothing is
+    written."""
     script = tmp_path / "one.py"
     script.write_text("import torch\nprint('ok', torch.ones(2).sum().item())\n")
     one = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
@@ -346,7 +347,7 @@ def test_a_job_no_launcher_gave_a_rank_says_it_captures_nothing(tmp_path):
         run = _run([*JOB, str(out), "--", *launch, str(script)], tmp_path)
         assert run.returncode == 0 and run.stdout.splitlines()[-1] == "ok 2.0", (name, _says(run))
         said = [ln for ln in run.stderr.splitlines() if ln.startswith("workbench:")]
-        assert len(said) == 1 and "captures nothing: no launcher gave it a rank" in said[0], (name, said)
+        assert len(said) == 1 and "captured nothing: no launcher gave a process a rank" in said[0], (name, said)
         assert "torchrun --nproc-per-node 1" in said[0], (name, said)
         assert not out.exists(), name
     assert not hooks.rankless_job({}, ["python", "-c", "pass"], 10, 1)  # no launcher pid: not under workbench job
@@ -447,3 +448,43 @@ def test_a_warning_from_inside_a_hooked_call_names_the_users_line_as_without_the
         pytest.skip("this torch does not warn at DistributedDataParallel(broadcast_buffers=True)")
     assert all(ln.startswith(f"{script}:") for ln in warned(plain)), warned(plain)
     assert warned(wrapped) == warned(plain), warned(wrapped)
+
+
+@pytest.mark.slow
+def test_ranks_a_script_starts_itself_are_captured(tmp_path):
+    """Ranks no launcher started: the DDP tutorial's ``torch.multiprocessing.spawn`` and Lightning Fabric's own
+    launcher (``python train.py`` with ``devices=2``: it starts rank 1 itself and gives no one ``RANK``). Each rank's
+    rank reaches only its ``init_process_group`` call. Under ``workbench job`` such a job captured nothing, its
+    report read "no bundle", and Fabric's first process said "captures nothing" while its loss was NaN. Now each
+    rank's capture starts as it joins the group: the planted bug is named, and stdout is the plain run's."""
+    port = str(_free_port())
+    plain = _run([sys.executable, str(JOBS / "spawn_job.py"), port, "--bug"], tmp_path)
+    out = tmp_path / "spawn"
+    run = _run([*JOB, str(out), "--every", "1", "--", sys.executable, str(JOBS / "spawn_job.py"), port, "--bug"],
+               tmp_path)
+    assert run.returncode == plain.returncode == 0 and run.stdout == plain.stdout, _says(run)
+    assert "captured nothing" not in run.stderr, _says(run)
+    assert _points(out, 0) == _points(out, 1) == ["forward", "step1", "step2", "step3"], _says(run)
+    d = wb.load(out).bug.diagnose()
+    assert not d.clean and d.ranks == [1] and d.step == "step1", d.sentence
+    assert "DDP replica" in d.sentence, d.sentence
+
+    out = tmp_path / "fabric"
+    run = _run([*JOB, str(out), "--", sys.executable, str(JOBS / "stack_lightning.py"), "--empty-init"], tmp_path)
+    assert run.returncode == 0 and "captured nothing" not in run.stderr, _says(run)
+    assert (out / "rank0").is_dir() and (out / "rank1").is_dir(), _says(run)
+    d = wb.load(out).bug.diagnose()
+    assert d.mechanism == "never-written" and d.step == "to_empty", d.sentence
+    ev = d.evidence  # the modules without reset_parameters(), as under torchrun (test_stacks.py): no more, no fewer
+    want = {"model.model.rotary_emb.inv_freq", "model.model.rotary_emb.original_inv_freq", "model.model.norm.weight",
+            *(f"model.model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm",
+                                                                            "post_attention_layernorm"))}
+    assert set(ev[ev["step"] == "to_empty"]["what"]) == want, d.sentence
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -94,21 +94,29 @@ def _launcher(argv: list[str]) -> bool:
     return head in ("torchrun", "accelerate", "deepspeed")
 
 
-def rankless_job(env: dict[str, str] | None = None, argv: list[str] | None = None, pid: int | None = None,
-                 ppid: int | None = None, parent_argv: list[str] | None = None) -> bool:
-    """Whether this process is the job itself, run with no rank: the command ``workbench job`` ran (``python
-    train.py``), or the one process ``accelerate launch`` started for it (its ``--cpu`` without ``--multi_gpu``).
-    Such a process captures nothing (a rank's shard is named by the rank a launcher gave it), and said nothing: the
-    report read "no bundle". A shell's children are left alone (a script's helper ``python -c`` before torchrun)."""
+def unranked(env: Mapping[str, str] | None = None, argv: list[str] | None = None) -> bool:
+    """Whether this process runs under ``workbench job`` with no rank from a launcher, is no launcher itself, and has
+    no capturing process above it: a rank may still come to it through its own ``init_process_group(rank=...)``
+    (``torch.multiprocessing.spawn``'s ranks, Lightning's own launcher), or never (one process alone, a helper)."""
     env = os.environ if env is None else env
     if _ranked(env):
         return False
     got = config.from_env(env)
     if got.launcher_pid is None or got.pid is not None:  # not under workbench job, or a capturing rank's worker
         return False
-    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
-    if _launcher(argv):
+    return not _launcher(list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv))
+
+
+def rankless_job(env: dict[str, str] | None = None, argv: list[str] | None = None, pid: int | None = None,
+                 ppid: int | None = None, parent_argv: list[str] | None = None) -> bool:
+    """Whether this process is the job itself, run with no rank: the command ``workbench job`` ran (``python
+    train.py``), or the one process ``accelerate launch`` started for it (its ``--cpu`` without ``--multi_gpu``).
+    Such a process is what the job's ranks would come from: if no process of the job captured, it says so at its
+    exit. A shell's children are left alone (a script's helper ``python -c`` before torchrun)."""
+    env = os.environ if env is None else env
+    if not unranked(env, argv):
         return False
+    got = config.from_env(env)
     pid = os.getpid() if pid is None else pid
     if pid == got.launcher_pid:
         return True
@@ -124,8 +132,48 @@ def rankless_job(env: dict[str, str] | None = None, argv: list[str] | None = Non
     return any(os.path.basename(a) == "accelerate" or a == "accelerate.commands.launch" for a in parent_argv[:3])
 
 
-RANKLESS = ("workbench: this process captures nothing: no launcher gave it a rank (torchrun's RANK and WORLD_SIZE, "
-            "srun's SLURM_PROCID); to capture one process, run it as `torchrun --nproc-per-node 1 train.py`")
+RANKLESS = ("workbench: this job captured nothing: no launcher gave a process a rank (torchrun's RANK and "
+            "WORLD_SIZE, srun's SLURM_PROCID) and none joined a process group; to capture one process, run it as "
+            "`torchrun --nproc-per-node 1 train.py`")
+
+
+def start_on_join(job: bool) -> None:
+    """Start this process's capture once it joins a process group: its rank is known from then on (the group's).
+    ``job``: this is the job's own process (``rankless_job``): at its exit, if no process of the job captured (no
+    rank's folder in the capture directory), one line says so. The patch gives ``init_process_group`` back at the
+    join; the points before it (a model built before the join) are not taken."""
+    from torch import distributed as dist
+
+    if job:
+        import atexit
+
+        atexit.register(_nothing_captured, directory())
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    real = c10d.init_process_group
+
+    @functools.wraps(real)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        for mod in (dist, c10d):
+            if getattr(mod, "init_process_group", None) is init_process_group:
+                mod.init_process_group = real
+        os.environ[ENV_PID] = str(os.getpid())  # this process's own children are its workers from now on
+        start()
+        return out
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+
+
+def _nothing_captured(where: str | None) -> None:
+    if process.STATE.hooks is not None or where is None:
+        return
+    with contextlib.suppress(OSError):
+        if any(name.startswith("rank") for name in os.listdir(where)):
+            return  # the job's ranks captured (its children): nothing to say
+    _say(RANKLESS)
 
 
 def options(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -204,8 +252,9 @@ def arm() -> bool:
     if directory() is None:
         return False
     if not is_rank():
-        if rankless_job():
-            after_import("torch", lambda _torch: _say(RANKLESS))
+        if unranked():
+            job = rankless_job()
+            after_import("torch", lambda _torch: start_on_join(job))
         return False
     os.environ[ENV_PID] = str(os.getpid())
     after_import("torch", lambda _torch: start())
@@ -328,10 +377,13 @@ class Hooks:
 
     def _function(self, modules: list[Any], name: str, original: Callable,
                   after: Callable[[tuple, dict, Any], None]) -> None:
-        """Replace ``original`` under ``name`` in every module that binds it (the public name and its home)."""
+        """Replace ``original`` under ``name`` in every module that binds it: the public name, its home, and a module
+        that imported it by name before the capture started (a script's ``from torch.distributed.fsdp import
+        fully_shard``, read before a capture that starts at the process group's join). A module's own dict is read,
+        never its ``__getattr__`` (a lazy module's imports)."""
         wrapped = self._wrap(name, original, after)
         for module in modules:
-            if getattr(module, name, None) is original:
+            if getattr(module, "__dict__", {}).get(name) is original:
                 self._undo.append(patch.replace(module, name, wrapped, original))
 
     def _subclasses(self, base: type) -> None:
@@ -345,7 +397,7 @@ class Hooks:
     def _fsdp(self) -> None:
         import torch.distributed.fsdp as fsdp
 
-        homes = [m for n, m in list(sys.modules.items()) if m is not None and n.startswith("torch.distributed")]
+        homes = [m for m in list(sys.modules.values()) if m is not None]
         shard = getattr(fsdp, "fully_shard", None)
         if shard is not None and not getattr(shard, _MARK, None) and {"fully_shard", "forward"} & self.points:
             self._function(homes, "fully_shard", shard, self._after_fully_shard)
@@ -355,7 +407,7 @@ class Hooks:
     def _dcp(self, module: Any) -> None:
         original = module.set_model_state_dict
         if not getattr(original, _MARK, None):
-            homes = [m for n, m in list(sys.modules.items()) if m is not None and n.startswith("torch.distributed")]
+            homes = [m for m in list(sys.modules.values()) if m is not None]
             self._function(homes, "set_model_state_dict", original,
                            lambda a, k, r: self.point("set_model_state_dict", a[0] if a else k.get("model")))
 

@@ -35,7 +35,9 @@ def launcher_env(dist_ok: bool = True) -> dict[str, Any]:
 
             if dist.is_available() and dist.is_initialized():
                 rank, world = dist.get_rank(), dist.get_world_size()
-        out = {"launcher": None, "rank": rank, "world_size": world, "local_rank": 0, "local_world_size": world}
+        # the group's ranks on one host unless the environment says where (Lightning's launcher sets LOCAL_RANK)
+        out = {"launcher": None, "rank": rank, "world_size": world, "local_rank": int(env.get("LOCAL_RANK") or rank),
+               "local_world_size": int(env.get("LOCAL_WORLD_SIZE") or world)}
     out["master_addr"] = env.get("MASTER_ADDR") or None
     out["master_port"] = int(env.get("MASTER_PORT") or 0)
     return out
