@@ -469,6 +469,14 @@ def test_ranks_a_script_starts_itself_are_captured(tmp_path):
     assert not d.clean and d.ranks == [1] and d.step == "step1", d.sentence
     assert "DDP replica" in d.sentence, d.sentence
 
+    out = tmp_path / "side"  # a process of the job joins a group of one as its rank 0: rank 0's capture stays
+    run = _run([*JOB, str(out), "--", sys.executable, str(JOBS / "spawn_job.py"), str(_free_port()), "--side",
+                str(_free_port())], tmp_path)
+    assert run.returncode == 0 and "side group 2.0" in run.stdout, _says(run)
+    said = [ln for ln in run.stderr.splitlines() if ln.startswith("workbench:")]
+    assert len(said) == 1 and "joined a group as rank 0, whose capture process" in said[0], _says(run)
+    assert _points(out, 0) == _points(out, 1) == ["forward", "step1"] and not (out / "previous").exists(), _says(run)
+
     out = tmp_path / "fabric"
     run = _run([*JOB, str(out), "--", sys.executable, str(JOBS / "stack_lightning.py"), "--empty-init"], tmp_path)
     assert run.returncode == 0 and "captured nothing" not in run.stderr, _says(run)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
+import json
 import os
 import sys
 import threading
@@ -153,18 +154,52 @@ def start_on_join(job: bool) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     real = c10d.init_process_group
+    undo: list[Callable[[], None]] = []
 
     @functools.wraps(real)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
-        for mod in (dist, c10d):
-            if getattr(mod, "init_process_group", None) is init_process_group:
-                mod.init_process_group = real
+        while undo:
+            undo.pop()()
         os.environ[ENV_PID] = str(os.getpid())  # this process's own children are its workers from now on
-        start()
+        taken = _rank_taken(dist.get_rank())
+        if taken:
+            _say(taken)
+        else:
+            start()
         return out
 
-    dist.init_process_group = c10d.init_process_group = init_process_group
+    for module in [m for m in list(sys.modules.values()) if m is not None]:  # torch's own, and by-name imports
+        if getattr(module, "__dict__", {}).get("init_process_group") is real:
+            undo.append(patch.replace(module, "init_process_group", init_process_group, real))
+
+
+def _rank_taken(rank: int) -> str | None:
+    """One line where another live process of this job captures as ``rank`` already: a second group joined under
+    the job (an inference engine's own group of one, started by the job) must not take over a rank's folder."""
+    got = config.from_env()
+    from workbench.rank import shard_format
+
+    try:
+        with open(shard_format.rank_dir(got.directory or "", rank) / shard_format.MANIFEST) as f:
+            held = json.load(f)
+        pid = int(held["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if held.get("job") != got.job or pid == os.getpid() or held.get("status") == "finished" or not _alive(pid):
+        return None
+    return (f"workbench: this process joined a group as rank {rank}, whose capture process {pid} of this job holds; "
+            "it captures nothing")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def _nothing_captured(where: str | None) -> None:
