@@ -1,6 +1,6 @@
-"""The stacks users train with (DeepSpeed, Lightning Fabric, Accelerate, transformers' Trainer), each as a user's
-own small script under ``workbench job`` on 2 CPU ranks with gloo (docs/stacks.md), and what the capture must never do
-inside them.
+"""The stacks users train with (DeepSpeed, Lightning Fabric and its Trainer, Accelerate, transformers' Trainer),
+each as a user's own small script under ``workbench job`` on 2 CPU ranks with gloo (docs/stacks.md), and what the
+capture must never do inside them.
 
 A right job exits 0, reads clean and prints what it prints without the workbench; a planted bug of that stack's
 init path is named and the job exits as it does without the workbench. Each script runs once plain and once per
@@ -349,3 +349,24 @@ def test_deepspeeds_engine_is_a_replica_unless_some_parameter_is_a_ranks_own(tmp
     assert said["plain"] == [[0], "DeepSpeed ZeRO-2 replica", "DeepSpeed ZeRO-2 replica, but DeepSpeed broadcasts "
                              "parameters only: a buffer is never synced"], said
     assert said["expert"] is None and said["optimized"] is None, said
+
+
+@pytest.mark.slow
+def test_a_lightning_trainer_job_its_own_launcher_started(tmp_path):
+    """Lightning's ``Trainer(devices=2)`` run as ``python train.py``: Lightning starts rank 1 itself and gives no one
+    ``RANK`` (each rank's capture starts as it joins its group). Right: the plain run's stdout, clean, both ranks
+    captured. With the clip under ``is_global_zero``: the job prints what it prints alone, and rank 1 is named as
+    parting from rank 0's replica at the first step."""
+    script = str(JOBS / "stack_pl_trainer.py")
+    plain = _run([sys.executable, script], tmp_path)
+    right = _run([*JOB, str(tmp_path / "right"), "--", sys.executable, script], tmp_path)
+    assert plain.returncode == right.returncode == 0 and right.stdout == plain.stdout, _says(right)
+    assert (tmp_path / "right" / "rank1").is_dir(), _says(right)
+    d = wb.load(tmp_path / "right").bug.diagnose()
+    assert d.clean, d.sentence
+    bug_plain = _run([sys.executable, script, "--clip-on-zero"], tmp_path)
+    bug = _run([*JOB, str(tmp_path / "bug"), "--", sys.executable, script, "--clip-on-zero"], tmp_path)
+    assert bug.returncode == bug_plain.returncode == 0 and bug.stdout == bug_plain.stdout, _says(bug)
+    d = wb.load(tmp_path / "bug").bug.diagnose()
+    assert not d.clean and d.ranks == [1] and d.step == "step1", d.sentence
+    assert "DDP replica" in d.sentence, d.sentence
