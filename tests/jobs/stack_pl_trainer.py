@@ -1,12 +1,13 @@
 """A user's own Lightning Trainer script: a ``LightningModule`` around a tiny Llama, DDP on CPU (gloo), started by
 Lightning's own launcher.
 
-    python tests/jobs/stack_pl_trainer.py [--clip-on-zero]
+    python tests/jobs/stack_pl_trainer.py [--clip-on-zero] [--gpu]
 
 No line of the workbench in it, and no torchrun: ``Trainer(devices=2)`` starts rank 1 itself and hands each rank to
 ``init_process_group``. Right as it stands. ``--clip-on-zero`` plants a rank-0-only guard's bug: the gradient clip
 sits under ``is_global_zero`` with the log line it was written for, so rank 0 steps with clipped gradients and rank
-1 with whole ones, and the DDP replicas part at the first step.
+1 with whole ones, and the DDP replicas part at the first step. ``--gpu``: two GPUs, NCCL
+(``scripts/gpu_pl_selflaunch.sh``).
 """
 
 import sys
@@ -48,8 +49,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")  # Lightning's notes on CPU and workers; the losses are the output
     pl.seed_everything(0, verbose=False)
     data = DataLoader(TensorDataset(torch.randint(0, 128, (64, 16))), batch_size=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="gpu" if "--gpu" in sys.argv else "cpu", devices=2, strategy="ddp",
+                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
     trainer.fit(TinyLM("--clip-on-zero" in sys.argv), data)
 
 
