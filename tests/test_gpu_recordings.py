@@ -250,3 +250,23 @@ def test_recording_of_the_probe_at_scale_with_nvrtcs_kernel():
         assert rec["fused_kernel"].get("kernel") == "nvrtc" and rec["paths"]["fused"]["packed"] is True, name
         assert rec["fused_vs_plain_equal"] is True and rec["planted_seen"] == {"nan": 1, "inf": 1, "poison": 2045}
         assert rec["floor_ms"] > 0 and rec["paths"]["fused"]["probe_ms"] > 0, name
+
+
+def test_recording_of_the_lightning_trainer_its_own_launcher_started_on_2_gpus():
+    """scripts/gpu_pl_selflaunch.sh: a check of the recording. ``Trainer(devices=2)`` run as ``python train.py`` on two
+    H200s (NCCL, no torchrun): under ``workbench job`` each run exited as it did alone with the same stdout, both ranks
+    captured on their own GPU from their join, Flight Recorder's rows among the ledger's (DDP's reducer), a point every
+    step; right read clean, the clip under ``is_global_zero`` as rank 1 parting from rank 0's replica at ``step1``."""
+    rec = json.loads((GPU / "pl_selflaunch_2gpu.json").read_text())
+    for name in ("right", "bug"):
+        run = rec["runs"][name]
+        assert run["plain"]["rc"] == run["job"]["rc"] == 0 and run["same_stdout"] is True, name
+        ranks = run["capture"]["ranks"]
+        for r in ("0", "1"):
+            assert ranks[r]["backend"] == "nccl" and ranks[r]["device"].startswith(f"cuda:{r}"), (name, r)
+            assert ranks[r]["launcher"] is None and ranks[r]["status"] == "finished", (name, r)
+            assert ranks[r]["ledger_rows"].get("flight_recorder", 0) > 0, (name, r)
+            assert ranks[r]["points"][:2] == ["forward", "step1"] and len(ranks[r]["points"]) == 5, (name, r)
+    assert rec["runs"]["right"]["capture"]["diagnosis"]["clean"] is True
+    bug = rec["runs"]["bug"]["capture"]["diagnosis"]
+    assert bug["clean"] is False and bug["ranks"] == [1] and bug["step"] == "step1" and "DDP replica" in bug["sentence"]
