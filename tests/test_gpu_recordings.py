@@ -108,7 +108,7 @@ def test_recording_of_a_point_every_step_left_on_has_every_way():
         assert "fresh" in rec["first_point_ms"], (path.name, rec["first_point_ms"])
         assert all(rec["paired_ratio"].get(m) for m in ("defaults", "zero_code")), (path.name, rec["paired_ratio"])
     assert any(GPU.glob("job_leave_on_*gpu.json"))
-    rec = json.loads((GPU / "job_leave_on_1gpu.json").read_text())  # 4d040dd: the compile as the capture opens
+    rec = json.loads((GPU / "job_leave_on_1gpu.json").read_text())  # c0095b9: the last proof, this stop's code
     assert all(r["rc"] == 0 for r in rec["runs"]), [(r["mode_key"], r["round"], r["rc"]) for r in rec["runs"]]
     for way in ("defaults", "zero_code"):
         for how, fresh in (("eager", True), ("eager", False), ("compiled", False)):
