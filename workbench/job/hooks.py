@@ -156,9 +156,7 @@ def start_on_join(job: bool) -> None:
     real = c10d.init_process_group
     undo: list[Callable[[], None]] = []
 
-    @functools.wraps(real)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
+    def joined() -> None:
         while undo:
             undo.pop()()
         os.environ[ENV_PID] = str(os.getpid())  # this process's own children are its workers from now on
@@ -167,6 +165,11 @@ def start_on_join(job: bool) -> None:
             _say(taken)
         else:
             start()
+
+    @functools.wraps(real)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        _guarded(joined)  # the job's call returns as it would have, whatever this did
         return out
 
     for module in [m for m in list(sys.modules.values()) if m is not None]:  # torch's own, and by-name imports

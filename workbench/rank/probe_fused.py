@@ -307,8 +307,8 @@ class Plan:
 
 
 def _slicer(slices: list[slice]) -> Callable[[str], list[str]]:
-    """Every slice of a text as a list, cut in one C call (``itemgetter``): a third less time than a slice a call
-    for a part of 251 rows here."""
+    """Every slice of a text as a list, cut in one C call (``itemgetter``): a quarter less time than a slice a call
+    (a part's 251 raw-byte texts here, timed in place: 65 -> 48 us)."""
     get = operator.itemgetter(*slices)
     return (lambda text: [get(text)]) if len(slices) == 1 else (lambda text: list(get(text)))
 
