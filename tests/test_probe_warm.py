@@ -131,20 +131,37 @@ def test_a_capture_starts_the_kernels_build_when_the_job_initialises_cuda(tmp_pa
     built: list = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
-    monkeypatch.setattr(probe_fused, "warm_async", lambda **kw: built.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # inside the job's set_device(1): not set yet
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(probe_fused, "warm_async", lambda *a, **kw: built.append((a, kw)))
 
     cap = wj.capture(tmp_path / "open", ledger=False, poison=False)
     assert len(queued) == 1 and built == []  # queued, not started: CUDA is not initialised yet
     queued[-1]()  # the job initialises CUDA
-    assert built == [{"plain_meanwhile": True}]
+    assert built == [((torch.device("cuda", 1),), {"plain_meanwhile": True})]  # the rank's own GPU, not GPU 0
     cap.close()
     queued[-1]()
     assert len(built) == 1  # closed since: nothing started
 
-    def broken(**kw):
+    def broken(*a, **kw):
         raise RuntimeError("a build that cannot start")
 
     monkeypatch.setattr(probe_fused, "warm_async", broken)
     cap = wj.capture(tmp_path / "broken", ledger=False, poison=False)
     queued[-1]()  # must not raise into the job's _lazy_init
     cap.close()
+
+
+def test_the_warm_up_at_cudas_start_loads_on_the_ranks_own_gpu():
+    """CUDA starts inside a job's first ``set_device(local_rank)``, where the current device still reads 0: the
+    warm-up made a context on GPU 0 from rank 1 and loaded the kernel for ``cuda:0`` only (2 x H200,
+    ``scripts/gpu_warm_device.sh``). Inside CUDA's start it takes the launcher's local rank; where CUDA had started
+    before the capture, the device the job made current."""
+    from workbench.job.capture_points import warm_index
+
+    assert warm_index(False, 0, 1, 2) == 1  # rank 1's first CUDA call was set_device(1): not GPU 0
+    assert warm_index(False, 0, 3, 1) == 0  # each rank sees only its own GPU (CUDA_VISIBLE_DEVICES per rank)
+    assert warm_index(False, 0, 5, 4) == 1
+    assert warm_index(True, 2, 0, 4) == 2  # CUDA up before the capture: the job's own current device
+    assert warm_index(False, 0, 0, 0) == 0

@@ -48,6 +48,19 @@ def store_job() -> str | None:
         return None
 
 
+
+def warm_index(started: bool, current: int, local_rank: int, count: int) -> int:
+    """The GPU a rank's warm-up loads the probe's kernel on. A job's first CUDA call is most often
+    ``torch.cuda.set_device(local_rank)``, and CUDA starts inside it, before that device is current: the current
+    device read there is 0. The warm-up then made a context on GPU 0 from every rank and loaded the kernel for
+    ``cuda:0`` only (rank 1 of two held 518 MiB of GPU 0 under ``workbench job``, none plain;
+    ``scripts/gpu_warm_device.sh``). So inside CUDA's start: the launcher's local rank, modulo the GPUs seen (one, where
+    each rank sees only its own); where CUDA had started before the capture (``started``): the current device, the
+    job's own choice."""
+    if started or count <= 0:
+        return current
+    return local_rank % count
+
 class Points:
     """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the
     writer that finishes a GPU job's points (``flush``) and the manifest the points rewrite."""
@@ -244,6 +257,7 @@ class Points:
 
             probe_fused.precompile_async()
         this = weakref.ref(self)
+        started = torch.cuda.is_initialized()  # then ``start`` runs at once, on the device the job chose
 
         def start() -> None:
             # A boundary inside the job's own CUDA initialisation, where a raise would fail its ``_lazy_init``
@@ -251,9 +265,12 @@ class Points:
             with contextlib.suppress(Exception):
                 cap = this()
                 if cap is not None and not cap._closed and cap.stopped is None:
+                    from workbench.job.launcher import launcher_env
                     from workbench.rank import probe_fused
 
-                    probe_fused.warm_async(plain_meanwhile=True)
+                    index = warm_index(started, torch.cuda.current_device(), launcher_env()["local_rank"],
+                                       torch.cuda.device_count())
+                    probe_fused.warm_async(torch.device("cuda", index), plain_meanwhile=True)
 
         lazy_call(start)
 
