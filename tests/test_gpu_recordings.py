@@ -270,3 +270,20 @@ def test_recording_of_the_lightning_trainer_its_own_launcher_started_on_2_gpus()
     assert rec["runs"]["right"]["capture"]["diagnosis"]["clean"] is True
     bug = rec["runs"]["bug"]["capture"]["diagnosis"]
     assert bug["clean"] is False and bug["ranks"] == [1] and bug["step"] == "step1" and "DDP replica" in bug["sentence"]
+
+
+def test_recording_of_where_each_rank_loads_the_probes_kernel_on_2_gpus():
+    """scripts/gpu_warm_device.sh, before and after the fix (8680856): a check of the recording. A torchrun job whose
+    first CUDA call is ``set_device(local_rank)``: plain, each rank holds memory on its own GPU only. Under ``workbench
+    job`` before, rank 1 also held GPU 0 (the warm-up's context) and its kernel was loaded for ``cuda:0``; after, each
+    rank holds its own GPU only and its kernel is loaded there."""
+    rec = json.loads((GPU / "warm_device_2gpu.json").read_text())
+    for label in ("before_0d05621", "after_8680856"):
+        for r in ("0", "1"):
+            assert [g for g, _ in rec[label]["plain"][r]["gpus_held"]] == [int(r)], (label, r)
+    before = rec["before_0d05621"]["job"]["1"]
+    assert sorted(g for g, _ in before["gpus_held"]) == [0, 1] and before["warm"]["result"]["device"] == "cuda:0"
+    for r in ("0", "1"):
+        after = rec["after_8680856"]["job"][r]
+        assert [g for g, _ in after["gpus_held"]] == [int(r)], (r, after)
+        assert after["warm"]["result"]["device"] == f"cuda:{r}" and after["warm"]["result"]["warm"] is True, (r, after)
