@@ -48,7 +48,6 @@ def store_job() -> str | None:
         return None
 
 
-
 def warm_index(started: bool, current: int, local_rank: int, count: int) -> int:
     """The GPU a rank's warm-up loads the probe's kernel on. A job's first CUDA call is most often
     ``torch.cuda.set_device(local_rank)``, and CUDA starts inside it, before that device is current: the current
@@ -60,6 +59,7 @@ def warm_index(started: bool, current: int, local_rank: int, count: int) -> int:
     if started or count <= 0:
         return current
     return local_rank % count
+
 
 class Points:
     """``point`` and what goes with the next point (``output``, ``expect``, ``local``, ``note``, ``trace``), the

@@ -172,37 +172,35 @@ def start_on_join(job: bool) -> None:
         _guarded(joined)  # the job's call returns as it would have, whatever this did
         return out
 
-    for module in [m for m in list(sys.modules.values()) if m is not None]:  # torch's own, and by-name imports
-        if getattr(module, "__dict__", {}).get("init_process_group") is real:
-            undo.append(patch.replace(module, "init_process_group", init_process_group, real))
+    undo += rebind("init_process_group", real, init_process_group)  # torch's own, and by-name imports (device_mesh)
+
+
+def rebind(name: str, original: Callable, new: Callable) -> list[Callable[[], None]]:
+    """Put ``new`` under ``name`` in every module that binds ``original`` there: the public name, its home, and a
+    module that imported it by name before the capture started (a script's ``from torch.distributed.fsdp import
+    fully_shard``, read before a capture that starts at the process group's join). A module's own dict is read, never
+    its ``__getattr__`` (a lazy module's imports). Returns the undos."""
+    return [patch.replace(module, name, new, original) for module in list(sys.modules.values())
+            if module is not None and getattr(module, "__dict__", {}).get(name) is original]
 
 
 def _rank_taken(rank: int) -> str | None:
     """One line where another live process of this job captures as ``rank`` already: a second group joined under
-    the job (an inference engine's own group of one, started by the job) must not take over a rank's folder."""
-    got = config.from_env()
+    the job (an inference engine's own group of one, started by the job) must not take over a rank's folder. Live:
+    its shard still running and its process not gone (``shard_format.gone``: killed, crashed, a zombie)."""
     from workbench.rank import shard_format
 
+    got = config.from_env()
     try:
         with open(shard_format.rank_dir(got.directory or "", rank) / shard_format.MANIFEST) as f:
             held = json.load(f)
-        pid = int(held["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
-    if held.get("job") != got.job or pid == os.getpid() or held.get("status") == "finished" or not _alive(pid):
+    if (not isinstance(held, dict) or held.get("job") != got.job or not isinstance(held.get("pid"), int)
+            or held["pid"] == os.getpid() or held.get("status") != "running" or shard_format.gone(held)):
         return None
-    return (f"workbench: this process joined a group as rank {rank}, whose capture process {pid} of this job holds; "
-            "it captures nothing")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: alive
-        return True
-    return True
+    return (f"workbench: this process joined a group as rank {rank}, whose capture process {held.get('pid')} of this "
+            "job holds; it captures nothing")
 
 
 def _nothing_captured(where: str | None) -> None:
@@ -413,16 +411,9 @@ class Hooks:
         if not getattr(original, _MARK, None):
             self._undo.append(patch.replace(cls, name, self._wrap(name, original, after), original))
 
-    def _function(self, modules: list[Any], name: str, original: Callable,
-                  after: Callable[[tuple, dict, Any], None]) -> None:
-        """Replace ``original`` under ``name`` in every module that binds it: the public name, its home, and a module
-        that imported it by name before the capture started (a script's ``from torch.distributed.fsdp import
-        fully_shard``, read before a capture that starts at the process group's join). A module's own dict is read,
-        never its ``__getattr__`` (a lazy module's imports)."""
-        wrapped = self._wrap(name, original, after)
-        for module in modules:
-            if getattr(module, "__dict__", {}).get(name) is original:
-                self._undo.append(patch.replace(module, name, wrapped, original))
+    def _function(self, name: str, original: Callable, after: Callable[[tuple, dict, Any], None]) -> None:
+        """Replace ``original`` under ``name`` wherever a module binds it (``rebind``)."""
+        self._undo += rebind(name, original, self._wrap(name, original, after))
 
     def _subclasses(self, base: type) -> None:
         self._undo.append(_wrap_subclasses(self, base))
@@ -435,18 +426,16 @@ class Hooks:
     def _fsdp(self) -> None:
         import torch.distributed.fsdp as fsdp
 
-        homes = [m for m in list(sys.modules.values()) if m is not None]
         shard = getattr(fsdp, "fully_shard", None)
         if shard is not None and not getattr(shard, _MARK, None) and {"fully_shard", "forward"} & self.points:
-            self._function(homes, "fully_shard", shard, self._after_fully_shard)
+            self._function("fully_shard", shard, self._after_fully_shard)
         if {"FullyShardedDataParallel", "forward"} & self.points:
             self._method(fsdp.FullyShardedDataParallel, "__init__", self._after_fsdp1)
 
     def _dcp(self, module: Any) -> None:
         original = module.set_model_state_dict
         if not getattr(original, _MARK, None):
-            homes = [m for m in list(sys.modules.values()) if m is not None]
-            self._function(homes, "set_model_state_dict", original,
+            self._function("set_model_state_dict", original,
                            lambda a, k, r: self.point("set_model_state_dict", a[0] if a else k.get("model")))
 
     # after the calls ----------------------------------------------------------------------------------

@@ -46,16 +46,6 @@ def _remove(path: str) -> None:
 STALE = (re.compile(r"wb-stacks-(\d+)-\w{8}\.txt"), re.compile(r"wb-(?!ledger-).+-r\d+-p(\d+)-\w{8}"))
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: alive, and not ours to judge
-        return False
-    return False
-
-
 def sweep_stale(directory: str | None = None, pids: Any = None) -> int:
     """Remove the stacks files and session work dirs of engine processes that no longer exist (engines are
     killed, not asked to exit, so they cannot clean up themselves), and what their torch shared-memory
@@ -66,11 +56,11 @@ def sweep_stale(directory: str | None = None, pids: Any = None) -> int:
     directory = directory or tempfile.gettempdir()
     killed = {int(p) for p in pids or ()}  # gone, though one may be a zombie PID 1 has not reaped yet
     n = leftovers.sweep(directory, pids) + (leftovers.sweep_segments() if pids is not None else 0)
-    n += leftovers.sweep_manifests(directory, lambda pid: pid in killed or _gone(pid))
+    n += leftovers.sweep_manifests(directory, lambda pid: pid in killed or not leftovers.alive(pid))
     for path in glob.glob(os.path.join(directory, "wb-*")):
         name = os.path.basename(path)
         m = next((m for rx in STALE if (m := rx.fullmatch(name))), None)
-        if m is None or not (int(m.group(1)) in killed or _gone(int(m.group(1)))) or os.path.islink(path):
+        if m is None or not (int(m.group(1)) in killed or not leftovers.alive(int(m.group(1)))) or os.path.islink(path):
             continue
         n += leftovers.remove(path)
     return n
